@@ -1,0 +1,74 @@
+// nanobind bindings shared by the host and CUDA extension modules: the FFI target table and
+// the rank-context registry (register, unregister, read errors and debug counters).
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "ffi_targets.h"
+#include "registry.h"
+
+namespace nvc {
+namespace nb = nanobind;
+
+inline std::shared_ptr<RankContext> must_find(int64_t comm_id, int64_t slot) {
+  auto c = registry().find(comm_id, slot);
+  if (!c) throw std::runtime_error("jax_nvcomm: no rank context for communicator " +
+                                   std::to_string(comm_id) + " slot " + std::to_string(slot));
+  return c;
+}
+
+// Fill the layout fields of a CommView from (rank, world, buffers, max_message_bytes).
+inline CommView make_view(int rank, int world, const std::vector<uint64_t>& bufs,
+                          uint64_t timeout_ns, uint64_t max_message_bytes, ErrorInfo* err) {
+  if (world < 1 || world > kMaxWorld)
+    throw std::invalid_argument("jax_nvcomm: world size " + std::to_string(world) +
+                                " outside [1, " + std::to_string(kMaxWorld) + "]");
+  if (int(bufs.size()) != world)
+    throw std::invalid_argument("jax_nvcomm: expected one buffer per rank");
+  CommView v{};
+  v.rank = rank;
+  v.world = world;
+  v.timeout_ns = timeout_ns;
+  for (int r = 0; r < world; ++r) v.bufs[r] = reinterpret_cast<char*>(bufs[r]);
+  v.err = err;
+  v.max_message_bytes = max_message_bytes;
+  v.flag_half = flag_half_bytes(max_message_bytes, world);
+  v.lamport_off = lamport_offset(max_message_bytes, world);
+  v.lamport_slot = lamport_slot_bytes(max_message_bytes, world);
+  return v;
+}
+
+inline void add_common_bindings(nb::module_& m) {
+  m.def("targets", []() {
+    nb::dict d;
+    for (auto& t : ffi_targets()) d[t.name.c_str()] = nb::capsule(t.handler);
+    return d;
+  });
+  m.def("unregister", [](int64_t comm_id) { registry().remove(comm_id); });
+  m.def("error_text", [](int64_t comm_id, int64_t slot) {
+    auto c = must_find(comm_id, slot);
+    return c->err_host ? describe_error(*c->err_host) : std::string();
+  });
+  m.def("host_calls", [](int64_t comm_id, int64_t slot) {
+    return must_find(comm_id, slot)->host_calls.load();
+  });
+  m.def("set_params", [](int64_t comm_id, int64_t slot, std::vector<int64_t> p) {
+    must_find(comm_id, slot)->params = std::move(p);
+  });
+  m.def("buffer_bytes", [](uint64_t max_message_bytes, int world) {
+    return comm_buffer_bytes(max_message_bytes, world);
+  });
+  m.def("layout", [](uint64_t max_message_bytes, int world) {
+    nb::dict d;
+    d["ctrl_bytes"] = kCtrlBytes;
+    d["flag_half"] = flag_half_bytes(max_message_bytes, world);
+    d["lamport_offset"] = lamport_offset(max_message_bytes, world);
+    d["lamport_slot"] = lamport_slot_bytes(max_message_bytes, world);
+    d["total"] = comm_buffer_bytes(max_message_bytes, world);
+    d["max_world"] = kMaxWorld;
+    return d;
+  });
+}
+
+}  // namespace nvc

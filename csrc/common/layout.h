@@ -1,0 +1,144 @@
+// Symmetric buffer layout and the per-rank view every protocol works through.
+//
+// One header shared by the CUDA kernels, the host protocols and the transports, so that the
+// sizes every rank computes are the same function of (max_message_bytes, world).
+//
+// Communicator buffer, per rank (identical offsets on every rank; peers map each other's):
+//
+//   [0, kCtrlBytes)                      Ctrl: counters this rank owns + flags its peers write
+//   [flag_region_offset, +2*flag_half)   flag-protocol data, two halves selected by seq parity
+//   [lamport_offset, +3*W*L)             Lamport one-shot slots, 3 rotating buffers x W slots x L
+//                                        bytes, every 32-bit word is 0x80000000 when "empty"
+//
+// Invariants
+// - `Ctrl::seq` counts the completed flag-protocol calls of this rank; a call with sequence number
+//   s = seq + 1 uses data half (s & 1) and flag parity (s & 1), and the kernel itself advances seq
+//   (last block to finish), so CUDA-graph replays advance it without host code.
+// - Every flag-protocol call waits for every peer (all-to-all), so no rank is ever more than one
+//   call ahead of another: two halves suffice (a rank at call s+2 has seen every peer's flag of
+//   call s+1, which each peer raised only after finishing call s).
+// - A flag value packs the call's sequence number and a descriptor of the call (op kind, sizes):
+//   flag = (seq << 24) | (desc & 0xFFFFFF). A waiter that sees its own seq with another descriptor,
+//   or a later seq, reports a disagreement instead of reading the data.
+// - `Ctrl::lamport_seq` counts Lamport calls; call k (k = lamport_seq + 1) writes buffer k % 3 and
+//   clears buffer (k - 1) % 3 of its own slots region back to 0x80000000.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define NVC_HD __host__ __device__ __forceinline__
+#else
+#define NVC_HD inline
+#endif
+
+namespace nvc {
+
+constexpr int kMaxWorld = 16;      // group size the flag arrays are sized for
+constexpr int kMaxBlocks = 64;     // blocks per launch the flag arrays are sized for
+constexpr int kMaxPhases = 2;      // flag-protocol phases per call (two-shot: reduce-scatter, all-gather)
+constexpr uint32_t kLamportEmpty = 0x80000000u;
+
+// Error codes reported through ErrorInfo (device or host).
+enum ErrCode : uint32_t {
+  kErrNone = 0,
+  kErrTimeout = 1,       // a peer's flag/data did not arrive before the deadline
+  kErrMismatch = 2,      // a peer published another call (other op or sizes) at this sequence number
+  kErrAhead = 3,         // a peer published a later sequence number than ours
+  kErrBadExpert = 4,     // an expert id outside [-1, num_experts)
+  kErrCapacity = 5,      // a count exceeds a static capacity
+};
+
+// Written once (first error wins) by a failing kernel or host protocol. For CUDA it lives in
+// host-mapped pinned memory so the host can read it without synchronising with the device.
+struct ErrorInfo {
+  uint32_t code;      // ErrCode
+  uint32_t op;        // descriptor of the failing call (OpKind in the low byte)
+  int32_t rank;       // the rank that detected it
+  int32_t peer;       // the peer it waited for / the offending value
+  uint64_t seq;       // the call's sequence number
+  uint64_t observed;  // the flag value observed (mismatch) or other detail
+};
+
+enum OpKind : uint32_t {
+  kOpAllGather = 1,
+  kOpAllReduce = 2,
+  kOpAllReduceRms = 3,
+  kOpMoeDispatch = 4,
+  kOpMoeCombine = 5,
+};
+
+// 24-bit call descriptor: op kind in bits 0..3, a hash of the sizes in bits 4..23.
+NVC_HD uint32_t make_desc(uint32_t op, uint64_t a, uint64_t b = 0) {
+  uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull + (a << 6) + (a >> 2));
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  return (op & 0xFu) | (uint32_t(h & 0xFFFFFu) << 4);
+}
+NVC_HD uint64_t make_flag(uint64_t seq, uint32_t desc) { return (seq << 24) | (desc & 0xFFFFFFu); }
+NVC_HD uint64_t flag_seq(uint64_t flag) { return flag >> 24; }
+NVC_HD uint32_t flag_desc(uint64_t flag) { return uint32_t(flag & 0xFFFFFFu); }
+
+// The control block at offset 0 of every rank's buffer.
+struct Ctrl {
+  uint64_t seq;           // completed flag-protocol calls (owned by this rank)
+  uint64_t lamport_seq;   // completed Lamport calls (owned by this rank)
+  uint32_t done_blocks;   // last-block counter of the running kernel, 0 between calls
+  uint32_t pad0;
+  uint64_t pad1[5];
+  // flags[parity][phase][src][block]: written by rank `src` into this rank's buffer.
+  uint64_t flags[2][kMaxPhases][kMaxWorld][kMaxBlocks];
+};
+constexpr size_t kCtrlBytes = 64 * 1024;
+static_assert(sizeof(Ctrl) <= kCtrlBytes, "Ctrl too large");
+
+NVC_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Flag-protocol half: one parity's share of the data area. Two-shot needs a reduce-scatter
+// landing zone (W slots of ceil(M/W), 256-B aligned) and an all-gather landing zone (M).
+NVC_HD size_t flag_half_bytes(size_t max_message_bytes, int world) {
+  size_t slot = align_up((max_message_bytes + world - 1) / world, 256);
+  return align_up(slot * world, 256) + align_up(max_message_bytes, 256);
+}
+// Lamport slot size L: the largest one-shot message; bounded so the whole buffer stays
+// <= 8 x max_message_bytes (+ control block).
+NVC_HD size_t lamport_slot_bytes(size_t max_message_bytes, int world) {
+  size_t cap = (size_t(4) * max_message_bytes) / (size_t(3) * world);
+  size_t l = cap < max_message_bytes ? cap : max_message_bytes;
+  if (l > (size_t(1) << 20)) l = size_t(1) << 20;  // one-shot never pays above 1 MiB
+  return l / 256 * 256;
+}
+NVC_HD size_t flag_region_offset() { return kCtrlBytes; }
+NVC_HD size_t lamport_offset(size_t max_message_bytes, int world) {
+  return kCtrlBytes + 2 * flag_half_bytes(max_message_bytes, world);
+}
+NVC_HD size_t comm_buffer_bytes(size_t max_message_bytes, int world) {
+  return lamport_offset(max_message_bytes, world) +
+         size_t(3) * world * lamport_slot_bytes(max_message_bytes, world);
+}
+
+// What a kernel or host protocol gets for one rank: by value, ~200 bytes.
+struct CommView {
+  int rank;
+  int world;
+  uint64_t timeout_ns;                // bounded wait for peers
+  char* bufs[kMaxWorld];              // every rank's buffer base as mapped in this process
+  ErrorInfo* err;                     // where to report (host-mapped for CUDA)
+  size_t max_message_bytes;
+  size_t flag_half;                   // flag_half_bytes(max_message_bytes, world)
+  size_t lamport_off;                 // lamport_offset(...)
+  size_t lamport_slot;                // lamport_slot_bytes(...)
+  NVC_HD Ctrl* ctrl() const { return reinterpret_cast<Ctrl*>(bufs[rank]); }
+  NVC_HD Ctrl* peer_ctrl(int r) const { return reinterpret_cast<Ctrl*>(bufs[r]); }
+  // Start of data half `parity` in rank r's buffer.
+  NVC_HD char* half(int r, uint64_t parity) const {
+    return bufs[r] + flag_region_offset() + (parity & 1) * flag_half;
+  }
+  // Lamport buffer `which` (0..2), slot of source `src`, in rank r's buffer.
+  NVC_HD char* lamport(int r, int which, int src) const {
+    return bufs[r] + lamport_off + (size_t(which) * world + src) * lamport_slot;
+  }
+};
+
+}  // namespace nvc

@@ -1,0 +1,73 @@
+// Definitions every extension module carries its own copy of: the registry, the FFI target
+// list and error text. Compiled into each module separately (host, cuda).
+#include <cstdio>
+#include <string>
+
+#include "ffi_targets.h"
+#include "registry.h"
+
+namespace nvc {
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::vector<FfiTarget>& ffi_targets() {
+  static std::vector<FfiTarget> t;
+  return t;
+}
+
+static const char* op_name(uint32_t desc) {
+  switch (desc & 0xFu) {
+    case kOpAllGather: return "all_gather";
+    case kOpAllReduce: return "all_reduce";
+    case kOpAllReduceRms: return "all_reduce_rms_norm";
+    case kOpMoeDispatch: return "moe_dispatch";
+    case kOpMoeCombine: return "moe_combine";
+    default: return "unknown op";
+  }
+}
+
+std::string describe_error(const ErrorInfo& e) {
+  char buf[512];
+  switch (e.code) {
+    case kErrNone: return "";
+    case kErrTimeout:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d timed out waiting for rank %d "
+                    "(peer dead, or ranks calling different collectives)",
+                    op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
+      break;
+    case kErrMismatch:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d received a different call from rank %d "
+                    "(descriptor 0x%06x, expected 0x%06x): ranks disagree on the op or its sizes",
+                    op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
+                    (unsigned)flag_desc(e.observed), (unsigned)(e.op & 0xFFFFFFu));
+      break;
+    case kErrAhead:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d saw rank %d at call #%llu: ranks are out "
+                    "of step", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
+                    (unsigned long long)flag_seq(e.observed));
+      break;
+    case kErrBadExpert:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: topk_ids holds expert id %lld, outside "
+                    "[-1, num_experts)", op_name(e.op), (unsigned long long)e.seq, e.rank,
+                    (long long)(int64_t)e.observed);
+      break;
+    case kErrCapacity:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: size %llu exceeds the capacity of the "
+                    "communication buffer", op_name(e.op), (unsigned long long)e.seq, e.rank,
+                    (unsigned long long)e.observed);
+      break;
+    default:
+      std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);
+  }
+  return buf;
+}
+
+}  // namespace nvc

@@ -1,0 +1,41 @@
+// Shared decoding helpers for the thin FFI handlers (host and CUDA).
+#pragma once
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#include "../common/registry.h"
+
+namespace nvc {
+namespace ffi = ::xla::ffi;
+
+inline ffi::Error precondition(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
+}
+
+// dtype code used by the protocols (0 f32, 1 bf16, 2 f16, 3 f8e4m3), -1 if unsupported.
+inline int dtype_code(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 0;
+    case ffi::DataType::BF16: return 1;
+    case ffi::DataType::F16: return 2;
+    case ffi::DataType::F8E4M3FN: return 3;
+    default: return -1;
+  }
+}
+
+// Look up the rank context or explain why it is missing.
+inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankContext>* out) {
+  *out = registry().find(comm_id, slot);
+  if (*out == nullptr)
+    return precondition("jax_nvcomm: communicator " + std::to_string(comm_id) +
+                        " has no rank at slot " + std::to_string(slot) +
+                        " in this process (closed, or used with another mesh)");
+  ErrorInfo* e = (*out)->err_host;
+  if (e != nullptr && e->code != kErrNone)
+    return precondition(describe_error(*e) + " (communicator is unusable after this error)");
+  (*out)->host_calls.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+}  // namespace nvc

@@ -1,0 +1,80 @@
+// XLA:CPU FFI handlers for the host backend: decode, look up the rank context (the traced
+// program passes its slot = group * world + rank as an int32 operand), run the host protocol.
+#include "../common/ffi_targets.h"
+#include "../host/collectives_host.h"
+#include "ffi_common.h"
+
+namespace nvc {
+namespace {
+
+ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  if (out->size_bytes() != x.size_bytes() * size_t(ctx->view.world))
+    return precondition("jax_nvcomm: all_gather output size does not match world * input");
+  std::string err = host::all_gather(ctx->view, x.untyped_data(), out->untyped_data(),
+                                     x.size_bytes());
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  int64_t hidden = dims.size() == 0 ? 1 : dims.back();
+  int64_t tokens = hidden == 0 ? 0 : int64_t(x.element_count()) / hidden;
+  host::AllReduceArgs a{x.untyped_data(), out->untyped_data(), nullptr, nullptr, nullptr,
+                        tokens, hidden, dtype_code(x.element_type()), 0.0f};
+  std::string err = host::all_reduce(ctx->view, a);
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
+                                ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                ffi::Result<ffi::AnyBuffer> normed,
+                                ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
+                                float eps) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  int64_t hidden = dims.back();
+  int64_t tokens = int64_t(x.element_count()) / hidden;
+  host::AllReduceArgs a{x.untyped_data(), normed->untyped_data(), residual.untyped_data(),
+                        residual_out->untyped_data(), weight.untyped_data(),
+                        tokens, hidden, dtype_code(x.element_type()), eps};
+  std::string err = host::all_reduce(ctx->view, a);
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAllGatherHost, AllGatherHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id"));
+XLA_FFI_DEFINE_HANDLER(kAllReduceHost, AllReduceHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id"));
+XLA_FFI_DEFINE_HANDLER(kAllReduceRmsHost, AllReduceRmsHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id")
+                           .Attr<float>("eps"));
+
+NVC_REGISTER_FFI("nvc_all_gather", kAllGatherHost);
+NVC_REGISTER_FFI("nvc_all_reduce", kAllReduceHost);
+NVC_REGISTER_FFI("nvc_all_reduce_rms", kAllReduceRmsHost);
+
+}  // namespace nvc

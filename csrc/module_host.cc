@@ -1,0 +1,38 @@
+// Extension module `jax_nvcomm._host`: the host (CPU devices) backend. Shared-memory transport,
+// rank-context registration, and the XLA:CPU FFI handlers (registered from Python).
+#include <nanobind/nanobind.h>
+
+#include "common/bindings.h"
+#include "transport/host_shm.h"
+
+namespace nb = nanobind;
+using namespace nvc;
+
+NB_MODULE(_host, m) {
+  add_common_bindings(m);
+  m.def("shm_create", [](const std::string& name, uint64_t bytes) {
+    return reinterpret_cast<uint64_t>(host::shm_create(name, bytes));
+  });
+  m.def("shm_map", [](const std::string& name, uint64_t bytes) {
+    return reinterpret_cast<uint64_t>(host::shm_map(name, bytes));
+  });
+  m.def("shm_unlink", [](const std::string& name) { host::shm_unlink(name); });
+  m.def("shm_unmap", [](uint64_t addr, uint64_t bytes) {
+    host::shm_unmap(reinterpret_cast<void*>(addr), bytes);
+  });
+  m.def("register_rank", [](int64_t comm_id, int64_t slot, int rank, int world,
+                            std::vector<uint64_t> bufs, uint64_t timeout_ns,
+                            uint64_t max_message_bytes) {
+    auto c = std::make_shared<RankContext>();
+    c->comm_id = comm_id;
+    c->slot = slot;
+    c->owned_err = std::make_unique<ErrorInfo>();
+    *c->owned_err = ErrorInfo{};
+    c->err_host = c->owned_err.get();
+    c->view = make_view(rank, world, bufs, timeout_ns, max_message_bytes, c->err_host);
+    registry().add(std::move(c));
+  });
+  m.def("read_seq", [](uint64_t buf_addr) {
+    return reinterpret_cast<const Ctrl*>(buf_addr)->seq;
+  });
+}

@@ -1,0 +1,61 @@
+"""Helpers for ops traced inside `jax.shard_map`: checking that the communicator belongs to the
+surrounding mesh, the host backend's slot operand, and result types that carry the right
+varying-manual-axes (vma) so `check_vma=True` types results like the lax collectives."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def check_context(comm, what: str) -> None:
+    """Raise unless we are inside shard_map over the communicator's mesh axis."""
+    comm.check_usable(what)
+    am = jax.sharding.get_abstract_mesh()
+    axis = comm.axis_name
+    if am is None or am.empty or axis not in am.axis_names:
+        raise ValueError(f"jax_nvcomm: {what} must be called inside jax.shard_map over a mesh "
+                         f"with axis {axis!r}")
+    if axis not in am.manual_axes:
+        raise ValueError(f"jax_nvcomm: {what}: axis {axis!r} is not manual here; call it inside "
+                         f"shard_map over {axis!r}")
+    want = dict(comm.mesh.shape)
+    have = dict(am.shape)
+    if want != have:
+        raise ValueError(f"jax_nvcomm: {what}: the communicator was made for mesh {want} but is "
+                         f"used inside shard_map over mesh {have}")
+
+
+def host_slot(comm):
+    """int32 scalar: group * world + rank of this device (host backend registry slot)."""
+    mesh = comm.mesh
+    g = jnp.int32(0)
+    for name in mesh.axis_names:
+        if name == comm.axis_name:
+            continue
+        g = g * jnp.int32(mesh.shape[name]) + lax.axis_index(name).astype(jnp.int32)
+    r = lax.axis_index(comm.axis_name).astype(jnp.int32)
+    return g * jnp.int32(comm.world_size) + r
+
+
+def vma_of(x) -> frozenset:
+    return getattr(jax.typeof(x), "vma", frozenset())
+
+
+def varying(x, axis):
+    """x, marked varying over `axis` when check_vma tracks it (no-op otherwise)."""
+    if axis in vma_of(x):
+        return x
+    try:
+        return lax.pcast(x, axis, to="varying")
+    except (ValueError, TypeError, NameError):
+        return x
+
+
+def result_type(like, shape, dtype, vma):
+    """A result type for ffi_call: shape/dtype with the given vma."""
+    aval = jax.typeof(like)
+    try:
+        return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
+    except TypeError:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)

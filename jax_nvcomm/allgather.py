@@ -1,0 +1,58 @@
+"""`all_gather`: gather along a mesh axis through the communicator's symmetric buffers
+(= `lax.all_gather(x, axis_name, axis=axis, tiled=tiled)`). Messages whose gathered size
+exceeds `max_message_bytes` use `lax.all_gather`."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _shard
+
+
+def _gather0(x, comm):
+    """Kernel call: concatenate every rank's x along a new leading block: [W * x.shape[0], ...]."""
+    axis = comm.axis_name
+    x = _shard.varying(x, axis)
+    out_shape = (comm.world_size * x.shape[0],) + tuple(x.shape[1:])
+    rt = _shard.result_type(x, out_shape, x.dtype, _shard.vma_of(x))
+    cid = np.int64(comm.comm_id)
+    if comm.backend == "host":
+        slot = _shard.varying(_shard.host_slot(comm), axis)
+        return jax.ffi.ffi_call("nvc_all_gather", rt, has_side_effect=True)(slot, x, comm_id=cid)
+    return jax.ffi.ffi_call("nvc_cuda_all_gather", rt, has_side_effect=True)(x, comm_id=cid)
+
+
+def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
+    """Gather `x` from every rank of `comm`'s axis; see API.md."""
+    what = "all_gather"
+    _shard.check_context(comm, what)
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        if tiled:
+            raise ValueError("jax_nvcomm: all_gather: x must have rank >= 1 when tiled=True, "
+                             "got a scalar")
+    nd = x.ndim
+    if not isinstance(axis, (int, np.integer)) or not (-nd - (0 if tiled else 1) <= axis <
+                                                        nd + (0 if tiled else 1)):
+        raise ValueError(f"jax_nvcomm: all_gather: axis must be an int in "
+                         f"[{-nd}, {nd}) for x of shape {x.shape}, got {axis!r}")
+    axis = int(axis) % (nd + (0 if tiled else 1))
+    nbytes = x.size * x.dtype.itemsize
+    if comm.world_size == 1 or nbytes == 0 or nbytes * comm.world_size > comm.max_message_bytes:
+        return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
+
+    @jax.custom_jvp
+    def gather(v):
+        if tiled:
+            moved = jnp.moveaxis(v, axis, 0)
+            return jnp.moveaxis(_gather0(moved, comm), 0, axis)
+        return jnp.moveaxis(_gather0(v[None], comm), 0, axis)
+
+    @gather.defjvp
+    def gather_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        return gather(v), lax.all_gather(t, comm.axis_name, axis=axis, tiled=tiled)
+
+    return gather(x)

@@ -1,0 +1,221 @@
+"""`Communicator`: the symmetric communication buffers of one mesh axis, set up collectively
+outside jit and held until close(). See API.md for the contract."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import numpy as np
+from jax._src import core as _core
+
+from . import _exchange, _ffi
+from ._symmetric import SymmetricBuffers
+
+_ids = itertools.count(1)
+DEFAULT_TIMEOUT_S = float(os.environ.get("JAX_NVCOMM_TIMEOUT_S", "30"))
+DEFAULT_SETUP_TIMEOUT_S = float(os.environ.get("JAX_NVCOMM_SETUP_TIMEOUT_S", "120"))
+
+
+def _check_not_traced(what):
+    if not _core.trace_state_clean():
+        raise RuntimeError(f"jax_nvcomm: {what} must be created outside jax.jit / shard_map "
+                           "(it allocates and exchanges buffers collectively)")
+
+
+def _check_mesh_axis(mesh, axis_name, what):
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"jax_nvcomm: {what}: mesh must be a jax.sharding.Mesh, got "
+                        f"{type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"jax_nvcomm: {what}: axis_name {axis_name!r} is not an axis of the mesh "
+                         f"(axes: {tuple(mesh.axis_names)})")
+
+
+def resolve_backend(mesh, backend, what):
+    if backend not in ("auto", "cuda", "host"):
+        raise ValueError(f"jax_nvcomm: {what}: backend must be 'auto', 'cuda' or 'host', got "
+                         f"{backend!r}")
+    platforms = {d.platform for d in np.asarray(mesh.devices).flat}
+    if len(platforms) != 1:
+        raise ValueError(f"jax_nvcomm: {what}: mesh mixes platforms {sorted(platforms)}")
+    platform = platforms.pop()
+    natural = "host" if platform == "cpu" else "cuda" if platform in ("gpu", "cuda") else None
+    if natural is None:
+        raise ValueError(f"jax_nvcomm: {what}: unsupported device platform {platform!r}")
+    if backend == "auto":
+        backend = natural
+    if backend != natural:
+        raise ValueError(f"jax_nvcomm: {what}: backend={backend!r} does not match the mesh's "
+                         f"{platform} devices (expected {natural!r})")
+    if backend == "cuda":
+        _ffi.require_cuda()
+    return backend
+
+
+class _Base:
+    """Shared lifecycle of the communicators: id, collective setup, close(), context manager."""
+
+    _kind = "base"
+
+    def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
+               lamport_range=(0, 0), zero_bytes=None):
+        what = type(self).__name__
+        _check_not_traced(what)
+        _check_mesh_axis(mesh, axis_name, what)
+        self._mesh = mesh
+        self._axis_name = axis_name
+        self._backend = resolve_backend(mesh, backend, what)
+        self._world = int(mesh.shape[axis_name])
+        self._timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        if not self._timeout_s > 0:
+            raise ValueError(f"jax_nvcomm: {what}: timeout_s must be > 0, got {timeout_s!r}")
+        from ._symmetric import groups_of
+        if self._world > int(_ffi._host.layout(1 << 20, 1)["max_world"]):
+            raise ValueError(f"jax_nvcomm: {what}: axis {axis_name!r} has {self._world} devices; "
+                             f"at most {_ffi._host.layout(1 << 20, 1)['max_world']} supported")
+        self._id = next(_ids)
+        self._closed = True
+        prefix = f"jax_nvcomm/{self._id}"
+        full = dict(config, kind=self._kind, axis_name=str(axis_name),
+                    mesh_shape=[int(mesh.shape[a]) for a in mesh.axis_names],
+                    mesh_axes=[str(a) for a in mesh.axis_names], backend=self._backend,
+                    devices=[int(d.id) for d in np.asarray(mesh.devices).flat])
+        _exchange.agree(prefix, full, DEFAULT_SETUP_TIMEOUT_S)
+        self._groups = groups_of(mesh, axis_name)
+        self._sym = SymmetricBuffers(self._id, mesh, axis_name, self._backend, nbytes,
+                                     max_message_bytes, self._timeout_s,
+                                     DEFAULT_SETUP_TIMEOUT_S, lamport_range, zero_bytes)
+        self._closed = False
+
+    # ---- properties (API.md) ----
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def axis_name(self):
+        return self._axis_name
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def comm_id(self) -> int:
+        return self._id
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    def check_usable(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"jax_nvcomm: {what}: the {type(self).__name__} was closed")
+
+    def errors(self) -> list[str]:
+        """Error reports recorded by this process's ranks (empty if none)."""
+        if self._closed:
+            return []
+        out = []
+        for slot in self._sym.slots:
+            t = self._sym.mod.error_text(self._id, slot)
+            if t:
+                out.append(t)
+        return out
+
+    def host_calls(self) -> dict[int, int]:
+        """How many times the FFI handler ran per local slot (debug: CUDA-graph replays do not
+        run the handler, so a count below the number of calls proves a replay)."""
+        return {s: int(self._sym.mod.host_calls(self._id, s)) for s in self._sym.slots}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._backend == "cuda":
+            for dev, _ in self._sym._owned:
+                try:
+                    self._sym.mod.synchronize(dev)
+                except RuntimeError:
+                    pass
+        try:
+            _exchange.barrier(f"jax_nvcomm/{self._id}/close", DEFAULT_SETUP_TIMEOUT_S,
+                              f"{type(self).__name__}.close()")
+        finally:
+            self._sym.close(sync=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        # Best effort for single-process jobs; multi-process jobs must close() collectively.
+        try:
+            if not self._closed and jax.process_count() == 1:
+                self.close()
+        except Exception:
+            pass
+
+
+class Communicator(_Base):
+    """Symmetric buffers for all_reduce / all_reduce_rms_norm / all_gather over `axis_name`.
+
+    Per-rank memory (`nbytes`): 64 KiB control block + 2 halves of
+    (W * align256(ceil(M / W)) + align256(M)) + 3 * W * L Lamport slots, with M =
+    max_message_bytes and L = min(M, 4M / (3W), 1 MiB) rounded down to 256 B; at most
+    8 * M + 64 KiB.
+    """
+
+    _kind = "communicator"
+
+    def __init__(self, mesh, axis_name, *, max_message_bytes: int = 32 << 20,
+                 backend: str = "auto", timeout_s: float | None = None):
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes,
+                                                                   (int, np.integer)):
+            raise TypeError("jax_nvcomm: Communicator: max_message_bytes must be an int, got "
+                            f"{type(max_message_bytes).__name__}")
+        if max_message_bytes < 4096:
+            raise ValueError("jax_nvcomm: Communicator: max_message_bytes must be >= 4096, got "
+                             f"{max_message_bytes}")
+        self._closed = True
+        self._max_message_bytes = int(max_message_bytes)
+        world = int(mesh.shape[axis_name]) if isinstance(mesh, jax.sharding.Mesh) and \
+            axis_name in mesh.axis_names else 1
+        lay = _ffi._host.layout(self._max_message_bytes, max(world, 1))
+        self._layout = dict(lay)
+        self._setup(mesh, axis_name, backend, lay["total"], self._max_message_bytes, timeout_s,
+                    dict(max_message_bytes=self._max_message_bytes),
+                    lamport_range=(lay["lamport_offset"], lay["total"] - lay["lamport_offset"]),
+                    zero_bytes=lay["ctrl_bytes"])
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._max_message_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of communication buffer held per rank (per device)."""
+        return int(self._layout["total"])
+
+    @property
+    def lamport_slot_bytes(self) -> int:
+        """Largest message the one-shot (Lamport) path can carry."""
+        return int(self._layout["lamport_slot"])
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return (f"Communicator(axis={self._axis_name!r}, world_size={self._world}, "
+                f"backend={self._backend!r}, max_message_bytes={self._max_message_bytes}, "
+                f"{state})")

@@ -3,9 +3,11 @@ as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. See API.md / R
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
 from .allgather import all_gather
+from .allreduce import all_reduce, all_reduce_rms_norm
 from .communicator import Communicator
+from .strategy import select_strategy
 
 __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
-__all__ = ["Communicator", "all_gather", "distributed_initialize", "CUDA_BUILT"]
+__all__ = ["Communicator", "all_gather", "all_reduce", "all_reduce_rms_norm", "select_strategy", "distributed_initialize", "CUDA_BUILT"]

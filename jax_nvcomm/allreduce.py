@@ -1,0 +1,173 @@
+"""`all_reduce` and `all_reduce_rms_norm` (API.md): sum over the communicator's axis through
+the symmetric buffers, optionally fused with the residual add and RMSNorm that follow it.
+
+Gradients: `jax.custom_jvp` whose tangent rule uses `lax.psum` (linear, and JAX transposes it
+correctly under both check_vma settings) while the primal runs our kernel.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _shard
+from .strategy import select_strategy
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_STRATEGY_CODE = {"oneshot": 0, "twoshot": 1}
+
+
+def _check_dtype(x, name, what):
+    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+        raise TypeError(f"jax_nvcomm: {what}: {name} must be bfloat16, float16 or float32, got "
+                        f"{x.dtype}")
+
+
+def _resolve(comm, strategy, shape, dtype, what):
+    if strategy not in ("auto", "oneshot", "twoshot", "xla"):
+        raise ValueError(f"jax_nvcomm: {what}: strategy must be 'auto', 'oneshot', 'twoshot' or "
+                         f"'xla', got {strategy!r}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    if strategy == "auto":
+        return select_strategy(comm, shape, dtype)
+    if strategy != "xla" and nbytes > comm.max_message_bytes:
+        return "xla"  # API.md: messages larger than max_message_bytes use "xla"
+    if strategy == "oneshot" and nbytes > comm.lamport_slot_bytes:
+        raise ValueError(f"jax_nvcomm: {what}: strategy='oneshot' takes messages up to "
+                         f"{comm.lamport_slot_bytes} bytes on this communicator, got {nbytes}")
+    if nbytes == 0:
+        return "xla"
+    return strategy
+
+
+def _kernel_all_reduce(x2, comm, strategy):
+    """x2: [tokens, hidden] with hidden * itemsize % 16 == 0. Returns the sum, invariant over
+    the axis."""
+    axis = comm.axis_name
+    x2 = _shard.varying(x2, axis)
+    vma = _shard.vma_of(x2) - {axis}
+    rt = _shard.result_type(x2, x2.shape, x2.dtype, vma)
+    cid = np.int64(comm.comm_id)
+    if comm.backend == "host":
+        slot = _shard.varying(_shard.host_slot(comm), axis)
+        return jax.ffi.ffi_call("nvc_all_reduce", rt, has_side_effect=True)(slot, x2, comm_id=cid)
+    return jax.ffi.ffi_call("nvc_cuda_all_reduce", rt, has_side_effect=True)(
+        x2, comm_id=cid, strategy=np.int64(_STRATEGY_CODE[strategy]))
+
+
+def _as_rows(x):
+    """View x as [rows, cols] with cols * itemsize a multiple of 16 bytes (padding the flat
+    array when needed). Returns (x2, undo)."""
+    item = x.dtype.itemsize
+    vec = 16 // item
+    if x.ndim >= 1 and x.shape[-1] % vec == 0 and x.shape[-1] > 0:
+        return x.reshape(-1, x.shape[-1]), lambda y: y.reshape(x.shape)
+    n = x.size
+    cols = vec * max(1, min(512, -(-n // vec)))
+    rows = -(-n // cols)
+    flat = jnp.pad(x.reshape(-1), (0, rows * cols - n))
+    return flat.reshape(rows, cols), lambda y: y.reshape(-1)[:n].reshape(x.shape)
+
+
+def all_reduce(x, comm, *, strategy: str = "auto"):
+    """Sum of x over the communicator's axis (= lax.psum), bitwise identical on every rank."""
+    what = "all_reduce"
+    _shard.check_context(comm, what)
+    x = jnp.asarray(x)
+    _check_dtype(x, "x", what)
+    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    axis = comm.axis_name
+    if strat == "xla" or comm.world_size == 1 and x.size == 0:
+        return lax.psum(x, axis)
+
+    @jax.custom_jvp
+    def ar(v):
+        v2, undo = _as_rows(v)
+        return undo(_kernel_all_reduce(v2, comm, strat))
+
+    @ar.defjvp
+    def ar_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        return ar(v), lax.psum(t, axis)
+
+    return ar(x)
+
+
+def rms_norm_reference(r, weight, eps):
+    """float32 RMSNorm of r (float32) with weight; the math of the fused epilogue."""
+    r = r.astype(jnp.float32)
+    inv = lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + jnp.float32(eps))
+    return r * inv * weight.astype(jnp.float32)
+
+
+def _xla_fused(x, residual, weight, axis, eps):
+    r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
+    return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
+
+
+def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
+                        strategy: str = "auto"):
+    """(normed, residual_out) with r = sum_over_ranks(x) + residual (float32),
+    residual_out = r cast to residual.dtype, normed = r * rsqrt(mean(r^2) + eps) * weight cast
+    to x.dtype; one fused pass on the device."""
+    what = "all_reduce_rms_norm"
+    _shard.check_context(comm, what)
+    x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
+    _check_dtype(x, "x", what)
+    _check_dtype(residual, "residual", what)
+    _check_dtype(weight, "weight", what)
+    if x.ndim != 2:
+        raise ValueError(f"jax_nvcomm: {what}: x must be [tokens, hidden], got shape {x.shape}")
+    if residual.shape != x.shape:
+        raise ValueError(f"jax_nvcomm: {what}: residual must have x's shape {x.shape}, got "
+                         f"{residual.shape}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"jax_nvcomm: {what}: weight must have shape ({x.shape[1]},), got "
+                         f"{weight.shape}")
+    vec = 16 // x.dtype.itemsize
+    if x.shape[1] % vec != 0:
+        raise ValueError(f"jax_nvcomm: {what}: hidden must be a multiple of {vec} for {x.dtype} "
+                         f"(16-byte vectors), got {x.shape[1]}")
+    eps = float(eps)
+    if not eps >= 0:
+        raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
+    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    axis = comm.axis_name
+    mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
+    if strat == "xla" or mixed:
+        # Mixed dtypes are not fused (documented): psum + XLA's own add + RMSNorm.
+        return _xla_fused(x, residual, weight, axis, eps)
+
+    @jax.custom_jvp
+    def fused(v, res, w):
+        return _kernel_fused(v, res, w, comm, strat, eps)
+
+    @fused.defjvp
+    def fused_jvp(primals, tangents):
+        (v, res, w), (dv, dres, dw) = primals, tangents
+        normed, res_out = fused(v, res, w)
+        dr = lax.psum(dv, axis).astype(jnp.float32) + dres.astype(jnp.float32)
+        r = res_out.astype(jnp.float32)
+        _, dn = jax.jvp(lambda rr, ww: rms_norm_reference(rr, ww, eps), (r, w), (dr, dw))
+        return (normed, res_out), (dn.astype(normed.dtype), dr.astype(res_out.dtype))
+
+    return fused(x, residual, weight)
+
+
+def _kernel_fused(x, residual, weight, comm, strategy, eps):
+    axis = comm.axis_name
+    x = _shard.varying(x, axis)
+    vma_sum = _shard.vma_of(x) - {axis}
+    vma_res = vma_sum | _shard.vma_of(residual)
+    vma_norm = vma_res | _shard.vma_of(weight)
+    rt_n = _shard.result_type(x, x.shape, x.dtype, vma_norm)
+    rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
+    cid = np.int64(comm.comm_id)
+    if comm.backend == "host":
+        slot = _shard.varying(_shard.host_slot(comm), axis)
+        return tuple(jax.ffi.ffi_call("nvc_all_reduce_rms", (rt_n, rt_r), has_side_effect=True)(
+            slot, x, residual, weight, comm_id=cid, eps=np.float32(eps)))
+    return tuple(jax.ffi.ffi_call("nvc_cuda_all_reduce_rms", (rt_n, rt_r), has_side_effect=True)(
+        x, residual, weight, comm_id=cid, eps=np.float32(eps),
+        strategy=np.int64(_STRATEGY_CODE[strategy])))

@@ -1,0 +1,69 @@
+"""Strategy choice for all-reduce: a pure function of (shape, dtype, world size, communicator
+limits), decided at trace time and therefore identical on every rank.
+
+    bytes <= oneshot_max(world)          -> "oneshot"  (Lamport push, one round trip)
+    bytes <= twoshot_max(world)          -> "twoshot"  (reduce-scatter + all-gather)
+    otherwise                            -> "xla"      (lax.psum: NCCL / XLA's own kernels)
+
+The table below holds the crossovers. `python -m jax_nvcomm.bench allreduce --tune` measures
+them on the machine at hand and prints a table in this format. Overrides, strongest first:
+keyword arguments of `select_strategy`, then the environment variables
+JAX_NVCOMM_ONESHOT_MAX_BYTES / JAX_NVCOMM_TWOSHOT_MAX_BYTES, then the table.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# world size -> (oneshot_max_bytes, twoshot_max_bytes).
+# Provenance: see README "Strategy thresholds" (defaults follow published crossovers for
+# 8 x H100/H200 until measured on several GPUs here; `bench allreduce --tune` replaces them).
+THRESHOLDS: dict[int, tuple[int, int]] = {
+    1: (1 << 20, 64 << 20),
+    2: (512 << 10, 64 << 20),
+    4: (256 << 10, 64 << 20),
+    8: (128 << 10, 64 << 20),
+    16: (64 << 10, 64 << 20),
+}
+
+
+
+def _table(world: int) -> tuple[int, int]:
+    keys = sorted(THRESHOLDS)
+    best = keys[0]
+    for k in keys:
+        if k <= world:
+            best = k
+    return THRESHOLDS[best]
+
+
+def thresholds(world: int, *, oneshot_max_bytes: int | None = None,
+               twoshot_max_bytes: int | None = None) -> tuple[int, int]:
+    one, two = _table(world)
+    env_one = os.environ.get("JAX_NVCOMM_ONESHOT_MAX_BYTES")
+    env_two = os.environ.get("JAX_NVCOMM_TWOSHOT_MAX_BYTES")
+    if env_one:
+        one = int(env_one)
+    if env_two:
+        two = int(env_two)
+    if oneshot_max_bytes is not None:
+        one = int(oneshot_max_bytes)
+    if twoshot_max_bytes is not None:
+        two = int(twoshot_max_bytes)
+    return one, two
+
+
+def select_strategy(comm, shape, dtype, *, oneshot_max_bytes: int | None = None,
+                    twoshot_max_bytes: int | None = None) -> str:
+    """"oneshot" | "twoshot" | "xla" for an all-reduce of `shape`/`dtype` on `comm`."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    one, two = thresholds(comm.world_size, oneshot_max_bytes=oneshot_max_bytes,
+                          twoshot_max_bytes=twoshot_max_bytes)
+    if nbytes > comm.max_message_bytes or nbytes == 0:
+        return "xla"
+    if nbytes <= min(one, comm.lamport_slot_bytes):
+        return "oneshot"
+    if nbytes <= two:
+        return "twoshot"
+    return "xla"

@@ -39,7 +39,12 @@ def host_slot(comm):
 
 
 def vma_of(x) -> frozenset:
-    return getattr(jax.typeof(x), "vma", frozenset())
+    """The manual axes x varies over (empty when check_vma is off)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
 
 
 def varying(x, axis):
@@ -53,9 +58,10 @@ def varying(x, axis):
 
 
 def result_type(like, shape, dtype, vma):
-    """A result type for ffi_call: shape/dtype with the given vma."""
+    """A result type for ffi_call: shape/dtype varying over exactly `vma`."""
     aval = jax.typeof(like)
-    try:
-        return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
-    except TypeError:
-        return jax.ShapeDtypeStruct(tuple(shape), dtype)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False,
+                           manual_axis_type=mat.update(varying=frozenset(vma)))
+    return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))

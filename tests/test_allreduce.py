@@ -1,0 +1,207 @@
+"""all_reduce / all_reduce_rms_norm against float64 numpy references (host backend, CPU
+devices), every strategy, world sizes 1/2/4/8, edge values, many calls, gradients."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jax_nvcomm as nvc
+from helpers import f64, mesh1d, rel_err, rms_ref, run_sharded, tol
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+STRATS = ["oneshot", "twoshot", "xla", "auto"]
+
+
+@pytest.fixture(scope="module")
+def comms():
+    out = {w: nvc.Communicator(mesh1d(w), "x", max_message_bytes=1 << 20) for w in (1, 2, 4, 8)}
+    yield out
+    for c in out.values():
+        c.close()
+
+
+def _per_rank(x, w):
+    """Outputs with out_specs=P('x') stacked: [w, ...] per-rank copies."""
+    return np.asarray(jnp.asarray(x).astype(jnp.float32)).reshape((w, -1) + x.shape[1:])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strategy", STRATS)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 256), (3, 5, 8)])
+def test_all_reduce_matches_reference(comms, rng, world, dtype, strategy, shape):
+    c = comms[world]
+    x = jnp.asarray(rng.standard_normal((world * shape[0],) + shape[1:]), dtype)
+
+    def f(v):
+        return nvc.all_reduce(v, c, strategy=strategy)[None]
+
+    out = run_sharded(f, c.mesh, P("x"), P("x"), x)
+    ref = f64(x).reshape((world,) + shape).sum(0)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    assert rel_err(got[0], ref) < tol(dtype)
+    if strategy != "xla":  # bitwise identical on every rank
+        for r in range(1, world):
+            np.testing.assert_array_equal(got[r], got[0])
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strategies_bitwise_identical(comms, rng, world, dtype):
+    c = comms[world]
+    x = jnp.asarray(rng.standard_normal((world * 4, 128)), dtype)
+    res = jnp.asarray(rng.standard_normal((4, 128)), dtype)
+    w = jnp.asarray(rng.standard_normal((128,)), dtype)
+
+    def f(v, r, ww):
+        a1 = nvc.all_reduce(v, c, strategy="oneshot")
+        a2 = nvc.all_reduce(v, c, strategy="twoshot")
+        n1, r1 = nvc.all_reduce_rms_norm(v, r, ww, c, strategy="oneshot")
+        n2, r2 = nvc.all_reduce_rms_norm(v, r, ww, c, strategy="twoshot")
+        return a1, a2, n1, n2, r1, r2
+
+    outs = run_sharded(f, c.mesh, (P("x"), P(), P()), (P(),) * 6, x, res, w)
+    for a, b in [(0, 1), (2, 3), (4, 5)]:
+        np.testing.assert_array_equal(np.asarray(outs[a]), np.asarray(outs[b]))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strategy", ["oneshot", "twoshot", "xla"])
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (5, 512), (32, 1024)])
+def test_fused_matches_reference(comms, rng, world, dtype, strategy, tokens, hidden):
+    c = comms[world]
+    eps = 1e-5
+    x = jnp.asarray(rng.standard_normal((world * tokens, hidden)), dtype)
+    res = jnp.asarray(rng.standard_normal((world * tokens, hidden)), dtype)  # varying residual
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal((hidden,)), dtype)
+
+    def f(v, r, ww):
+        return nvc.all_reduce_rms_norm(v, r, ww, c, eps=eps, strategy=strategy)
+
+    n, r_out = run_sharded(f, c.mesh, (P("x"), P("x"), P()), (P("x"), P("x")), x, res, w)
+    xs = f64(x).reshape(world, tokens, hidden).sum(0)
+    for rank in range(world):
+        rr = xs + f64(res).reshape(world, tokens, hidden)[rank]
+        got_n = f64(n).reshape(world, tokens, hidden)[rank]
+        got_r = f64(r_out).reshape(world, tokens, hidden)[rank]
+        assert rel_err(got_r, rr) < tol(dtype)
+        assert rel_err(got_n, rms_ref(rr, f64(w), eps)) < 2 * tol(dtype)
+
+
+def test_hidden_16384_and_capacity(rng):
+    """Largest hidden in the contract; tokens at the capacity of max_message_bytes."""
+    mesh = mesh1d(4)
+    H = 16384
+    M = 8 * H * 2  # exactly 8 bf16 tokens
+    with nvc.Communicator(mesh, "x", max_message_bytes=M) as c:
+        x = jnp.asarray(rng.standard_normal((4 * 8, H)), jnp.bfloat16)
+        res = jnp.asarray(rng.standard_normal((8, H)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((H,)), jnp.bfloat16)
+        assert nvc.select_strategy(c, (8, H), jnp.bfloat16) in ("oneshot", "twoshot")
+        f = lambda v, r, ww: nvc.all_reduce_rms_norm(v, r, ww, c, strategy="twoshot")
+        n, r_out = run_sharded(f, mesh, (P("x"), P(), P()), (P(), P()), x, res, w)
+        rr = f64(x).reshape(4, 8, H).sum(0) + f64(res)
+        assert rel_err(f64(r_out), rr) < 1e-2
+        assert rel_err(f64(n), rms_ref(rr, f64(w), 1e-6)) < 2e-2
+
+
+def test_above_max_message_bytes_uses_psum(rng):
+    mesh = mesh1d(2)
+    with nvc.Communicator(mesh, "x", max_message_bytes=4096) as c:
+        x = jnp.asarray(rng.standard_normal((2 * 4, 1024)), jnp.float32)  # 16 KiB per rank
+        assert nvc.select_strategy(c, (4, 1024), jnp.float32) == "xla"
+        f = lambda v: nvc.all_reduce(v, c, strategy="twoshot")
+        txt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P())).lower(x).as_text()
+        assert "nvc_all_reduce" not in txt and "all_reduce" in txt  # the lax.psum HLO
+        out = run_sharded(f, mesh, P("x"), P(), x)
+        assert rel_err(f64(out), f64(x).reshape(2, 4, 1024).sum(0)) < 1e-6
+
+
+def test_special_values(comms):
+    """-0.0, negative subnormals, +-inf and NaN: NaN propagates, nothing hangs."""
+    c = comms[4]
+    tiny = np.float32(-1e-40)  # negative subnormal
+    base = np.array([[-0.0, tiny, np.inf, -np.inf, np.nan, 1.0, -0.0, 2.0]], np.float32)
+    x = np.repeat(base, 4, axis=0)
+    x[1, 2] = 1.0  # inf + 1 = inf
+    x[2, 3] = -3.0
+    for strategy in ["oneshot", "twoshot"]:
+        out = run_sharded(lambda v: nvc.all_reduce(v, c, strategy=strategy), c.mesh, P("x"),
+                          P(), jnp.asarray(x))
+        got = np.asarray(out)[0]
+        assert got[0] == 0.0 and got[6] == 0.0
+        assert got[1] == np.float32(4 * tiny) or got[1] == 0.0  # flushed or exact, never a hang
+        assert np.isposinf(got[2]) and np.isneginf(got[3]) and np.isnan(got[4])
+        assert got[5] == 4.0 and got[7] == 8.0
+
+
+@pytest.mark.slow
+def test_2000_consecutive_calls_changing_sizes(comms, rng):
+    c = comms[8]
+    mesh = c.mesh
+    shapes = [(1, 64), (4, 128), (16, 256), (2, 1024)]
+    fns = {s: jax.jit(jax.shard_map(
+        lambda v, r, w: (nvc.all_reduce(v, c, strategy="oneshot"),
+                         nvc.all_reduce_rms_norm(v, r, w, c, strategy="twoshot")[1]),
+        mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P(), P()))) for s in shapes}
+    for i in range(1000):  # two all-reduces per step: 2,000 calls
+        s = shapes[int(rng.integers(len(shapes)))]
+        x = rng.standard_normal((8 * s[0], s[1])).astype(np.float32)
+        r = rng.standard_normal(s).astype(np.float32)
+        w = np.ones(s[1], np.float32)
+        a, ro = fns[s](x, r, w)
+        ref = x.reshape(8, *s).astype(np.float64).sum(0)
+        assert rel_err(np.asarray(a), ref) < 1e-5, f"call {i}"
+        assert rel_err(np.asarray(ro), ref + r) < 1e-5, f"call {i}"
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
+def test_gradients_match_psum(comms, rng, check_vma, strategy):
+    c = comms[4]
+    mesh = c.mesh
+    x = jnp.asarray(rng.standard_normal((4 * 3, 64)), jnp.float32)
+    res = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64,)), jnp.float32)
+
+    def loss(x, res, w, ours):
+        def body(x, res, w):
+            if ours:
+                n, r = nvc.all_reduce_rms_norm(x, res, w, c, strategy=strategy)
+                s = nvc.all_reduce(x * 2.0, c, strategy=strategy)
+            else:
+                r = lax.psum(x, "x") + res
+                n = r * lax.rsqrt(jnp.mean(r * r, -1, keepdims=True) + 1e-6) * w
+                s = lax.psum(x * 2.0, "x")
+            return (jnp.sum(jnp.tanh(n)) + jnp.sum(r * r) * 0.1 + jnp.sum(jnp.cos(s)))[None]
+        return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P()),
+                                     out_specs=P("x"), check_vma=check_vma)(x, res, w))
+
+    g1 = jax.jit(jax.grad(lambda *a: loss(*a, True), argnums=(0, 1, 2)))(x, res, w)
+    g2 = jax.jit(jax.grad(lambda *a: loss(*a, False), argnums=(0, 1, 2)))(x, res, w)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_validation_errors(comms):
+    c = comms[2]
+    mesh = c.mesh
+
+    def trace(f, *args):
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(*args)
+
+    with pytest.raises(TypeError, match="x must be bfloat16, float16 or float32, got int32"):
+        trace(lambda v: nvc.all_reduce(v, c), jnp.ones(4, jnp.int32))
+    with pytest.raises(ValueError, match="strategy must be"):
+        trace(lambda v: nvc.all_reduce(v, c, strategy="fast"), jnp.ones(4))
+    with pytest.raises(ValueError, match=r"x must be \[tokens, hidden\], got shape \(2,\)"):
+        trace(lambda v: nvc.all_reduce_rms_norm(v, v, v, c)[0], jnp.ones(4))
+    with pytest.raises(ValueError, match="hidden must be a multiple of 8 for bfloat16"):
+        trace(lambda v: nvc.all_reduce_rms_norm(v, v, v[0], c)[0], jnp.ones((4, 12), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"weight must have shape \(16,\), got \(8,\)"):
+        trace(lambda v: nvc.all_reduce_rms_norm(v, v, v[0, :8], c)[0], jnp.ones((4, 16)))
+    with pytest.raises(ValueError, match=r"residual must have x's shape"):
+        trace(lambda v: nvc.all_reduce_rms_norm(v, v[:1], v[0], c)[0], jnp.ones((4, 16)))

@@ -1,0 +1,89 @@
+"""Communicator setup, properties and misuse errors (API.md "Setup")."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_nvcomm as nvc
+from helpers import mesh1d
+
+
+def test_properties_and_memory_formula():
+    mesh = mesh1d(8)
+    M = 1 << 20
+    with nvc.Communicator(mesh, "x", max_message_bytes=M) as c:
+        assert c.world_size == 8 and c.axis_name == "x" and c.mesh is mesh
+        assert c.max_message_bytes == M and c.backend == "host"
+        W = 8
+        slot = -(-(-(-M // W)) // 256) * 256
+        half = -(-(slot * W) // 256) * 256 + -(-M // 256) * 256
+        L = min(M, 4 * M // (3 * W), 1 << 20) // 256 * 256
+        assert c.nbytes == 65536 + 2 * half + 3 * W * L
+        assert c.nbytes <= 8 * M + 65536
+    assert c.closed
+
+
+def test_axis_not_in_mesh():
+    with pytest.raises(ValueError, match=r"axis_name 'y' is not an axis of the mesh"):
+        nvc.Communicator(mesh1d(8), "y")
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        nvc.Communicator("mesh", "x")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cuda' or 'host'"):
+        nvc.Communicator(mesh1d(2), "x", backend="nccl")
+    with pytest.raises(ValueError, match="max_message_bytes must be >= 4096"):
+        nvc.Communicator(mesh1d(2), "x", max_message_bytes=16)
+    with pytest.raises(ValueError, match="does not match the mesh's cpu devices"):
+        nvc.Communicator(mesh1d(2), "x", backend="cuda")
+
+
+def test_created_inside_trace():
+    mesh = mesh1d(2)
+
+    @jax.jit
+    def f(x):
+        nvc.Communicator(mesh, "x")
+        return x
+
+    with pytest.raises(RuntimeError, match="must be created outside jax.jit"):
+        f(jnp.ones(2))
+
+
+def test_closed_communicator_used():
+    mesh = mesh1d(2)
+    c = nvc.Communicator(mesh, "x", max_message_bytes=1 << 16)
+    c.close()
+    f = jax.jit(jax.shard_map(lambda v: nvc.all_gather(v, c), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
+    with pytest.raises(RuntimeError, match="was closed"):
+        f(jnp.ones(4))
+
+
+def test_communicator_of_another_mesh():
+    c = nvc.Communicator(mesh1d(4), "x", max_message_bytes=1 << 16)
+    other = mesh1d(2)
+    f = jax.jit(jax.shard_map(lambda v: nvc.all_reduce(v, c), mesh=other, in_specs=P("x"),
+                              out_specs=P()))
+    with pytest.raises(ValueError, match="made for mesh"):
+        f(jnp.ones(4))
+    c.close()
+
+
+def test_used_outside_shard_map():
+    with nvc.Communicator(mesh1d(2), "x", max_message_bytes=1 << 16) as c:
+        with pytest.raises(ValueError, match="inside jax.shard_map"):
+            jax.jit(lambda v: nvc.all_reduce(v, c))(jnp.ones(4))
+
+
+def test_many_communicators_open_and_close():
+    mesh = mesh1d(8)
+    for i in range(20):
+        with nvc.Communicator(mesh, "x", max_message_bytes=1 << 14) as c:
+            x = jnp.arange(8 * 2, dtype=jnp.float32)
+            out = jax.jit(jax.shard_map(lambda v: nvc.all_gather(v, c), mesh=mesh,
+                                        in_specs=P("x"), out_specs=P("x")))(x + i)
+            np.testing.assert_array_equal(np.asarray(out).reshape(8, -1),
+                                          np.tile(np.asarray(x + i), (8, 1)))

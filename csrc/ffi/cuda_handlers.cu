@@ -6,6 +6,7 @@
 
 #include "../common/ffi_targets.h"
 #include "../cuda/allgather.h"
+#include "../cuda/allreduce.h"
 #include "ffi_common.h"
 
 namespace nvc {
@@ -30,7 +31,71 @@ ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   return e == cudaSuccess ? ffi::Error::Success() : launch_error(e, "all_gather launch");
 }
 
+ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::AllReduceArgs& a,
+                          int64_t strategy) {
+  if (strategy != 0 && strategy != 1)
+    return precondition("jax_nvcomm: strategy attribute must be 0 (oneshot) or 1 (twoshot)");
+  const auto s = static_cast<cuda::Strategy>(strategy);
+  if (const char* why = cuda::all_reduce_check(ctx.view, a, s))
+    return precondition(std::string("jax_nvcomm: all_reduce: ") + why);
+  cudaError_t e = cuda::all_reduce(ctx.view, a, s, /*multicast_base=*/nullptr, stream);
+  return e == cudaSuccess ? ffi::Error::Success() : launch_error(e, "all_reduce launch");
+}
+
+ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t strategy) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce expects [rows, cols]");
+  cuda::AllReduceArgs a{x.untyped_data(), out->untyped_data(), nullptr, nullptr, nullptr,
+                        dims[0], dims[1], dtype_code(x.element_type()), 0.0f};
+  return run_all_reduce(*ctx, stream, a, strategy);
+}
+
+ffi::Error AllReduceRmsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                ffi::Result<ffi::AnyBuffer> normed,
+                                ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
+                                float eps, int64_t strategy) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm expects [T, H]");
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
+    return precondition("jax_nvcomm: all_reduce_rms_norm: residual and weight must have x's dtype");
+  cuda::AllReduceArgs a{x.untyped_data(), normed->untyped_data(), residual.untyped_data(),
+                        residual_out->untyped_data(), weight.untyped_data(),
+                        dims[0], dims[1], dtype_code(x.element_type()), eps};
+  return run_all_reduce(*ctx, stream, a, strategy);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kAllReduceCuda, AllReduceCudaImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id")
+                           .Attr<int64_t>("strategy"),
+                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kAllReduceRmsCuda, AllReduceRmsCudaImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id")
+                           .Attr<float>("eps")
+                           .Attr<int64_t>("strategy"),
+                       {ffi::Traits::kCmdBufferCompatible});
+NVC_REGISTER_FFI("nvc_cuda_all_reduce", kAllReduceCuda);
+NVC_REGISTER_FFI("nvc_cuda_all_reduce_rms", kAllReduceRmsCuda);
 
 XLA_FFI_DEFINE_HANDLER(kAllGatherCuda, AllGatherCudaImpl,
                        ffi::Ffi::Bind()

@@ -1,0 +1,38 @@
+"""Multi-process jobs through the launcher (one CPU device per process)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(n, script, *args, timeout=600, share_gpu=False, env_extra=None):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu") if not share_gpu else ""
+    env["PYTHONPATH"] = os.path.join(HERE, "mp") + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    cmd = [sys.executable, "-m", "jax_nvcomm.launch", "-n", str(n), "--timeout", str(timeout)]
+    if share_gpu:
+        cmd.append("--share-gpu")
+    cmd += [os.path.join(HERE, "mp", script), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 60)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n,calls", [(2, 1000), (4, 1000)])
+def test_collectives_across_processes(n, calls):
+    rc, out = launch(n, "collectives_mp.py", f"--calls={calls}")
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS") == n, out[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_processes_disagree_on_arguments():
+    rc, out = launch(2, "mismatch_mp.py", timeout=120)
+    assert rc == 0, out[-4000:]
+    assert out.count("GOT ValueError") == 2, out[-4000:]
+    assert "max_message_bytes=1048576 in process" in out

@@ -36,3 +36,11 @@ def test_processes_disagree_on_arguments():
     assert rc == 0, out[-4000:]
     assert out.count("GOT ValueError") == 2, out[-4000:]
     assert "max_message_bytes=1048576 in process" in out
+
+
+@pytest.mark.multiprocess
+def test_loop_of_calls_inside_one_program():
+    """fori_loop of all-reduce calls in one jitted program (on GPU: a CUDA-graph replay)."""
+    rc, out = launch(2, "graph_mp.py", "--iters=50", timeout=300)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS") == 2, out[-4000:]

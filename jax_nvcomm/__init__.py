@@ -5,9 +5,10 @@ from ._dist import distributed_initialize
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .communicator import Communicator
+from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .strategy import select_strategy
 
 __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
-__all__ = ["Communicator", "all_gather", "all_reduce", "all_reduce_rms_norm", "select_strategy", "distributed_initialize", "CUDA_BUILT"]
+__all__ = ["Communicator", "MoECommunicator", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle", "all_gather", "all_reduce", "all_reduce_rms_norm", "select_strategy", "distributed_initialize", "CUDA_BUILT"]

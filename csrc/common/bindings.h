@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "ffi_targets.h"
+#include "moe_layout.h"
 #include "registry.h"
 
 namespace nvc {
@@ -58,6 +59,12 @@ inline void add_common_bindings(nb::module_& m) {
   });
   m.def("buffer_bytes", [](uint64_t max_message_bytes, int world) {
     return comm_buffer_bytes(max_message_bytes, world);
+  });
+  m.def("moe_buffer_bytes", [](int world, int num_experts, int top_k, int max_tokens, int hidden,
+                               int dtype, int scale_cols) {
+    MoeConfig c{world, 0, num_experts, top_k, max_tokens, hidden, dtype, scale_cols};
+    if (const char* why = moe_config_error(c)) throw std::invalid_argument(why);
+    return moe_buffer_bytes(c);
   });
   m.def("layout", [](uint64_t max_message_bytes, int world) {
     nb::dict d;

@@ -21,7 +21,10 @@
 //   flag = (seq << 24) | (desc & 0xFFFFFF). A waiter that sees its own seq with another descriptor,
 //   or a later seq, reports a disagreement instead of reading the data.
 // - `Ctrl::lamport_seq` counts Lamport calls; call k (k = lamport_seq + 1) writes buffer k % 3 and
-//   clears buffer (k - 1) % 3 of its own slots region back to 0x80000000.
+//   clears buffer (k - 1) % 3 of its own slots region back to 0x80000000. How much to clear
+//   (bytes per slot written by call k - 1) is `Ctrl::lamport_bytes`, also advanced by the kernel.
+// - Initial state (set by the allocator before first use): Ctrl all zero, every 32-bit word of
+//   the Lamport region 0x80000000. The flag halves need no initialisation.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -86,7 +89,8 @@ struct Ctrl {
   uint64_t lamport_seq;   // completed Lamport calls (owned by this rank)
   uint32_t done_blocks;   // last-block counter of the running kernel, 0 between calls
   uint32_t pad0;
-  uint64_t pad1[5];
+  uint64_t lamport_bytes; // bytes per slot the last Lamport call wrote (the next call clears them)
+  uint64_t pad1[4];
   // flags[parity][phase][src][block]: written by rank `src` into this rank's buffer.
   uint64_t flags[2][kMaxPhases][kMaxWorld][kMaxBlocks];
 };

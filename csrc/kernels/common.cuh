@@ -13,6 +13,9 @@
 //   reports an error to XLA instead of the program hanging or computing on garbage.
 #pragma once
 #include <cstdint>
+#include <type_traits>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "../common/layout.h"
@@ -40,7 +43,7 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"r"(v), "l"(p) : "memory");
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -66,7 +69,7 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint
 // in host-mapped memory (PCIe atomics are not guaranteed there), so it is claimed with plain
 // stores: the fields first, then the code after a system fence. Racing failures may mix
 // fields of two reports; each one alone is a true report.
-__device__ __noinline__ void fail(ErrorInfo* err, uint32_t code, uint32_t op, int rank, int peer,
+static __device__ __noinline__ void fail(ErrorInfo* err, uint32_t code, uint32_t op, int rank, int peer,
                                   uint64_t seq, uint64_t observed) {
   if (err != nullptr && *reinterpret_cast<volatile uint32_t*>(&err->code) == 0u) {
     volatile ErrorInfo* e = err;
@@ -103,19 +106,85 @@ __device__ __forceinline__ uint64_t call_seq(const CommView& v) {
   return *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) + 1;
 }
 
+// Thread 0 of a block, after the block's last access to communication buffers (and a
+// __syncthreads): counts the block as done; true for the last block of the grid, which has
+// then reset done_blocks to 0 for the next call and may advance this rank's counters.
+__device__ __forceinline__ bool arrive_last_block(const CommView& v) {
+  __threadfence();
+  uint32_t prev = atomicAdd(&v.ctrl()->done_blocks, 1u);
+  if (prev != gridDim.x - 1) return false;
+  v.ctrl()->done_blocks = 0;
+  return true;
+}
+
 // Per-call end: the last block to get here publishes ctrl->seq = seq. Call from all threads
 // of every block, after the block's last access to communication buffers.
 __device__ __forceinline__ void finish_call(const CommView& v, uint64_t seq) {
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && arrive_last_block(v)) {
+    *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = seq;
     __threadfence();
-    uint32_t prev = atomicAdd(&v.ctrl()->done_blocks, 1u);
-    if (prev == gridDim.x - 1) {
-      v.ctrl()->done_blocks = 0;
-      *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = seq;
-      __threadfence();
+  }
+}
+
+// Publish data written by this block (to peers or locally) with a flag: call after a
+// __syncthreads() that follows the block's data stores.
+__device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
+  fence_acq_rel_sys();
+  st_release_sys(flag, value);
+}
+
+// Read-only (non-coherent path) 16-byte load: for kernel inputs nobody writes during the call.
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// ---- 16-byte vectors of T (float, __nv_bfloat16, __half) <-> float32 --------------------
+template <typename T> struct Vec;
+template <> struct Vec<float> { static constexpr int kElems = 4; };
+template <> struct Vec<__nv_bfloat16> { static constexpr int kElems = 8; };
+template <> struct Vec<__half> { static constexpr int kElems = 8; };
+
+__device__ __forceinline__ const uint32_t* words(const uint4& v) {
+  return reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t* words(uint4& v) { return reinterpret_cast<uint32_t*>(&v); }
+
+// Exact widening of the Vec<T>::kElems elements of v.
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& v, float* f) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = words(v)[i];
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(w);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * i] = __uint_as_float(w << 16);
+      f[2 * i + 1] = __uint_as_float(w & 0xFFFF0000u);
+    } else {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
     }
   }
+}
+// Round-to-nearest-even narrowing of Vec<T>::kElems floats.
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float* f) {
+  uint4 v;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      words(v)[i] = __float_as_uint(f[i]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const __nv_bfloat162 p = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      words(v)[i] = *reinterpret_cast<const uint32_t*>(&p);
+    } else {
+      const __half2 p = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      words(v)[i] = *reinterpret_cast<const uint32_t*>(&p);
+    }
+  }
+  return v;
 }
 
 }  // namespace dev

@@ -1,0 +1,237 @@
+// MoE expert-parallel dispatch / combine: configuration, symmetric-buffer layout, handle arrays.
+// Shared by the CUDA kernels (kernels/moe_*.cuh), the host protocol (host/moe_host.*) and the
+// FFI handlers, so every rank and both backends compute the same sizes and offsets.
+//
+// PROTOCOL (one MoE communicator = one symmetric buffer per rank, its own Ctrl and seq)
+//   Every call (a dispatch or a combine) has sequence number s = Ctrl::seq + 1 of the rank's own
+//   buffer, data half p = s & 1 and flag slots Ctrl::flags[p][0][src][block]. A call is two
+//   kernels on one stream: SEND (writes rows into peers' halves, then raises its flag in every
+//   rank, itself included, even when it sent nothing) and RECV (waits for every rank's flags,
+//   consumes its own half, then its last block stores Ctrl::seq = s). Seq thus advances exactly
+//   once per call, on the device (CUDA-graph replays work); SEND of call s+1 must follow RECV of
+//   call s on the stream (it reads the seq RECV stored).
+//   dispatch: each source rank writes each of its tokens (t < num_tokens) ONCE to each
+//     destination rank owning at least one of its top_k experts, into the region of that source
+//     in the destination's half, at slot pos = number of earlier tokens of the source going to that
+//     destination (deterministic prefix count). The row carries the payload, the scales and the
+//     list of (local expert, k, idx) with idx = number of earlier tokens of the source routed to
+//     that expert. Block G-1 (the one owning the last tokens) also writes the header: rows and
+//     per-local-expert counts. RECV: off[e][src] = sum of counts of sources < src; row goes to
+//     expert_x[e][off[e][src] + idx]: (source rank, token) order, no atomics decide placement.
+//   combine: the expert side writes each expert row i < expert_counts[e] back to its token's
+//     rank, into landing slot t*top_k + k of that rank's half (one writer per slot). RECV sums
+//     y[t] = fma over k = 0..top_k-1 (valid slots only) of w[t,k] * row, float32, k order.
+//   All ranks must launch the same call sequence with the same config; a disagreement shows up
+//   as kErrMismatch (same seq, another descriptor) instead of garbage.
+//
+// BUFFER LAYOUT (per rank, identical offsets everywhere; W = world, T = max_tokens, K = top_k,
+// L = num_experts / W local experts, H = hidden, D = payload bytes per element, S = scale_cols):
+//   [0, kCtrlBytes)                     Ctrl (layout.h): seq, done_blocks, flags
+//   [kCtrlBytes + p * half, +half)      half p (p = 0, 1), used by dispatch OR combine calls:
+//     dispatch view:  hdr[src]  (W x hdr_bytes: int32 rows, int32 count[L])
+//                     rows[src][slot] (W x T x drow_bytes), row = [payload H*D | S f32 scales |
+//                     meta int32: t, m, m x (le | k << 16, idx)] each part 16-B aligned
+//     combine view:   landing[t * K + k] (T x K rows of H * sizeof(expert_y dtype))
+//   half = align256(max(W*hdr_bytes + W*T*drow_bytes, T*K*H*4))   (combine sized for float32 y)
+//   moe_buffer_bytes = kCtrlBytes + 2 * half
+//   Scales with W*T rows (dispatch) and T*K rows (combine), never with num_experts * T.
+//
+// INVARIANTS
+// - Two halves suffice: every call waits for every rank, so a rank at call s+2 has seen all
+//   flags of call s+1, raised by each peer only after its RECV of call s finished reading half p.
+//   A call's data is consumed inside the call (RECV), so dispatch and combine share the halves;
+//   everything combine needs from dispatch travels in the handle (XLA arrays), which is why any
+//   number of dispatches may be in flight before their combines.
+// - Regions never overflow: at most T rows per (source, destination), at most T tokens per
+//   (source, expert) as ids are distinct per row (checked), so expert rows < W*T.
+// - Expert ids are validated before any write that depends on them; an id outside [-1, E), a
+//   duplicate within a row or num_tokens outside [0, T] fails the call (kErrBadExpert /
+//   kErrCapacity). Before failing, the sender writes the POISON flag make_flag(s,kMoePoisonDesc)
+//   into every rank's slots so peers fail fast (kErrMismatch, observed desc 0xFFFFFF) instead of
+//   timing out. After any error the communicator is dead (reset Ctrl to zero on every rank).
+// - Initial state: Ctrl all zero on every rank; halves need no initialisation.
+//
+// HANDLE (written by dispatch, read by combine; fixed shapes, all int32):
+//   token_dest  [T, K]      expert id routed for (t, k), -1 for unused slots and rows >= num_tokens
+//   expert_src  [L, W*T]    row i < expert_counts[e]: (src * T + t) * K + k; rest unspecified
+//   expert_counts [L]       the dispatch output itself (pass the same array to combine)
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "layout.h"
+
+namespace nvc {
+
+enum MoeDtype : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2, kMoeF8E4M3 = 3 };
+
+struct MoeConfig {
+  int world, rank, num_experts, top_k, max_tokens, hidden, dtype /*MoeDtype*/, scale_cols;
+};
+
+constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
+constexpr int kMoeMaxBlocks = 24;      // blocks per kernel (<= kMaxBlocks)
+constexpr int kMoeMaxTopK = 32;        // one warp holds a token's top_k slots
+constexpr int kMoeMaxExperts = 4096;   // shared-memory counters
+constexpr int kMoeSubTokens = 128;     // tokens routed per step in the dispatch send kernel
+constexpr uint32_t kMoePoisonDesc = 0xFFFFFFu;
+static_assert(kMoeMaxBlocks <= kMaxBlocks, "flag slots");
+
+NVC_HD int moe_dtype_bytes(int dt) { return dt == kMoeF32 ? 4 : dt == kMoeF8E4M3 ? 1 : 2; }
+NVC_HD int moe_local_experts(const MoeConfig& c) { return c.num_experts / c.world; }
+NVC_HD int moe_max_entries(const MoeConfig& c) {
+  int l = moe_local_experts(c);
+  return c.top_k < l ? c.top_k : l;
+}
+// Launch grid of every MoE kernel: a pure function of the config, identical on every rank.
+NVC_HD int moe_blocks(const MoeConfig& c) {
+  int b = (c.max_tokens + 3) / 4;
+  return b < 1 ? 1 : (b > kMoeMaxBlocks ? kMoeMaxBlocks : b);
+}
+
+// ---- sizes ---------------------------------------------------------------------------------
+NVC_HD size_t moe_x_row_bytes(const MoeConfig& c) { return size_t(c.hidden) * moe_dtype_bytes(c.dtype); }
+NVC_HD size_t moe_scale_off(const MoeConfig& c) { return align_up(moe_x_row_bytes(c), 16); }
+NVC_HD size_t moe_meta_off(const MoeConfig& c) {
+  return moe_scale_off(c) + align_up(size_t(c.scale_cols) * 4, 16);
+}
+NVC_HD size_t moe_drow_bytes(const MoeConfig& c) {
+  return moe_meta_off(c) + align_up(8 + 8 * size_t(moe_max_entries(c)), 16);
+}
+NVC_HD size_t moe_hdr_bytes(const MoeConfig& c) {
+  return align_up(4 * (1 + size_t(moe_local_experts(c))), 16);
+}
+NVC_HD size_t moe_y_row_bytes(const MoeConfig& c, int y_dtype) {
+  return size_t(c.hidden) * moe_dtype_bytes(y_dtype);
+}
+NVC_HD size_t moe_dispatch_region_bytes(const MoeConfig& c) {
+  return size_t(c.world) * moe_hdr_bytes(c) +
+         size_t(c.world) * c.max_tokens * moe_drow_bytes(c);
+}
+NVC_HD size_t moe_combine_region_bytes(const MoeConfig& c) {
+  return size_t(c.max_tokens) * c.top_k * moe_y_row_bytes(c, kMoeF32);
+}
+NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
+  size_t d = moe_dispatch_region_bytes(c), m = moe_combine_region_bytes(c);
+  return align_up(d > m ? d : m, 256);
+}
+NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) { return kCtrlBytes + 2 * moe_half_bytes(c); }
+
+// ---- offsets (buf = a rank's buffer base as mapped in this process) -------------------------
+NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t parity) {
+  return buf + kCtrlBytes + (parity & 1) * moe_half_bytes(c);
+}
+NVC_HD int32_t* moe_hdr(char* half, const MoeConfig& c, int src) {
+  return reinterpret_cast<int32_t*>(half + size_t(src) * moe_hdr_bytes(c));
+}
+NVC_HD char* moe_drow(char* half, const MoeConfig& c, int src, int slot) {
+  return half + size_t(c.world) * moe_hdr_bytes(c) +
+         (size_t(src) * c.max_tokens + slot) * moe_drow_bytes(c);
+}
+NVC_HD char* moe_landing(char* half, const MoeConfig& c, int y_dtype, size_t slot /*t*K+k*/) {
+  return half + slot * moe_y_row_bytes(c, y_dtype);
+}
+
+// ---- handle ---------------------------------------------------------------------------------
+NVC_HD size_t moe_handle_token_dest_elems(const MoeConfig& c) { return size_t(c.max_tokens) * c.top_k; }
+NVC_HD size_t moe_handle_expert_src_elems(const MoeConfig& c) {
+  return size_t(moe_local_experts(c)) * c.world * c.max_tokens;
+}
+NVC_HD size_t moe_expert_rows(const MoeConfig& c) { return size_t(c.world) * c.max_tokens; }
+
+// ---- call descriptors (24 bits, see layout.h) ------------------------------------------------
+NVC_HD uint64_t moe_config_hash(const MoeConfig& c) {
+  uint64_t h = uint64_t(c.world);
+  const int f[6] = {c.num_experts, c.top_k, c.max_tokens, c.hidden, c.dtype, c.scale_cols};
+  for (int i = 0; i < 6; ++i) h = (h ^ uint64_t(uint32_t(f[i]))) * 0x100000001B3ull + 0x9E37ull;
+  return h;
+}
+NVC_HD uint32_t moe_dispatch_desc(const MoeConfig& c) {
+  return make_desc(kOpMoeDispatch, moe_config_hash(c), 0);
+}
+NVC_HD uint32_t moe_combine_desc(const MoeConfig& c, int y_dtype) {
+  return make_desc(kOpMoeCombine, moe_config_hash(c), uint64_t(y_dtype) + 1);
+}
+
+// Host-side validation: nullptr when usable, else what is wrong. (Checked by the launchers.)
+inline const char* moe_config_error(const MoeConfig& c) {
+  if (c.world < 1 || c.world > kMaxWorld) return "world must be in [1, 16]";
+  if (c.rank < 0 || c.rank >= c.world) return "rank out of range";
+  if (c.num_experts < 1 || c.num_experts % c.world != 0) return "num_experts must be a positive multiple of world";
+  if (c.num_experts > kMoeMaxExperts) return "num_experts above 4096";
+  if (c.top_k < 1 || c.top_k > kMoeMaxTopK || c.top_k > c.num_experts) return "top_k must be in [1, min(32, num_experts)]";
+  if (c.max_tokens < 1) return "max_tokens must be positive";
+  if (uint64_t(c.world) * c.max_tokens * c.top_k >= (uint64_t(1) << 31)) return "world*max_tokens*top_k must be < 2^31";
+  if (c.dtype < 0 || c.dtype > 3) return "dtype must be 0 (f32), 1 (bf16), 2 (f16) or 3 (f8e4m3)";
+  if (c.hidden < 1 || c.hidden % 8 != 0 || moe_x_row_bytes(c) % 16 != 0)
+    return "hidden must be a multiple of 8 and of 16 bytes of payload";
+  if (c.scale_cols < 0) return "scale_cols must be >= 0";
+  return nullptr;
+}
+inline bool moe_y_dtype_ok(int y_dtype) { return y_dtype >= kMoeF32 && y_dtype <= kMoeF16; }
+
+// ---- float conversions, bit-identical on host and device (RNE; NaN -> quiet NaN) -------------
+NVC_HD uint32_t moe_f2u(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u; std::memcpy(&u, &f, 4); return u;
+#endif
+}
+NVC_HD float moe_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f; std::memcpy(&f, &u, 4); return f;
+#endif
+}
+NVC_HD int moe_clz32(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __clz(x);
+#else
+  return x ? __builtin_clz(x) : 32;
+#endif
+}
+NVC_HD float moe_bf16_to_f32(uint32_t h) { return moe_u2f((h & 0xFFFFu) << 16); }
+NVC_HD uint32_t moe_f32_to_bf16(float f) {
+  uint32_t u = moe_f2u(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ((u >> 16) | 0x40u) & 0xFFFFu;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+NVC_HD float moe_f16_to_f32(uint32_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1F) return moe_u2f(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return moe_u2f(sign);
+    int sh = moe_clz32(man) - 21;  // bring the leading 1 to bit 10
+    return moe_u2f(sign | (uint32_t(113 - sh) << 23) | (((man << sh) & 0x3FFu) << 13));
+  }
+  return moe_u2f(sign | ((exp + 112u) << 23) | (man << 13));
+}
+NVC_HD uint32_t moe_f32_to_f16(float f) {
+  uint32_t u = moe_f2u(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {                        // f16 subnormal: RNE on 2^-24 units
+    uint32_t e = a >> 23;
+    if (e < 102) return sign;                   // below 2^-25: rounds to zero
+    uint32_t m = (a & 0x7FFFFFu) | 0x800000u, sh = 126 - e;  // sh in [14, 24]
+    uint32_t r = m >> sh, rest = m & ((1u << sh) - 1), half = 1u << (sh - 1);
+    if (rest > half || (rest == half && (r & 1u))) ++r;
+    return sign | r;
+  }
+  uint32_t h = (a - 0x38000000u) >> 13, rest = a & 0x1FFFu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return sign | h;
+}
+// y element <-> float for y dtypes f32 / bf16 / f16 (raw bits in a uint32).
+NVC_HD float moe_to_f32(uint32_t bits, int dt) {
+  return dt == kMoeF32 ? moe_u2f(bits) : dt == kMoeBF16 ? moe_bf16_to_f32(bits) : moe_f16_to_f32(bits);
+}
+NVC_HD uint32_t moe_from_f32(float f, int dt) {
+  return dt == kMoeF32 ? moe_f2u(f) : dt == kMoeBF16 ? moe_f32_to_bf16(f) : moe_f32_to_f16(f);
+}
+
+}  // namespace nvc

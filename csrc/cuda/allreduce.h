@@ -1,0 +1,71 @@
+// Launch API of the CUDA all-reduce kernels (one-shot Lamport, two-shot flag protocol, each
+// plain or fused with residual add + RMSNorm; unicast, or multicast where a base is given).
+//
+// Contract for callers (the XLA FFI handlers):
+// - Every rank of the communicator calls with the same (tokens, hidden, dtype, strategy,
+//   fused-ness), in the same order, on one stream per rank. The launch configuration is a pure
+//   function of (tokens, hidden, dtype, world, strategy, fused, SM count), so identical calls
+//   give identical grids on every rank (same GPU model => same SM count).
+// - No allocation, no synchronisation, no host-side state: every per-call counter lives in the
+//   rank's Ctrl block and is advanced by the kernel, so the launch can be captured into a CUDA
+//   graph and replayed. The symmetric buffer must have been initialised once (Ctrl all zero,
+//   every 32-bit word of the Lamport region 0x80000000; see layout.h).
+// - Tensors: x, out, residual, residual_out, weight are device pointers of x's dtype, 16-byte
+//   aligned, row-major [tokens, hidden] ([hidden] for weight). out may alias x and
+//   residual_out may alias residual. hidden must be a multiple of 8 (16-bit types) or 4 (f32);
+//   fused calls need hidden <= max_fused_hidden(dtype) (32768).
+// - Capacity: tokens * hidden * sizeof(dtype) <= oneshot_max_bytes(v) (one-shot) or
+//   <= twoshot_max_bytes(v) (two-shot). Larger messages must take another path (lax.psum).
+// - Errors: invalid arguments return cudaErrorInvalidValue before anything is launched
+//   (all_reduce_check says why); a device-side failure (peer timeout, disagreement) records
+//   ErrorInfo in v.err and traps, so the stream reports cudaErrorLaunchFailure.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "../common/layout.h"
+
+namespace nvc {
+namespace cuda {
+
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct AllReduceArgs {
+  const void* x;
+  void* out;
+  const void* residual;   // nullptr => plain all-reduce (residual_out, weight ignored)
+  void* residual_out;
+  const void* weight;
+  int64_t tokens;
+  int64_t hidden;
+  int dtype;              // DType
+  float eps;
+};
+
+enum class Strategy : int { kOneShot = 0, kTwoShot = 1 };
+
+constexpr int kMaxArBlocks = 32;  // blocks per all-reduce launch (<= kMaxBlocks)
+
+// Launch on `stream`. multicast_base: multicast address of this rank's buffer start (nullptr =
+// unicast). Uses the SM count of the current device (queried once per device and cached).
+cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
+                       const void* multicast_base, cudaStream_t stream);
+// Same with an explicit SM count budget (the grid never exceeds it).
+cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
+                       const void* multicast_base, cudaStream_t stream, int sm_count);
+
+// nullptr if the call is valid, else a static message saying what is wrong.
+const char* all_reduce_check(const CommView& v, const AllReduceArgs& a, Strategy s);
+
+// Number of blocks the call launches (pure function; exposed for tests and tuning).
+int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strategy s, bool fused,
+                    int sm_count);
+
+size_t oneshot_max_bytes(const CommView& v);  // largest message one-shot can take (= slot L)
+size_t twoshot_max_bytes(const CommView& v);  // largest message two-shot can take (= M)
+int64_t max_fused_hidden(int dtype);
+size_t dtype_bytes(int dtype);
+
+}  // namespace cuda
+}  // namespace nvc

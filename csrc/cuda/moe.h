@@ -1,0 +1,61 @@
+// Launch API of MoE dispatch / combine (protocol, layout and handle: common/moe_layout.h;
+// kernels: kernels/moe_dispatch.cuh, kernels/moe_combine.cuh).
+//
+// v: the MoE communicator's view (bufs[] = every rank's MoE buffer of moe_buffer_bytes(cfg),
+// Ctrl zeroed once at allocation; v.rank == cfg.rank). Pointers are device pointers; the
+// launchers validate the config, enqueue kernels on `stream` and return cudaGetLastError() (or
+// cudaErrorInvalidValue for a bad config / missing pointer). No allocation, no host sync, no
+// host-side per-call state: capturable into CUDA graphs.
+//
+// One call = SEND then RECV on one stream; the next call's SEND must come after this call's RECV.
+// moe_dispatch / moe_combine enqueue both; the split entry points exist so a later start/done
+// pair of custom calls can overlap compute between them.
+//
+// Device-detected errors (expert id out of range or repeated, num_tokens outside [0, T], a peer
+// that never arrives or runs another call) are written to *v.err and the kernel traps.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "../common/layout.h"
+#include "../common/moe_layout.h"
+
+namespace nvc {
+namespace cuda {
+
+// Load the MoE kernels into the current device's context now (cudaFuncGetAttributes on each).
+// Call once per device at communicator creation: with CUDA lazy module loading (the default), the
+// first launch of a kernel can wait for the device to go idle, which deadlocks when a peer's
+// spinning RECV kernel shares the device (several ranks per GPU) until the bounded wait expires.
+cudaError_t moe_load_kernels();
+
+// x [T,H] of cfg.dtype; x_scale [T,S] f32 (null iff S == 0); topk_ids [T,K] int32;
+// num_tokens: device int32 scalar (null = T). Outputs: expert_x [L, W*T, H] of cfg.dtype,
+// expert_counts [L], expert_x_scale [L, W*T, S] (null iff S == 0), handle token_dest [T,K],
+// handle expert_src [L, W*T].
+cudaError_t moe_dispatch(const CommView& v, const MoeConfig& cfg, const void* x, const float* x_scale,
+                         const int32_t* topk_ids, const int32_t* num_tokens, void* expert_x,
+                         int32_t* expert_counts, float* expert_x_scale, int32_t* token_dest,
+                         int32_t* expert_src, cudaStream_t stream);
+cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& cfg, const void* x,
+                              const float* x_scale, const int32_t* topk_ids,
+                              const int32_t* num_tokens, int32_t* token_dest, cudaStream_t stream);
+cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& cfg, void* expert_x,
+                              int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
+                              cudaStream_t stream);
+
+// expert_y [L, W*T, H] of y_dtype (kMoeF32 / kMoeBF16 / kMoeF16); topk_weights [T,K] f32;
+// token_dest, expert_src, expert_counts: the dispatch's handle; y [T,H] of y_dtype.
+cudaError_t moe_combine(const CommView& v, const MoeConfig& cfg, const void* expert_y, int y_dtype,
+                        const float* topk_weights, const int32_t* token_dest,
+                        const int32_t* expert_src, const int32_t* expert_counts, void* y,
+                        cudaStream_t stream);
+cudaError_t moe_combine_send(const CommView& v, const MoeConfig& cfg, const void* expert_y,
+                             int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
+                             cudaStream_t stream);
+cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& cfg, int y_dtype,
+                             const float* topk_weights, const int32_t* token_dest, void* y,
+                             cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace nvc

@@ -1,0 +1,81 @@
+// XLA:CPU FFI handlers for MoE dispatch / combine on the host backend (protocol in
+// host/moe_host.h). The slot operand (group * world + rank) selects the rank context.
+#include "../common/ffi_targets.h"
+#include "../host/moe_host.h"
+#include "moe_ffi_common.h"
+
+namespace nvc {
+namespace {
+
+ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
+                               ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
+                               ffi::Buffer<ffi::S32> num_tokens,
+                               ffi::Result<ffi::AnyBuffer> expert_x,
+                               ffi::Result<ffi::AnyBuffer> counts,
+                               ffi::Result<ffi::AnyBuffer> expert_x_scale,
+                               ffi::Result<ffi::AnyBuffer> token_dest,
+                               ffi::Result<ffi::AnyBuffer> expert_src, int64_t comm_id) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  MoeConfig c;
+  if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x); e.failure()) return e;
+  const bool sc = c.scale_cols > 0;
+  std::string err = host::moe_dispatch_host(
+      ctx->view, c, x.untyped_data(), sc ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
+      static_cast<const int32_t*>(ids.untyped_data()), num_tokens.typed_data(),
+      expert_x->untyped_data(), static_cast<int32_t*>(counts->untyped_data()),
+      sc ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
+      static_cast<int32_t*>(token_dest->untyped_data()),
+      static_cast<int32_t*>(expert_src->untyped_data()));
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_y,
+                              ffi::AnyBuffer w, ffi::AnyBuffer token_dest,
+                              ffi::AnyBuffer expert_src, ffi::AnyBuffer counts,
+                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  MoeConfig c;
+  if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  int yd = 0;
+  if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd); e.failure())
+    return e;
+  std::string err = host::moe_combine_host(
+      ctx->view, c, expert_y.untyped_data(), yd, static_cast<const float*>(w.untyped_data()),
+      static_cast<const int32_t*>(token_dest.untyped_data()),
+      static_cast<const int32_t*>(expert_src.untyped_data()),
+      static_cast<const int32_t*>(counts.untyped_data()), y->untyped_data());
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kMoeDispatchHost, MoeDispatchHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id"));
+XLA_FFI_DEFINE_HANDLER(kMoeCombineHost, MoeCombineHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Attr<int64_t>("comm_id"));
+NVC_REGISTER_FFI("nvc_moe_dispatch", kMoeDispatchHost);
+NVC_REGISTER_FFI("nvc_moe_combine", kMoeCombineHost);
+
+}  // namespace nvc

@@ -1,0 +1,59 @@
+// Decoding shared by the host and CUDA MoE handlers: the MoeConfig of a rank context and the
+// shape checks of every buffer against it (so a mismatched call fails before any launch).
+#pragma once
+#include <string>
+
+#include "../common/moe_layout.h"
+#include "ffi_common.h"
+
+namespace nvc {
+
+// RankContext::params of a MoE communicator: num_experts, top_k, max_tokens, hidden, dtype,
+// scale_cols (set at registration).
+inline ffi::Error moe_config_of(const RankContext& ctx, MoeConfig* c) {
+  if (ctx.params.size() != 6)
+    return precondition("jax_nvcomm: communicator is not a MoECommunicator");
+  *c = MoeConfig{ctx.view.world, ctx.view.rank, int(ctx.params[0]), int(ctx.params[1]),
+                 int(ctx.params[2]), int(ctx.params[3]), int(ctx.params[4]), int(ctx.params[5])};
+  if (const char* why = moe_config_error(*c)) return precondition(std::string("jax_nvcomm: ") + why);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error expect_elems(const ffi::AnyBuffer& b, size_t n, const char* name) {
+  if (b.element_count() != n)
+    return precondition(std::string("jax_nvcomm: ") + name + " has " +
+                        std::to_string(b.element_count()) + " elements, expected " +
+                        std::to_string(n));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_dispatch(const MoeConfig& c, const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& ids,
+                                 const ffi::AnyBuffer& expert_x) {
+  const size_t T = c.max_tokens, H = c.hidden, K = c.top_k, S = c.scale_cols;
+  const size_t L = moe_local_experts(c), R = moe_expert_rows(c);
+  if (dtype_code(x.element_type()) != c.dtype)
+    return precondition("jax_nvcomm: moe_dispatch: x dtype differs from the communicator's");
+  if (auto e = expect_elems(x, T * H, "x"); e.failure()) return e;
+  if (auto e = expect_elems(x_scale, T * S, "x_scale"); e.failure()) return e;
+  if (auto e = expect_elems(ids, T * K, "topk_ids"); e.failure()) return e;
+  return expect_elems(expert_x, L * R * H, "expert_x");
+}
+
+inline ffi::Error check_combine(const MoeConfig& c, const ffi::AnyBuffer& expert_y,
+                                const ffi::AnyBuffer& w, const ffi::AnyBuffer& token_dest,
+                                const ffi::AnyBuffer& expert_src, const ffi::AnyBuffer& counts,
+                                int* y_dtype) {
+  const size_t T = c.max_tokens, H = c.hidden, K = c.top_k;
+  const size_t L = moe_local_experts(c), R = moe_expert_rows(c);
+  *y_dtype = dtype_code(expert_y.element_type());
+  if (!moe_y_dtype_ok(*y_dtype))
+    return precondition("jax_nvcomm: moe_combine: expert_y must be f32, bf16 or f16");
+  if (auto e = expect_elems(expert_y, L * R * H, "expert_y"); e.failure()) return e;
+  if (auto e = expect_elems(w, T * K, "topk_weights"); e.failure()) return e;
+  if (auto e = expect_elems(token_dest, T * K, "handle.token_dest"); e.failure()) return e;
+  if (auto e = expect_elems(expert_src, L * R, "handle.expert_src"); e.failure()) return e;
+  return expect_elems(counts, L, "handle.expert_counts");
+}
+
+}  // namespace nvc

@@ -1,0 +1,325 @@
+// Host-memory MoE dispatch / combine: see moe_host.h and common/moe_layout.h for the protocol.
+#include "moe_host.h"
+
+#include <chrono>
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace nvc {
+namespace host {
+namespace {
+
+using u64 = unsigned long long;
+
+uint64_t ld_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void st_release(uint64_t* p, uint64_t x) { __atomic_store_n(p, x, __ATOMIC_RELEASE); }
+
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+const char* op_name(uint32_t desc) {
+  return (desc & 0xFu) == kOpMoeDispatch ? "moe_dispatch" : "moe_combine";
+}
+
+// Record (first error wins) and format: "jax_nvcomm moe_x: rank R (seq S): <what>".
+std::string report(const CommView& v, uint32_t code, uint32_t desc, int peer, uint64_t seq,
+                   uint64_t observed, const std::string& what) {
+  if (v.err != nullptr) {
+    uint32_t zero = 0;
+    if (__atomic_compare_exchange_n(&v.err->code, &zero, code, false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE)) {
+      v.err->op = desc;
+      v.err->rank = v.rank;
+      v.err->peer = peer;
+      v.err->seq = seq;
+      v.err->observed = observed;
+    }
+  }
+  return fmt("jax_nvcomm %s: rank %d (seq %llu): ", op_name(desc), v.rank, u64(seq)) + what;
+}
+
+// Bad input found by a sender: poison call s in every rank (peers fail at once), then report.
+std::string poison(const CommView& v, uint64_t s, uint32_t code, uint32_t desc, int peer,
+                   uint64_t observed, const std::string& what) {
+  for (int r = 0; r < v.world; ++r)
+    st_release(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][0], make_flag(s, kMoePoisonDesc));
+  return report(v, code, desc, peer, s, observed, what);
+}
+
+void publish(const CommView& v, uint64_t s, uint32_t desc) {
+  for (int r = 0; r < v.world; ++r)
+    st_release(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][0], make_flag(s, desc));
+}
+
+// Wait (bounded, yielding) for slot 0 of every source's flag of call s.
+std::string wait_all(const CommView& v, uint64_t s, uint32_t desc) {
+  using clock = std::chrono::steady_clock;
+  const uint64_t want = make_flag(s, desc);
+  const auto start = clock::now();
+  const auto deadline = start + std::chrono::nanoseconds(v.timeout_ns);
+  for (int src = 0; src < v.world; ++src) {
+    const uint64_t* fp = &v.ctrl()->flags[s & 1][0][src][0];
+    for (uint32_t spins = 0;; ++spins) {
+      const uint64_t f = ld_acquire(fp);
+      if (f == want) break;
+      if (flag_seq(f) == s) {
+        if (flag_desc(f) == kMoePoisonDesc)
+          return report(v, kErrMismatch, desc, src, s, f, fmt("rank %d failed this call", src));
+        return report(v, kErrMismatch, desc, src, s, f,
+                      fmt("rank %d runs another call at this sequence number (descriptor 0x%06x, "
+                          "expected 0x%06x): every rank must make the same MoE calls with the "
+                          "same configuration", src, flag_desc(f), desc));
+      }
+      if (flag_seq(f) > s)
+        return report(v, kErrAhead, desc, src, s, f,
+                      fmt("rank %d is ahead (its seq %llu)", src, u64(flag_seq(f))));
+      if ((spins & 15u) == 15u && clock::now() > deadline)
+        return report(v, kErrTimeout, desc, src, s, f,
+                      fmt("timed out after %.3f s waiting for rank %d (its last flag has seq %llu)",
+                          std::chrono::duration<double>(clock::now() - start).count(), src,
+                          u64(flag_seq(f))));
+      if (spins < 20000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  return "";
+}
+
+std::string check(const CommView& v, const MoeConfig& c, uint32_t op) {
+  const char* name = op == kOpMoeDispatch ? "moe_dispatch" : "moe_combine";
+  if (const char* e = moe_config_error(c)) return fmt("jax_nvcomm %s: bad config: %s", name, e);
+  if (v.rank != c.rank || v.world != c.world)
+    return fmt("jax_nvcomm %s: view (rank %d of %d) and config (rank %d of %d) disagree", name,
+               v.rank, v.world, c.rank, c.world);
+  return "";
+}
+
+}  // namespace
+
+std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const void* x,
+                                   const float* x_scale, const int32_t* ids,
+                                   const int32_t* num_tokens, int32_t* token_dest) {
+  if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
+  const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
+  if (!x || !ids || !token_dest || (S > 0 && !x_scale))
+    return "jax_nvcomm moe_dispatch: null input pointer";
+  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1, par = s & 1;
+  const uint32_t desc = moe_dispatch_desc(c);
+  const int n = num_tokens ? *num_tokens : T;
+  if (n < 0 || n > T)
+    return poison(v, s, kErrCapacity, desc, n, uint64_t(T),
+                  fmt("num_tokens %d outside [0, max_tokens=%d]", n, T));
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int e = ids[size_t(t) * K + k];
+      if (e < -1 || e >= E)
+        return poison(v, s, kErrBadExpert, desc, e, uint64_t(t),
+                      fmt("topk_ids[%d, %d] = %d outside [-1, num_experts=%d)", t, k, e, E));
+      for (int k2 = 0; e >= 0 && k2 < k; ++k2)
+        if (ids[size_t(t) * K + k2] == e)
+          return poison(v, s, kErrBadExpert, desc, e, uint64_t(t),
+                        fmt("topk_ids[%d] repeats expert %d (slots %d and %d)", t, e, k2, k));
+    }
+
+  const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  std::vector<int32_t> cntE(E, 0), cntD(W, 0);
+  int idx[kMoeMaxTopK];
+  for (int t = 0; t < n; ++t) {
+    const int32_t* row = ids + size_t(t) * K;
+    uint32_t dmask = 0;
+    for (int k = 0; k < K; ++k)
+      if (row[k] >= 0) { idx[k] = cntE[row[k]]++; dmask |= 1u << (row[k] / L); }
+    for (int d = 0; d < W; ++d) {
+      if (!((dmask >> d) & 1u)) continue;
+      char* dst = moe_drow(moe_half(v.bufs[d], c, par), c, v.rank, cntD[d]++);
+      std::memcpy(dst, static_cast<const char*>(x) + size_t(t) * xrow, xrow);
+      if (S > 0) std::memcpy(dst + scale_off, x_scale + size_t(t) * S, size_t(S) * 4);
+      int32_t* meta = reinterpret_cast<int32_t*>(dst + meta_off);
+      int m = 0;
+      for (int k = 0; k < K; ++k)
+        if (row[k] >= 0 && row[k] / L == d) {
+          meta[2 + 2 * m] = (row[k] - d * L) | (k << 16);
+          meta[3 + 2 * m] = idx[k];
+          ++m;
+        }
+      meta[0] = t;
+      meta[1] = m;
+    }
+    std::memcpy(token_dest + size_t(t) * K, row, size_t(K) * 4);
+  }
+  for (size_t i = size_t(n) * K; i < size_t(T) * K; ++i) token_dest[i] = -1;
+  for (int d = 0; d < W; ++d) {
+    int32_t* hdr = moe_hdr(moe_half(v.bufs[d], c, par), c, v.rank);
+    hdr[0] = cntD[d];
+    for (int le = 0; le < L; ++le) hdr[1 + le] = cntE[d * L + le];
+  }
+  publish(v, s, desc);
+  return "";
+}
+
+std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* expert_x,
+                                   int32_t* expert_counts, float* expert_x_scale,
+                                   int32_t* expert_src) {
+  if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
+  const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
+  if (!expert_x || !expert_counts || !expert_src || (S > 0 && !expert_x_scale))
+    return "jax_nvcomm moe_dispatch: null output pointer";
+  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1;
+  const uint32_t desc = moe_dispatch_desc(c);
+  if (std::string e = wait_all(v, s, desc); !e.empty()) return e;
+
+  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  std::vector<int32_t> rows(W), off(size_t(L) * W + 1), tot(L, 0);
+  for (int src = 0; src < W; ++src) {
+    const int32_t* hdr = moe_hdr(half, c, src);
+    rows[src] = hdr[0];
+    if (hdr[0] < 0 || hdr[0] > T)
+      return report(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(hdr[0])),
+                    fmt("rank %d announced %d rows (capacity %d)", src, hdr[0], T));
+    for (int le = 0; le < L; ++le) {
+      if (hdr[1 + le] < 0 || hdr[1 + le] > T)
+        return report(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(hdr[1 + le])),
+                      fmt("rank %d announced %d rows for expert %d", src, hdr[1 + le], le));
+      off[size_t(le) * W + src] = tot[le];
+      tot[le] += hdr[1 + le];
+    }
+  }
+  const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  const size_t erows = moe_expert_rows(c);
+  const int maxent = moe_max_entries(c);
+  for (int src = 0; src < W; ++src)
+    for (int j = 0; j < rows[src]; ++j) {
+      const char* row = moe_drow(half, c, src, j);
+      const int32_t* meta = reinterpret_cast<const int32_t*>(row + meta_off);
+      const int t = meta[0], m = meta[1];
+      if (t < 0 || t >= T || m < 1 || m > maxent)
+        return report(v, kErrCapacity, desc, src, s, uint64_t(j),
+                      fmt("corrupt row %d from rank %d (token %d, %d experts)", j, src, t, m));
+      for (int q = 0; q < m; ++q) {
+        const int le = meta[2 + 2 * q] & 0xFFFF, k = meta[2 + 2 * q] >> 16, ix = meta[3 + 2 * q];
+        const int cnt = le < L ? moe_hdr(half, c, src)[1 + le] : 0;
+        if (le >= L || k >= K || ix < 0 || ix >= cnt)
+          return report(v, kErrCapacity, desc, src, s, uint64_t(j),
+                        fmt("corrupt row %d from rank %d (expert %d, k %d, index %d)", j, src, le, k, ix));
+        const size_t er = size_t(le) * erows + off[size_t(le) * W + src] + ix;
+        expert_src[er] = (src * T + t) * K + k;
+        std::memcpy(static_cast<char*>(expert_x) + er * xrow, row, xrow);
+        if (S > 0) std::memcpy(expert_x_scale + er * S, row + scale_off, size_t(S) * 4);
+      }
+    }
+  for (int le = 0; le < L; ++le) expert_counts[le] = tot[le];
+  st_release(&v.ctrl()->seq, s);
+  return "";
+}
+
+std::string moe_dispatch_host(const CommView& v, const MoeConfig& c, const void* x,
+                              const float* x_scale, const int32_t* topk_ids,
+                              const int32_t* num_tokens, void* expert_x, int32_t* expert_counts,
+                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src) {
+  if (!expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
+    return "jax_nvcomm moe_dispatch: null output pointer";  // before SEND: never half a call
+  std::string e = moe_dispatch_send_host(v, c, x, x_scale, topk_ids, num_tokens, token_dest);
+  if (!e.empty()) return e;
+  return moe_dispatch_recv_host(v, c, expert_x, expert_counts, expert_x_scale, expert_src);
+}
+
+std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const void* expert_y,
+                                  int y_dtype, const int32_t* expert_src,
+                                  const int32_t* expert_counts) {
+  if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
+  if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (!expert_y || !expert_src || !expert_counts) return "jax_nvcomm moe_combine: null input pointer";
+  const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
+  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1, par = s & 1;
+  const uint32_t desc = moe_combine_desc(c, y_dtype);
+  const size_t erows = moe_expert_rows(c), yrow = moe_y_row_bytes(c, y_dtype);
+  const int64_t slots = int64_t(T) * K;
+  for (int le = 0; le < L; ++le) {
+    const int cnt = expert_counts[le];
+    if (cnt < 0 || size_t(cnt) > erows)
+      return poison(v, s, kErrCapacity, desc, le, uint64_t(uint32_t(cnt)),
+                    fmt("expert_counts[%d] = %d outside [0, %zu]", le, cnt, erows));
+    for (int i = 0; i < cnt; ++i) {
+      const size_t er = size_t(le) * erows + i;
+      const int slot = expert_src[er];
+      if (slot < 0 || slot >= W * slots)
+        return poison(v, s, kErrCapacity, desc, le, uint64_t(uint32_t(slot)),
+                      fmt("handle expert_src[%d, %d] = %d is not a valid slot", le, i, slot));
+      const int src = int(slot / slots);
+      std::memcpy(moe_landing(moe_half(v.bufs[src], c, par), c, y_dtype, size_t(slot - src * slots)),
+                  static_cast<const char*>(expert_y) + er * yrow, yrow);
+    }
+  }
+  publish(v, s, desc);
+  return "";
+}
+
+std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_dtype,
+                                  const float* topk_weights, const int32_t* token_dest, void* y) {
+  if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
+  if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
+  const int E = c.num_experts, K = c.top_k, T = c.max_tokens, H = c.hidden;
+  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1;
+  const uint32_t desc = moe_combine_desc(c, y_dtype);
+  if (std::string e = wait_all(v, s, desc); !e.empty()) return e;
+
+  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  const size_t yrow = moe_y_row_bytes(c, y_dtype);
+  std::vector<float> acc(H);
+  for (int t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < K; ++k) {
+      const int e = token_dest[size_t(t) * K + k];
+      if (e < -1 || e >= E)
+        return report(v, kErrBadExpert, desc, e, s, uint64_t(t),
+                      fmt("handle token_dest[%d, %d] = %d is not an expert id", t, k, e));
+      if (e < 0) continue;
+      const float w = topk_weights[size_t(t) * K + k];
+      const char* row = moe_landing(half, c, y_dtype, size_t(t) * K + k);
+      if (y_dtype == kMoeF32) {
+        const float* p = reinterpret_cast<const float*>(row);
+        for (int i = 0; i < H; ++i) acc[i] = std::fmaf(w, p[i], acc[i]);
+      } else {
+        const uint16_t* p = reinterpret_cast<const uint16_t*>(row);
+        if (y_dtype == kMoeBF16)
+          for (int i = 0; i < H; ++i) acc[i] = std::fmaf(w, moe_bf16_to_f32(p[i]), acc[i]);
+        else
+          for (int i = 0; i < H; ++i) acc[i] = std::fmaf(w, moe_f16_to_f32(p[i]), acc[i]);
+      }
+    }
+    char* out = static_cast<char*>(y) + size_t(t) * yrow;
+    if (y_dtype == kMoeF32) {
+      std::memcpy(out, acc.data(), yrow);
+    } else {
+      uint16_t* p = reinterpret_cast<uint16_t*>(out);
+      for (int i = 0; i < H; ++i) p[i] = uint16_t(moe_from_f32(acc[i], y_dtype));
+    }
+  }
+  st_release(&v.ctrl()->seq, s);
+  return "";
+}
+
+std::string moe_combine_host(const CommView& v, const MoeConfig& c, const void* expert_y,
+                             int y_dtype, const float* topk_weights, const int32_t* token_dest,
+                             const int32_t* expert_src, const int32_t* expert_counts, void* y) {
+  if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
+  std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts);
+  if (!e.empty()) return e;
+  return moe_combine_recv_host(v, c, y_dtype, topk_weights, token_dest, y);
+}
+
+}  // namespace host
+}  // namespace nvc

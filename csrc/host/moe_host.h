@@ -1,0 +1,52 @@
+// MoE dispatch / combine on host memory for CPU devices: the protocol, buffer layout, handle
+// and arithmetic of the CUDA kernels (common/moe_layout.h, kernels/moe_*.cuh), run by one thread
+// per rank. Results are bitwise identical to the CUDA backend (same row order, same float32 fma
+// sequence in k order, same RNE conversions from moe_layout.h).
+//
+// Differences from CUDA, none visible in the results:
+// - a SEND is one "block": it raises flags[p][0][me][0] only, RECV waits for that one slot of
+//   every source (the CUDA grid raises moe_blocks(cfg) slots).
+// - Synchronisation: flags and Ctrl::seq through GCC/Clang __atomic builtins (acquire/release,
+//   lock-free 64-bit, valid between threads and between processes mapping the same memory);
+//   payload with plain memcpy ordered by those release/acquire pairs.
+// - Bounded waits: std::chrono::steady_clock against CommView::timeout_ns, yielding the CPU
+//   while spinning (many ranks on few cores).
+// - Errors are returned as text ("" = success) naming the rank, the peer and the seq, and also
+//   recorded in *v.err when non-null (first error wins). A sender that finds bad input raises the
+//   poison flag in every rank before returning, so peers fail at once instead of timing out.
+//
+// v.bufs[r]: rank r's MoE buffer (moe_buffer_bytes(cfg) bytes, Ctrl zeroed before first use) as
+// mapped in this process; v.rank == cfg.rank. Array shapes as in cuda/moe.h; all host pointers.
+// num_tokens: pointer to the int32 scalar, null = max_tokens. Plain C++17.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "../common/layout.h"
+#include "../common/moe_layout.h"
+
+namespace nvc {
+namespace host {
+
+std::string moe_dispatch_host(const CommView& v, const MoeConfig& cfg, const void* x,
+                              const float* x_scale, const int32_t* topk_ids,
+                              const int32_t* num_tokens, void* expert_x, int32_t* expert_counts,
+                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src);
+std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& cfg, const void* x,
+                                   const float* x_scale, const int32_t* topk_ids,
+                                   const int32_t* num_tokens, int32_t* token_dest);
+std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& cfg, void* expert_x,
+                                   int32_t* expert_counts, float* expert_x_scale,
+                                   int32_t* expert_src);
+
+std::string moe_combine_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
+                             int y_dtype, const float* topk_weights, const int32_t* token_dest,
+                             const int32_t* expert_src, const int32_t* expert_counts, void* y);
+std::string moe_combine_send_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
+                                  int y_dtype, const int32_t* expert_src,
+                                  const int32_t* expert_counts);
+std::string moe_combine_recv_host(const CommView& v, const MoeConfig& cfg, int y_dtype,
+                                  const float* topk_weights, const int32_t* token_dest, void* y);
+
+}  // namespace host
+}  // namespace nvc

@@ -1,0 +1,162 @@
+// MoE combine kernels: SEND (expert side) and RECV (token side) halves of one call.
+// Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
+//
+// Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+//
+// SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
+//   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
+//   slot = expert_src[e][i] = (src*T + t)*K + k (range-checked); copies the row of expert_y
+//   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's half p. Each landing
+//   slot has exactly one writer. Then every block raises flag[p][0][me][b] in every rank.
+// RECV: waits for every rank's flags (bounded), then one warp per token t < T: the valid k of
+//   token_dest[t] (in k order) and their weights go to shared memory; each lane owns 16-B
+//   columns and accumulates acc = fmaf(w_k, float(row_k), acc) for k ascending, starting from
+//   +0.0f, rounds once to the y dtype (RNE). Rows with no valid slot (t >= num_tokens) are zero.
+//   The conversions are moe_layout.h's, shared with the host protocol: bitwise-equal results.
+//   finish_call advances Ctrl::seq (last block).
+#pragma once
+#include "moe_dispatch.cuh"
+
+namespace nvc {
+namespace moe {
+
+struct CombineSendArgs {
+  const uint8_t* expert_y;       // [L, W*T, H] of y_dtype
+  const int32_t* expert_src;     // handle [L, W*T]
+  const int32_t* expert_counts;  // [L]
+  int y_dtype;
+};
+
+__host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
+  return 4 * (size_t(moe_local_experts(c)) + 1);
+}
+
+__global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, MoeConfig c, CombineSendArgs a) {
+  extern __shared__ int32_t pre[];  // [L + 1]
+  __shared__ int32_t s_part[kMoeThreads];
+  __shared__ int s_bad;
+  const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const uint64_t s = dev::call_seq(v), par = s & 1;
+  const uint32_t desc = moe_combine_desc(c, a.y_dtype);
+  const int64_t erows = int64_t(W) * T;
+
+  // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
+  if (tid == 0) s_bad = -1;
+  __syncthreads();
+  const int per = (L + blockDim.x - 1) / blockDim.x, lo = min(tid * per, L), hi = min(lo + per, L);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) {
+    const int x = __ldg(a.expert_counts + i);
+    if (x < 0 || x > erows) s_bad = i;
+    sum += x;
+  }
+  s_part[tid] = sum;
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int kPer = kMoeThreads / 32;
+    int loc[kPer], tot = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) { loc[j] = s_part[lane * kPer + j]; tot += loc[j]; }
+    int inc = tot;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
+      if (lane >= d) inc += y;
+    }
+    int acc = inc - tot;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) { s_part[lane * kPer + j] = acc; acc += loc[j]; }
+    if (lane == 31) pre[L] = inc;
+  }
+  __syncthreads();
+  if (s_bad >= 0) {
+    if (tid == 0) poison_and_fail(v, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
+    return;
+  }
+  {
+    int acc = s_part[tid];
+    for (int i = lo; i < hi; ++i) { pre[i] = acc; acc += __ldg(a.expert_counts + i); }
+  }
+  __syncthreads();
+
+  const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
+  const int nvec = int(yrow / 16), total = pre[L];
+  const int64_t slots = int64_t(T) * K;
+  for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
+    int l = 0, h = L - 1;  // last e with pre[e] <= g
+    while (l < h) {
+      const int mid = (l + h + 1) >> 1;
+      if (pre[mid] <= g) l = mid; else h = mid - 1;
+    }
+    const int64_t er = int64_t(l) * erows + (g - pre[l]);
+    const int slot = __ldg(a.expert_src + er);
+    if (slot < 0 || slot >= W * slots) poison_and_fail(v, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+    const int src = int(slot / slots);
+    char* dst = moe_landing(moe_half(v.bufs[src], c, par), c, a.y_dtype, size_t(slot - src * slots));
+    const uint8_t* yr = a.expert_y + size_t(er) * yrow;
+    for (int i = lane; i < nvec; i += 32) dev::st_v4(dst + size_t(i) * 16, ld_nc_v4(yr + size_t(i) * 16));
+  }
+  publish_all(v, s, desc);
+}
+
+struct CombineRecvArgs {
+  const float* weights;       // [T, K]
+  const int32_t* token_dest;  // handle [T, K]
+  uint8_t* y;                 // [T, H] of y_dtype
+};
+
+template <int YT>
+__global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
+  constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
+  __shared__ int s_k[kWarps][32];
+  __shared__ float s_w[kWarps][32];
+  const int E = c.num_experts, K = c.top_k, T = c.max_tokens;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const uint64_t s = dev::call_seq(v);
+  const uint32_t desc = moe_combine_desc(c, YT);
+  wait_all_sources(v, s, desc, moe_blocks(c));
+
+  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  const size_t yrow = moe_y_row_bytes(c, YT);
+  const int nvec = int(yrow / 16);
+  for (int t = b * kWarps + warp; t < T; t += G * kWarps) {
+    const int e = lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
+    if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, uint64_t(t));
+    const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
+    const int m = __popc(bal);
+    if (e >= 0) {
+      const int q = __popc(bal & lanemask_lt());
+      s_k[warp][q] = lane;
+      s_w[warp][q] = __ldg(a.weights + size_t(t) * K + lane);
+    }
+    __syncwarp();
+    for (int i = lane; i < nvec; i += 32) {
+      float acc[kElems];
+#pragma unroll
+      for (int q = 0; q < kElems; ++q) acc[q] = 0.0f;
+      for (int j = 0; j < m; ++j) {
+        const float w = s_w[warp][j];
+        const uint4 val = dev::ld_cg_v4(moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j]) + size_t(i) * 16);
+        const uint32_t* wd = reinterpret_cast<const uint32_t*>(&val);
+#pragma unroll
+        for (int q = 0; q < kElems; ++q) {
+          const uint32_t bits = kElems == 4 ? wd[q] : (wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
+          acc[q] = fmaf(w, moe_to_f32(bits, YT), acc[q]);
+        }
+      }
+      uint4 out;
+      uint32_t* od = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        od[q] = kElems == 4 ? moe_from_f32(acc[q], YT)
+                            : moe_from_f32(acc[2 * q], YT) | (moe_from_f32(acc[2 * q + 1], YT) << 16);
+      dev::st_v4(a.y + size_t(t) * yrow + size_t(i) * 16, out);
+    }
+    __syncwarp();
+  }
+  dev::finish_call(v, s);
+}
+
+}  // namespace moe
+}  // namespace nvc

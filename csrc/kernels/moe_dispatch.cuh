@@ -1,0 +1,319 @@
+// MoE dispatch kernels: SEND (source side) and RECV (expert side) halves of one call.
+// Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
+//
+// Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+//
+// SEND, block b of G owns tokens [n*b/G, n*(b+1)/G) (n = *num_tokens):
+//   A. every thread takes one token of [0, t1): validates its ids (range) and, for tokens before
+//      the block's chunk, adds them into shared counters cntE[expert] / cntD[dest rank] (warp-
+//      aggregated shared atomics; integer sums, so the result is deterministic).
+//   B. warp 0 walks the chunk in token order, 32/top_k tokens per step (lanes = (token, k)):
+//      duplicate check, idx = cntE[e] + earlier lanes with the same e, pos = cntD[d] + earlier
+//      tokens of the step going to d (__match_any_sync); whole block then copies each token once
+//      per destination: payload (16-B vectors), scales, meta (entries in k order).
+//   Block G-1 ends with the totals and writes the header of every destination. Then every
+//   block: __syncthreads, fence.acq_rel.sys, st.release.sys flag[p][0][me][b] in every rank.
+// RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
+//   block reads the W headers, off[e][src] = prefix over sources; one warp per received row
+//   copies payload + scales to every listed local expert row off[e][src] + idx and writes the
+//   handle; block 0 writes expert_counts. finish_call advances Ctrl::seq (last block).
+// Received metadata is range-checked before it is used as an address (kErrCapacity).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "../common/moe_layout.h"
+#include "common.cuh"
+
+namespace nvc {
+namespace moe {
+
+constexpr int kWarps = kMoeThreads / 32;
+
+__device__ __forceinline__ uint32_t lanemask_lt() {
+  uint32_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
+__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
+                                    uint64_t seq, uint64_t observed) {
+  ErrorInfo* err = v.err;
+  if (err != nullptr && atomicCAS_system(&err->code, 0u, code) == 0u) {
+    err->op = desc;
+    err->rank = v.rank;
+    err->peer = peer;
+    err->seq = seq;
+    err->observed = observed;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Raise the poison flag of call s in all of this rank's slots of every rank, then record and trap.
+__device__ __forceinline__ void poison_and_fail(const CommView& v, uint64_t s, int nblocks,
+                                             uint32_t code, uint32_t desc, int peer,
+                                             uint64_t observed) {
+  const uint64_t f = make_flag(s, kMoePoisonDesc);
+  for (int r = 0; r < v.world; ++r)
+    for (int b = 0; b < nblocks; ++b) dev::st_release_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
+  die(v, code, desc, peer, s, observed);
+}
+
+// Thread i < world * nblocks waits for flag (src, block); then the whole block syncs.
+__device__ __forceinline__ void wait_all_sources(const CommView& v, uint64_t s, uint32_t desc, int nblocks) {
+  const uint64_t deadline = dev::globaltimer() + v.timeout_ns;
+  for (int i = threadIdx.x; i < v.world * nblocks; i += blockDim.x) {
+    const int src = i / nblocks, blk = i - src * nblocks;
+    dev::wait_flag(&v.ctrl()->flags[s & 1][0][src][blk], s, desc, v, src, deadline);
+  }
+  __syncthreads();
+}
+
+// Every thread: publish this block's flag for call s in every rank (after a __syncthreads).
+__device__ __forceinline__ void publish_all(const CommView& v, uint64_t s, uint32_t desc) {
+  __syncthreads();
+  if (threadIdx.x < v.world) {
+    dev::fence_acq_rel_sys();
+    dev::st_release_sys(&v.peer_ctrl(threadIdx.x)->flags[s & 1][0][v.rank][blockIdx.x], make_flag(s, desc));
+  }
+}
+
+struct DispatchSendArgs {
+  const uint8_t* x;          // [T, H] payload
+  const float* x_scale;      // [T, S] or null when S == 0
+  const int32_t* ids;        // [T, K]
+  const int32_t* num_tokens; // device scalar, null = T
+  int32_t* token_dest;       // handle [T, K]
+};
+
+__host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
+  return 4 * (size_t(c.num_experts) + 16 + size_t(kMoeSubTokens) * (16 + c.top_k));
+}
+
+__global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, MoeConfig c, DispatchSendArgs a) {
+  extern __shared__ int32_t smem[];
+  const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
+  int32_t* cntE = smem;                                 // [E] tokens before the cursor, per expert
+  int32_t* cntD = cntE + E;                             // [16] tokens before the cursor, per dest rank
+  int32_t* sub_pos = cntD + 16;                         // [kMoeSubTokens][16] slot in dest, -1 = none
+  int32_t* sub_idx = sub_pos + kMoeSubTokens * 16;      // [kMoeSubTokens][K] idx within (me, expert)
+  __shared__ int s_bad, s_badval, s_badtok;
+  __shared__ char* s_dst[kWarps][kMaxWorld];
+  __shared__ int s_drank[kWarps][kMaxWorld];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const uint64_t s = dev::call_seq(v), par = s & 1;
+  const uint32_t desc = moe_dispatch_desc(c);
+  const int n = a.num_tokens ? __ldg(a.num_tokens) : T;
+  if (n < 0 || n > T) {
+    if (tid == 0) poison_and_fail(v, s, G, kErrCapacity, desc, n, uint64_t(T));
+    return;
+  }
+  const int t0 = int(int64_t(n) * b / G), t1 = int(int64_t(n) * (b + 1) / G);
+  for (int i = tid; i < E; i += blockDim.x) cntE[i] = 0;
+  if (tid < 16) cntD[tid] = 0;
+  if (tid == 0) s_bad = 0;
+  __syncthreads();
+
+  // A. validate [0, t1), count [0, t0).
+  for (int base = 0; base < t1; base += blockDim.x) {
+    const int t = base + tid;
+    const bool act = t < t1, before = t < t0;
+    uint32_t dmask = 0;
+    for (int k = 0; k < K; ++k) {
+      int e = act ? __ldg(a.ids + size_t(t) * K + k) : -1;
+      if (e < -1 || e >= E) {
+        if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; }
+        e = -1;
+      }
+      const bool use = before && e >= 0;
+      const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
+      if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
+      if (use) dmask |= 1u << (e / L);
+    }
+    for (int d = 0; d < W; ++d) {
+      const uint32_t bal = __ballot_sync(0xFFFFFFFFu, (dmask >> d) & 1u);
+      if (lane == 0 && bal) atomicAdd(&cntD[d], __popc(bal));
+    }
+  }
+  __syncthreads();
+  if (s_bad) {
+    if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval, uint64_t(s_badtok));
+    return;
+  }
+
+  const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  const int nvec = int(xrow / 16), S = c.scale_cols;
+  // B. the chunk, kMoeSubTokens tokens at a time.
+  for (int sb = t0; sb < t1; sb += kMoeSubTokens) {
+    const int se = min(sb + kMoeSubTokens, t1);
+    for (int i = tid; i < kMoeSubTokens * 16; i += blockDim.x) sub_pos[i] = -1;
+    __syncthreads();
+    if (warp == 0) {
+      const int tpw = 32 / K, lt_in = lane / K, k = lane - lt_in * K;
+      const uint32_t ltm = lanemask_lt();
+      for (int tb = sb; tb < se; tb += tpw) {
+        const int t = tb + lt_in;
+        const bool act = lt_in < tpw && t < se;
+        const int e = act ? __ldg(a.ids + size_t(t) * K + k) : -1;  // range checked in A
+        const bool valid = e >= 0;
+        const int d = valid ? e / L : 0;
+        const uint32_t pdup = __match_any_sync(0xFFFFFFFFu, valid ? lt_in * kMoeMaxExperts + e : -2 - lane);
+        if (valid && __popc(pdup) > 1 && atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; }
+        const uint32_t pe = __match_any_sync(0xFFFFFFFFu, valid ? e : -2 - lane);
+        const uint32_t pd = __match_any_sync(0xFFFFFFFFu, valid ? lt_in * 16 + d : -2 - lane);
+        const bool first = valid && lane == __ffs(pd) - 1;  // first slot of this token for rank d
+        const uint32_t pf = __match_any_sync(0xFFFFFFFFu, first ? d : -2 - lane);
+        if (valid) sub_idx[(t - sb) * K + k] = cntE[e] + __popc(pe & ltm);
+        if (first) sub_pos[(t - sb) * 16 + d] = cntD[d] + __popc(pf & ltm);
+        __syncwarp();
+        if (valid && lane == 31 - __clz(pe)) cntE[e] += __popc(pe);
+        if (first && lane == 31 - __clz(pf)) cntD[d] += __popc(pf);
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    if (s_bad) {
+      if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval, uint64_t(s_badtok));
+      return;
+    }
+    for (int t = sb + warp; t < se; t += kWarps) {
+      const int lt = t - sb;
+      // Destinations of this token, ascending rank.
+      const int pos = lane < W ? sub_pos[lt * 16 + lane] : -1;
+      const uint32_t dbal = __ballot_sync(0xFFFFFFFFu, pos >= 0);
+      const int nd = __popc(dbal);
+      if (pos >= 0) {
+        const int q = __popc(dbal & lanemask_lt());
+        s_dst[warp][q] = moe_drow(moe_half(v.bufs[lane], c, par), c, v.rank, pos);
+        s_drank[warp][q] = lane;
+      }
+      __syncwarp();
+      const uint8_t* xr = a.x + size_t(t) * xrow;
+      for (int i = lane; i < nvec; i += 32) {
+        const uint4 val = ld_nc_v4(xr + size_t(i) * 16);
+        for (int j = 0; j < nd; ++j) dev::st_v4(s_dst[warp][j] + size_t(i) * 16, val);
+      }
+      for (int i = lane; i < S; i += 32) {
+        const float f = __ldg(a.x_scale + size_t(t) * S + i);
+        for (int j = 0; j < nd; ++j) reinterpret_cast<float*>(s_dst[warp][j] + scale_off)[i] = f;
+      }
+      const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;
+      if (lane < K) a.token_dest[size_t(t) * K + lane] = e;
+      const int idx = e >= 0 ? sub_idx[lt * K + lane] : 0;
+      for (int j = 0; j < nd; ++j) {
+        const int d = s_drank[warp][j];
+        const bool in = e >= 0 && e / L == d;
+        const uint32_t bal = __ballot_sync(0xFFFFFFFFu, in);
+        int32_t* meta = reinterpret_cast<int32_t*>(s_dst[warp][j] + meta_off);
+        if (in) {
+          const int q = __popc(bal & lanemask_lt());
+          meta[2 + 2 * q] = (e - d * L) | (lane << 16);
+          meta[3 + 2 * q] = idx;
+        }
+        if (lane == 0) { meta[0] = t; meta[1] = __popc(bal); }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+  }
+  // Handle rows past num_tokens.
+  for (size_t i = size_t(n) * K + size_t(b) * blockDim.x + tid; i < size_t(T) * K; i += size_t(G) * blockDim.x)
+    a.token_dest[i] = -1;
+  // Block G-1 now holds the totals: header of my region in every destination.
+  if (b == G - 1) {
+    for (int i = tid; i < W * (1 + L); i += blockDim.x) {
+      const int d = i / (1 + L), j = i - d * (1 + L);
+      moe_hdr(moe_half(v.bufs[d], c, par), c, v.rank)[j] = j == 0 ? cntD[d] : cntE[d * L + j - 1];
+    }
+  }
+  publish_all(v, s, desc);
+}
+
+struct DispatchRecvArgs {
+  uint8_t* expert_x;       // [L, W*T, H]
+  int32_t* expert_counts;  // [L]
+  float* expert_x_scale;   // [L, W*T, S] or null when S == 0
+  int32_t* expert_src;     // handle [L, W*T]
+};
+
+__host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
+  return 4 * (size_t(c.num_experts) + moe_local_experts(c));
+}
+
+__global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, MoeConfig c, DispatchRecvArgs a) {
+  extern __shared__ int32_t smem[];
+  const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
+  int32_t* off = smem;     // [L][W] first expert row of (expert, src)
+  int32_t* tot = off + E;  // [L]
+  __shared__ int32_t s_rows[kMaxWorld + 1];
+  __shared__ size_t s_erow[kWarps][32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const uint64_t s = dev::call_seq(v);
+  const uint32_t desc = moe_dispatch_desc(c);
+  wait_all_sources(v, s, desc, moe_blocks(c));
+
+  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  if (tid == 0) {
+    int acc = 0;
+    for (int src = 0; src < W; ++src) {
+      const int r = __ldcg(moe_hdr(half, c, src));
+      if (r < 0 || r > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(r)));
+      s_rows[src] = acc;
+      acc += r;
+    }
+    s_rows[W] = acc;
+  }
+  for (int le = tid; le < L; le += blockDim.x) {
+    int acc = 0;
+    for (int src = 0; src < W; ++src) {
+      const int cnt = __ldcg(moe_hdr(half, c, src) + 1 + le);
+      if (cnt < 0 || cnt > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(cnt)));
+      off[le * W + src] = acc;
+      acc += cnt;
+    }
+    tot[le] = acc;
+    if (b == 0) a.expert_counts[le] = acc;
+  }
+  __syncthreads();
+
+  const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  const size_t erows = moe_expert_rows(c);
+  const int nvec = int(xrow / 16), S = c.scale_cols, maxent = moe_max_entries(c), R = s_rows[W];
+  for (int g = b * kWarps + warp; g < R; g += G * kWarps) {
+    int src = 0;
+    while (g >= s_rows[src + 1]) ++src;
+    const char* row = moe_drow(half, c, src, g - s_rows[src]);
+    const int32_t* meta = reinterpret_cast<const int32_t*>(row + meta_off);
+    const int t = __ldcg(meta), m = __ldcg(meta + 1);
+    if (t < 0 || t >= T || m < 1 || m > maxent)
+      die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
+    if (lane < m) {
+      const int lek = __ldcg(meta + 2 + 2 * lane), idx = __ldcg(meta + 3 + 2 * lane);
+      const int le = lek & 0xFFFF, k = lek >> 16;
+      if (le >= L || k >= K || idx < 0 ||
+          idx >= (src + 1 < W ? off[le * W + src + 1] : tot[le]) - off[le * W + src])
+        die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(lek)) << 32) | uint32_t(idx));
+      const size_t er = size_t(le) * erows + off[le * W + src] + idx;
+      a.expert_src[er] = (src * T + t) * K + k;
+      s_erow[warp][lane] = er;
+    }
+    __syncwarp();
+    for (int i = lane; i < nvec; i += 32) {
+      const uint4 val = dev::ld_cg_v4(row + size_t(i) * 16);
+      for (int j = 0; j < m; ++j) dev::st_v4(a.expert_x + s_erow[warp][j] * xrow + size_t(i) * 16, val);
+    }
+    for (int i = lane; i < S; i += 32) {
+      const float f = __ldcg(reinterpret_cast<const float*>(row + scale_off) + i);
+      for (int j = 0; j < m; ++j) a.expert_x_scale[s_erow[warp][j] * S + i] = f;
+    }
+    __syncwarp();
+  }
+  dev::finish_call(v, s);
+}
+
+}  // namespace moe
+}  // namespace nvc

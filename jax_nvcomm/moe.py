@@ -1,0 +1,325 @@
+"""MoE expert-parallel dispatch / combine (API.md): `MoECommunicator`, `moe_dispatch`,
+`moe_combine`, and the `Dispatched` / `MoEHandle` pytrees.
+
+Protocol, buffer layout and handle: csrc/common/moe_layout.h. Per-rank buffer (`nbytes`):
+64 KiB + 2 * align256(max(W * (hdr + T * row), T * K * H * 4)) with row = align16(H * D) +
+align16(4 * S) + align16(8 + 8 * min(K, L)) bytes: it scales with world * max_tokens rows and
+max_tokens * top_k combine slots, never with num_experts * max_tokens.
+
+Gradients (custom_vjp): the forward passes run our kernels; the backward passes are written
+with XLA collectives (`lax.psum_scatter`, `lax.all_gather`) from the handle, so they need a
+backend where XLA's collectives run (not several ranks sharing one GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _ffi, _shard
+from .communicator import _Base
+
+_PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
+            jnp.dtype(jnp.float8_e4m3fn): 3}
+_Y_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _int(v, name, what, lo=None):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"jax_nvcomm: {what}: {name} must be an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise ValueError(f"jax_nvcomm: {what}: {name} must be >= {lo}, got {v}")
+    return int(v)
+
+
+class MoECommunicator(_Base):
+    """Symmetric buffers for moe_dispatch / moe_combine over `axis_name`; rank r owns experts
+    [r * num_local_experts, (r + 1) * num_local_experts)."""
+
+    _kind = "moe"
+
+    def __init__(self, mesh, axis_name, *, num_experts, top_k, max_tokens, hidden, dtype,
+                 scale_cols=0, backend="auto", timeout_s=None):
+        what = "MoECommunicator"
+        self._closed = True
+        num_experts = _int(num_experts, "num_experts", what, 1)
+        top_k = _int(top_k, "top_k", what, 1)
+        max_tokens = _int(max_tokens, "max_tokens", what, 1)
+        hidden = _int(hidden, "hidden", what, 1)
+        scale_cols = _int(scale_cols, "scale_cols", what, 0)
+        try:
+            dt = jnp.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"jax_nvcomm: {what}: dtype must be a dtype, got {dtype!r}") from e
+        if dt not in _PAYLOAD:
+            raise TypeError(f"jax_nvcomm: {what}: dtype must be bfloat16, float16, float32 or "
+                            f"float8_e4m3fn, got {dt}")
+        if isinstance(mesh, jax.sharding.Mesh) and axis_name in mesh.axis_names:
+            world = int(mesh.shape[axis_name])
+            if num_experts % world:
+                raise ValueError(f"jax_nvcomm: {what}: num_experts must be divisible by the axis "
+                                 f"size {world}, got {num_experts}")
+        else:
+            world = 1
+        if top_k > num_experts:
+            raise ValueError(f"jax_nvcomm: {what}: top_k must be <= num_experts "
+                             f"({num_experts}), got {top_k}")
+        if top_k > 32:
+            raise ValueError(f"jax_nvcomm: {what}: top_k must be <= 32, got {top_k}")
+        if (hidden * dt.itemsize) % 16 or hidden % 8:
+            raise ValueError(f"jax_nvcomm: {what}: hidden must be a multiple of 8 elements and of "
+                             f"16 bytes for {dt}, got {hidden}")
+        self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
+        self.hidden, self.dtype, self.scale_cols = hidden, dt, scale_cols
+        try:
+            nbytes = _ffi._host.moe_buffer_bytes(world, num_experts, top_k, max_tokens, hidden,
+                                                 _PAYLOAD[dt], scale_cols)
+        except ValueError as e:
+            raise ValueError(f"jax_nvcomm: {what}: {e}") from None
+        self._nbytes = int(nbytes)
+        self._setup(mesh, axis_name, backend, self._nbytes, 0, timeout_s,
+                    dict(num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
+                         hidden=hidden, dtype=str(dt), scale_cols=scale_cols),
+                    zero_bytes=65536)
+        params = [num_experts, top_k, max_tokens, hidden, _PAYLOAD[dt], scale_cols]
+        for slot in self._sym.slots:
+            self._sym.mod.set_params(self._id, slot, params)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self._world
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of communication buffer held per rank (per device)."""
+        return self._nbytes
+
+    def __repr__(self):
+        return (f"MoECommunicator(axis={self._axis_name!r}, world_size={self._world}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"max_tokens={self.max_tokens}, hidden={self.hidden}, dtype={self.dtype}, "
+                f"scale_cols={self.scale_cols}, backend={self._backend!r}"
+                f"{', closed' if self._closed else ''})")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoEHandle:
+    """What moe_combine needs to route results back (device arrays; no hidden state)."""
+    token_dest: jax.Array     # int32 [max_tokens, top_k]: expert id of (t, k), -1 unused
+    expert_src: jax.Array     # int32 [L, W*T]: (src * T + t) * K + k of each expert row
+    expert_counts: jax.Array  # int32 [L]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    expert_x: jax.Array
+    expert_counts: jax.Array
+    expert_x_scale: jax.Array | None
+    handle: MoEHandle
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale):
+    what = "moe_dispatch"
+    T, H, K = moe.max_tokens, moe.hidden, moe.top_k
+    if x.shape != (T, H):
+        raise ValueError(f"jax_nvcomm: {what}: x must have shape (max_tokens, hidden) = "
+                         f"({T}, {H}), got {x.shape}")
+    if x.dtype != moe.dtype:
+        raise TypeError(f"jax_nvcomm: {what}: x must have the communicator's dtype {moe.dtype}, "
+                        f"got {x.dtype}")
+    if topk_ids.shape != (T, K):
+        raise ValueError(f"jax_nvcomm: {what}: topk_ids must have shape (max_tokens, top_k) = "
+                         f"({T}, {K}), got {topk_ids.shape}")
+    if topk_ids.dtype != jnp.int32:
+        raise TypeError(f"jax_nvcomm: {what}: topk_ids must be int32, got {topk_ids.dtype}")
+    if moe.scale_cols > 0:
+        if x_scale is None:
+            raise ValueError(f"jax_nvcomm: {what}: x_scale is required (scale_cols="
+                             f"{moe.scale_cols})")
+        if x_scale.shape != (T, moe.scale_cols) or x_scale.dtype != jnp.float32:
+            raise ValueError(f"jax_nvcomm: {what}: x_scale must be float32 of shape "
+                             f"({T}, {moe.scale_cols}), got {x_scale.dtype}{x_scale.shape}")
+    elif x_scale is not None:
+        raise ValueError(f"jax_nvcomm: {what}: x_scale given but the communicator has "
+                         "scale_cols=0")
+    if num_tokens is not None:
+        if jnp.shape(num_tokens) != () or not jnp.issubdtype(jnp.result_type(num_tokens),
+                                                              jnp.integer):
+            raise ValueError(f"jax_nvcomm: {what}: num_tokens must be an integer scalar, got "
+                             f"{jnp.result_type(num_tokens)}{jnp.shape(num_tokens)}")
+        if isinstance(num_tokens, (int, np.integer)) and not 0 <= num_tokens <= T:
+            raise ValueError(f"jax_nvcomm: {what}: num_tokens must be in [0, max_tokens={T}], "
+                             f"got {num_tokens}")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel calls
+
+def _dispatch_call(x, topk_ids, moe, nt, x_scale):
+    axis = moe.axis_name
+    W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
+    L, R = moe.num_local_experts, W * T
+    x = _shard.varying(x, axis)
+    vma = _shard.vma_of(x) | _shard.vma_of(topk_ids) | {axis}
+    if _shard.vma_of(x) == frozenset():  # check_vma off
+        vma = frozenset()
+    rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
+    results = (rt((L, R, H), moe.dtype), rt((L,), jnp.int32), rt((L, R, S), jnp.float32),
+               rt((T, K), jnp.int32), rt((L, R), jnp.int32))
+    scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
+    args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
+    cid = np.int64(moe.comm_id)
+    if moe.backend == "host":
+        slot = _shard.varying(_shard.host_slot(moe), axis)
+        return jax.ffi.ffi_call("nvc_moe_dispatch", results, has_side_effect=True)(
+            slot, *args, comm_id=cid)
+    return jax.ffi.ffi_call("nvc_cuda_moe_dispatch", results, has_side_effect=True)(
+        *args, comm_id=cid)
+
+
+def _combine_call(expert_y, topk_weights, handle, moe):
+    axis = moe.axis_name
+    args = [_shard.varying(a, axis) for a in
+            (expert_y, topk_weights, handle.token_dest, handle.expert_src, handle.expert_counts)]
+    vma = frozenset().union(*[_shard.vma_of(a) for a in args])
+    rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), expert_y.dtype, vma)
+    cid = np.int64(moe.comm_id)
+    if moe.backend == "host":
+        slot = _shard.varying(_shard.host_slot(moe), axis)
+        return jax.ffi.ffi_call("nvc_moe_combine", rt, has_side_effect=True)(
+            slot, *args, comm_id=cid)
+    return jax.ffi.ffi_call("nvc_cuda_moe_combine", rt, has_side_effect=True)(*args, comm_id=cid)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward passes (XLA collectives, from the handle)
+
+def _decode_rows(handle, moe):
+    """For every expert row (e, i): (valid, src rank, token, k)."""
+    T, K = moe.max_tokens, moe.top_k
+    R = moe.world_size * T
+    code = handle.expert_src
+    valid = jnp.arange(R, dtype=jnp.int32)[None, :] < handle.expert_counts[:, None]
+    code = jnp.where(valid, code, 0)
+    k = code % K
+    st = code // K
+    return valid, st // T, st % T, k
+
+
+def _rows_to_tokens(rows, handle, moe):
+    """sum over (e, i) of rows[e, i] into [T, H] at its (src, t), summed over ranks: the
+    transpose of 'expert row = x[src][t]'. float32."""
+    W, T, H = moe.world_size, moe.max_tokens, rows.shape[-1]
+    valid, src, t, _ = _decode_rows(handle, moe)
+    vals = jnp.where(valid[..., None], rows.astype(jnp.float32), 0.0)
+    flat = (src * T + t).reshape(-1)
+    acc = jnp.zeros((W * T, H), jnp.float32).at[flat].add(vals.reshape(-1, H))
+    return lax.psum_scatter(acc.reshape(W, T, H), moe.axis_name, scatter_dimension=0, tiled=True
+                            ).reshape(T, H)
+
+
+def _tokens_to_rows(tok, w, handle, moe):
+    """expert row (e, i) <- w[src][t, k] * tok[src][t] (all_gather of tok and w)."""
+    valid, src, t, k = _decode_rows(handle, moe)
+    tok_all = lax.all_gather(tok.astype(jnp.float32), moe.axis_name)  # [W, T, H]
+    w_all = lax.all_gather(w.astype(jnp.float32), moe.axis_name)      # [W, T, K]
+    rows = tok_all[src, t] * w_all[src, t, k][..., None]
+    return jnp.where(valid[..., None], rows, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+
+def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatched:
+    """Send each token once to every rank owning one of its top_k experts; see API.md."""
+    what = "moe_dispatch"
+    if not isinstance(moe, MoECommunicator):
+        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
+                        f"{type(moe).__name__}")
+    _shard.check_context(moe, what)
+    x, topk_ids = jnp.asarray(x), jnp.asarray(topk_ids)
+    x_scale = None if x_scale is None else jnp.asarray(x_scale)
+    _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale)
+    float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
+
+    nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
+
+    @jax.custom_vjp
+    def dispatch(x, x_scale, ids, nt):
+        return _dispatch_call(x, ids, moe, nt, x_scale)
+
+    def fwd(x, x_scale, ids, nt):
+        out = dispatch(x, x_scale, ids, nt)
+        _, cnt, _, td, es = out
+        return out, MoEHandle(td, es, cnt)
+
+    def bwd(handle, cts):
+        dx = (_rows_to_tokens(cts[0], handle, moe).astype(x.dtype) if float_x
+              else jnp.zeros(x.shape, x.dtype))
+        ds = None if x_scale is None else _rows_to_tokens(cts[2], handle, moe)
+        return dx, ds, None, None
+
+    dispatch.defvjp(fwd, bwd)
+    ex, cnt, exs, td, es = dispatch(x, x_scale, topk_ids, nt)
+    return Dispatched(ex, cnt, exs if moe.scale_cols > 0 else None, MoEHandle(td, es, cnt))
+
+
+def moe_combine(expert_y, topk_weights, handle, moe):
+    """y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)] (float32, k order)."""
+    what = "moe_combine"
+    if not isinstance(moe, MoECommunicator):
+        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
+                        f"{type(moe).__name__}")
+    if not isinstance(handle, MoEHandle):
+        raise TypeError(f"jax_nvcomm: {what}: handle must be the MoEHandle of a moe_dispatch "
+                        f"(d.handle), got {type(handle).__name__}")
+    _shard.check_context(moe, what)
+    expert_y, topk_weights = jnp.asarray(expert_y), jnp.asarray(topk_weights)
+    L, R, H, T, K = (moe.num_local_experts, moe.world_size * moe.max_tokens, moe.hidden,
+                     moe.max_tokens, moe.top_k)
+    if expert_y.shape != (L, R, H):
+        raise ValueError(f"jax_nvcomm: {what}: expert_y must have shape (num_local_experts, "
+                         f"world_size * max_tokens, hidden) = ({L}, {R}, {H}), got "
+                         f"{expert_y.shape}")
+    if jnp.dtype(expert_y.dtype) not in _Y_DTYPES:
+        raise TypeError(f"jax_nvcomm: {what}: expert_y must be bfloat16, float16 or float32, "
+                        f"got {expert_y.dtype}")
+    if topk_weights.shape != (T, K) or topk_weights.dtype != jnp.float32:
+        raise ValueError(f"jax_nvcomm: {what}: topk_weights must be float32 of shape "
+                         f"(max_tokens, top_k) = ({T}, {K}), got {topk_weights.dtype}"
+                         f"{topk_weights.shape}")
+
+    @jax.custom_vjp
+    def combine(ey, w, handle):
+        return _combine_call(ey, w, handle, moe)
+
+    def fwd(ey, w, handle):
+        return combine(ey, w, handle), (ey, w, handle)
+
+    def bwd(res, ct_y):
+        ey, w, handle = res
+        # expert row (e,i) for (src,t,k) gets w[src][t,k] * ct_y[src][t]
+        d_ey = _tokens_to_rows(ct_y, w, handle, moe).astype(ey.dtype)
+        # d w[t,k] = <ct_y[t], expert_y[row(t,k)]>: computed at the expert side, sent home
+        valid, src, t, k = _decode_rows(handle, moe)
+        ct_all = lax.all_gather(ct_y.astype(jnp.float32), moe.axis_name)  # [W, T, H]
+        dots = jnp.sum(ey.astype(jnp.float32) * ct_all[src, t], axis=-1)
+        dots = jnp.where(valid, dots, 0.0)
+        W = moe.world_size
+        acc = jnp.zeros((W * T * K,), jnp.float32).at[((src * T + t) * K + k).reshape(-1)].add(
+            dots.reshape(-1))
+        dw = lax.psum_scatter(acc.reshape(W, T * K), moe.axis_name, scatter_dimension=0,
+                              tiled=True).reshape(T, K)
+        none = jax.tree.map(lambda _: None, handle)
+        return d_ey, dw, none
+
+    combine.defvjp(fwd, bwd)
+    return combine(expert_y, topk_weights, handle)

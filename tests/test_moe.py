@@ -1,0 +1,258 @@
+"""moe_dispatch / moe_combine against a float64 numpy reference on 8 CPU devices (host
+backend): exact counts and row order, scales, num_tokens, -1 ids, degenerate routings, top_k 1
+and 8, fp8 payloads, many rounds, two dispatches in flight, gradients, validation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_nvcomm as nvc
+from helpers import clear_error_tokens, mesh1d, np_moe_reference
+
+MOES = {}
+
+
+def get_moe(world, E, K, T, H, dtype=jnp.float32, S=0):
+    key = (world, E, K, T, H, jnp.dtype(dtype).name, S)
+    if key not in MOES:
+        MOES[key] = nvc.MoECommunicator(mesh1d(world), "x", num_experts=E, top_k=K, max_tokens=T,
+                                        hidden=H, dtype=dtype, scale_cols=S)
+    return MOES[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_all():
+    yield
+    for m in MOES.values():
+        m.close()
+    MOES.clear()
+
+
+def routing(rng, n, E, K, mode="random"):
+    if mode == "random":
+        return np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    if mode == "one_expert":  # every token to expert 0 (+ distinct others to fill top_k)
+        return np.stack([np.r_[0, rng.choice(np.arange(1, E), K - 1, replace=False)]
+                         for _ in range(n)]).astype(np.int32)
+    raise ValueError(mode)
+
+
+def run_round(moe, x, ids, w, nt, ey_scale=2.0, scales=None):
+    W = moe.world_size
+
+    def f(x, ids, w, nt, *sc):
+        d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0], x_scale=sc[0] if sc else None)
+        ey = (d.expert_x.astype(jnp.float32) * ey_scale).astype(jnp.float32)
+        y = nvc.moe_combine(ey, w, d.handle, moe)
+        outs = (d.expert_x[None], d.expert_counts[None], y)
+        if sc:
+            outs += (d.expert_x_scale[None],)
+        return outs
+
+    n_in = 4 + (1 if scales is not None else 0)
+    args = (x, ids, w, nt) + ((scales,) if scales is not None else ())
+    return jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(P("x"),) * n_in,
+                                 out_specs=(P("x"),) * (n_in - 1)))(*args)
+
+
+def check(moe, x, ids, w, nt, outs, ey_scale=2.0, scales=None):
+    W, T, E = moe.world_size, moe.max_tokens, moe.num_experts
+    ex, cnt, y = (np.asarray(jnp.asarray(o).astype(jnp.float32)) for o in outs[:3])
+    xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    ref = np_moe_reference(xf, ids, nt, E, W)
+    L = moe.num_local_experts
+    expert_y = [ex[r] * ey_scale for r in range(W)]
+    for r in range(W):
+        for e in range(L):
+            rows = ref["rows"][r][e]
+            assert cnt[r, e] == len(rows), f"count rank {r} expert {e}"
+            if rows:
+                want = np.stack([xf[s * T + t] for s, t in rows])
+                np.testing.assert_array_equal(ex[r, e, :len(rows)], want)
+                if scales is not None:
+                    np.testing.assert_array_equal(
+                        np.asarray(outs[3])[r, e, :len(rows)],
+                        np.stack([scales[s * T + t] for s, t in rows]))
+    yref = np_moe_reference(xf, ids, nt, E, W, weights=w, expert_y=expert_y)["y"]
+    np.testing.assert_allclose(y, yref, rtol=1e-5, atol=1e-5)
+    for s in range(W):  # rows >= num_tokens are zero
+        assert not np.any(y[s * T + int(nt[s]):(s + 1) * T])
+
+
+@pytest.mark.parametrize("world,E,K", [(2, 4, 2), (4, 16, 4), (8, 32, 8), (8, 8, 1), (1, 4, 2)])
+def test_dispatch_combine_random(rng, world, E, K):
+    T, H = 6, 32
+    moe = get_moe(world, E, K, T, H)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = np.full((world,), T, np.int32)
+    check(moe, x, ids, w, nt, run_round(moe, x, ids, w, nt))
+
+
+def test_num_tokens_zero_rank_and_unused_slots(rng):
+    world, E, K, T, H = 4, 16, 4, 7, 16
+    moe = get_moe(world, E, K, T, H)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    ids[rng.random(ids.shape) < 0.3] = -1
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = np.array([7, 3, 0, 1], np.int32)
+    check(moe, x, ids, w, nt, run_round(moe, x, ids, w, nt))
+
+
+def test_all_tokens_to_one_expert(rng):
+    world, E, K, T, H = 8, 16, 2, 8, 16
+    moe = get_moe(world, E, K, T, H)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K, mode="one_expert")
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = np.full((world,), T, np.int32)
+    outs = run_round(moe, x, ids, w, nt)
+    assert int(np.asarray(outs[1])[0, 0]) == world * T  # capacity of expert 0 reached
+    check(moe, x, ids, w, nt, outs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_payload_dtypes_with_scales(rng, dtype):
+    world, E, K, T, H, S = 4, 8, 2, 5, 64, 2
+    moe = get_moe(world, E, K, T, H, dtype=dtype, S=S)
+    x = jnp.asarray(rng.standard_normal((world * T, H)), dtype)
+    scales = rng.random((world * T, S)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = np.array([5, 2, 5, 0], np.int32)
+    outs = run_round(moe, x, ids, w, nt, scales=scales)
+    check(moe, x, ids, w, nt, outs, scales=scales)
+
+
+@pytest.mark.slow
+def test_1000_rounds_changing_routing(rng):
+    world, E, K, T, H = 8, 16, 2, 4, 16
+    moe = get_moe(world, E, K, T, H)
+
+    def f(x, ids, w, nt):
+        d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
+        return d.expert_counts[None], nvc.moe_combine(d.expert_x, w, d.handle, moe)
+
+    g = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(P("x"),) * 4,
+                              out_specs=(P("x"), P("x"))))
+    for i in range(1000):
+        x = rng.integers(-3, 4, size=(world * T, H)).astype(np.float32)
+        ids = routing(rng, world * T, E, K)
+        w = np.ones((world * T, K), np.float32)
+        nt = rng.integers(0, T + 1, size=world).astype(np.int32)
+        cnt, y = g(x, ids, w, nt)
+        valid = np.arange(world * T) % T < np.repeat(nt, T)
+        # expert_y = expert_x, weights 1: y = top_k * x for valid tokens, 0 otherwise
+        np.testing.assert_array_equal(np.asarray(y), np.where(valid[:, None], K * x, 0),
+                                      err_msg=f"round {i}")
+        assert int(np.asarray(cnt).sum()) == int(K * valid.sum()), f"round {i}"
+
+
+def test_two_dispatches_in_flight(rng):
+    world, E, K, T, H = 4, 8, 2, 4, 16
+    moe = get_moe(world, E, K, T, H)
+
+    def f(x1, x2, i1, i2, w):
+        d1 = nvc.moe_dispatch(x1, i1, moe)
+        d2 = nvc.moe_dispatch(x2, i2, moe)
+        y2 = nvc.moe_combine(d2.expert_x * 3.0, w, d2.handle, moe)
+        y1 = nvc.moe_combine(d1.expert_x * 2.0, w, d1.handle, moe)
+        return y1, y2
+
+    x1, x2 = (rng.standard_normal((world * T, H)).astype(np.float32) for _ in range(2))
+    i1, i2 = (routing(rng, world * T, E, K) for _ in range(2))
+    w = rng.random((world * T, K)).astype(np.float32)
+    y1, y2 = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(P("x"),) * 5,
+                                   out_specs=(P("x"), P("x"))))(x1, x2, i1, i2, w)
+    np.testing.assert_allclose(np.asarray(y1), 2 * w.sum(1, keepdims=True) * x1, rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y2), 3 * w.sum(1, keepdims=True) * x2, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_gradients_match_pure_jax(rng, check_vma):
+    world, E, K, T, H = 4, 8, 2, 5, 16
+    moe = get_moe(world, E, K, T, H)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    ids[2, 1] = -1
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = np.array([5, 4, 0, 5], np.int32)
+    L = moe.num_local_experts
+    scale = jnp.asarray(rng.standard_normal((E,)), jnp.float32)  # per-expert "FFN"
+
+    def loss(x, w):
+        def body(x, ids, w, nt):
+            d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
+            r = jax.lax.axis_index("x")
+            s = jax.lax.dynamic_slice(scale, (r * L,), (L,))
+            ey = jnp.tanh(d.expert_x * s[:, None, None])
+            y = nvc.moe_combine(ey, w, d.handle, moe)
+            return jnp.sum(y * y)[None]
+        return jnp.sum(jax.shard_map(body, mesh=moe.mesh, in_specs=(P("x"),) * 4,
+                                     out_specs=P("x"), check_vma=check_vma)(x, ids, w, nt))
+
+    def loss_ref(x, w):
+        valid = (ids >= 0) & (np.arange(world * T)[:, None] % T < np.repeat(nt, T)[:, None])
+        s = scale[np.maximum(ids, 0)]  # [N, K]
+        contrib = w[..., None] * jnp.tanh(x[:, None, :] * s[..., None])
+        y = jnp.sum(jnp.where(valid[..., None], contrib, 0.0), axis=1)
+        return jnp.sum(y * y)
+
+    g1 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    g2 = jax.grad(loss_ref, argnums=(0, 1))(x, w)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_expert_id_is_an_error(rng):
+    world, E, K, T, H = 2, 4, 2, 3, 16
+    moe = nvc.MoECommunicator(mesh1d(world), "x", num_experts=E, top_k=K, max_tokens=T,
+                              hidden=H, dtype=jnp.float32, timeout_s=5)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    ids[4, 0] = E + 3
+    f = jax.jit(jax.shard_map(lambda x, i: nvc.moe_dispatch(x, i, moe).expert_x[None],
+                              mesh=moe.mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    with pytest.raises(Exception, match=r"topk_ids\[1, 0\] = 7 outside|rank 1 failed this call"):
+        jax.block_until_ready(f(x, ids))
+    clear_error_tokens()
+    moe.close()
+
+
+def test_validation_messages():
+    moe = get_moe(2, 4, 2, 3, 16)
+    mesh = moe.mesh
+
+    def trace(fn, *args):
+        jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * len(args),
+                              out_specs=P("x"))).lower(*args)
+
+    x = jnp.ones((6, 16), jnp.float32)
+    ids = jnp.zeros((6, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"x must have shape \(max_tokens, hidden\) = \(3, 16\), "
+                                         r"got \(3, 8\)"):
+        trace(lambda a, b: nvc.moe_dispatch(a[:, :8], b, moe).expert_x, x, ids)
+    with pytest.raises(TypeError, match="x must have the communicator's dtype float32, got bfloat16"):
+        trace(lambda a, b: nvc.moe_dispatch(a.astype(jnp.bfloat16), b, moe).expert_x, x, ids)
+    with pytest.raises(TypeError, match="topk_ids must be int32, got float32"):
+        trace(lambda a, b: nvc.moe_dispatch(a, b.astype(jnp.float32), moe).expert_x, x, ids)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, max_tokens=3\], got 4"):
+        trace(lambda a, b: nvc.moe_dispatch(a, b, moe, num_tokens=4).expert_x, x, ids)
+    with pytest.raises(ValueError, match=r"expert_y must have shape"):
+        trace(lambda a, b: nvc.moe_combine(a, jnp.ones((3, 2)), nvc.moe_dispatch(a, b, moe).handle,
+                                           moe), x, ids)
+    with pytest.raises(ValueError, match="num_experts must be divisible by the axis size 2, got 3"):
+        nvc.MoECommunicator(mesh, "x", num_experts=3, top_k=1, max_tokens=2, hidden=16,
+                            dtype=jnp.float32)
+    with pytest.raises(TypeError, match="dtype must be bfloat16, float16, float32 or "
+                                        "float8_e4m3fn, got int8"):
+        nvc.MoECommunicator(mesh, "x", num_experts=4, top_k=1, max_tokens=2, hidden=16,
+                            dtype=jnp.int8)
+    with pytest.raises(ValueError, match="hidden must be a multiple of 8"):
+        nvc.MoECommunicator(mesh, "x", num_experts=4, top_k=1, max_tokens=2, hidden=12,
+                            dtype=jnp.float32)

@@ -44,3 +44,11 @@ def test_loop_of_calls_inside_one_program():
     rc, out = launch(2, "graph_mp.py", "--iters=50", timeout=300)
     assert rc == 0, out[-4000:]
     assert out.count("PASS") == 2, out[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n,rounds", [(2, 300), (4, 100)])
+def test_moe_across_processes(n, rounds):
+    rc, out = launch(n, "moe_mp.py", f"--rounds={rounds}")
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS") == n, out[-4000:]

@@ -13,7 +13,7 @@ nvc = init()
 calls = arg("calls", 1000)
 mesh = mesh1d()
 W = mesh.shape["x"]
-assert W == jax.process_count(), (W, jax.process_count())
+assert W % jax.process_count() == 0, (W, jax.process_count())
 rng = np.random.default_rng(1234)  # same stream in every process
 strategies = ["oneshot", "twoshot"]
 

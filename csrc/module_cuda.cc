@@ -1,9 +1,12 @@
 // Extension module `jax_nvcomm._cuda`: the CUDA backend. Device buffers, CUDA IPC and peer
 // access, rank-context registration, and the XLA:CUDA FFI handlers (registered from Python).
+#include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include "common/bindings.h"
+#include "cuda/allgather.h"
+#include "cuda/moe.h"
 #include "transport/cuda_mem.h"
 
 namespace nb = nanobind;
@@ -34,6 +37,15 @@ NB_MODULE(_cuda, m) {
   m.def("can_access_peer", &cuda::can_access_peer);
   m.def("enable_peer_access", &cuda::enable_peer_access);
   m.def("synchronize", &cuda::synchronize);
+  // Load every kernel of the package on `device` now, with one shared-memory carveout, so no
+  // first launch waits on a device that a spinning peer kernel keeps busy.
+  m.def("load_kernels", [](int device) {
+    if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+    for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::moe_load_kernels()})
+      if (e != cudaSuccess)
+        throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
+                                 cudaGetErrorString(e));
+  });
   m.def("read_u64", [](int device, uint64_t addr) {
     return cuda::read_u64(device, reinterpret_cast<const void*>(addr));
   });

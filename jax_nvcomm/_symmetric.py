@@ -109,6 +109,8 @@ class SymmetricBuffers:
         mod = self.mod
         loff, llen = lamport_range
         ptrs = {}
+        for dev in sorted({int(self.groups[g, r].local_hardware_id) for g, r in self.local}):
+            mod.load_kernels(dev)
         for g, r in self.local:
             dev = int(self.groups[g, r].local_hardware_id)
             p = mod.alloc_buffer(dev, self.nbytes, zero, loff, llen, 0x80000000)

@@ -23,5 +23,10 @@ cudaError_t all_gather(const CommView& v, const void* in, void* out, size_t n, c
   return cudaGetLastError();
 }
 
+cudaError_t all_gather_load_kernels() {
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(dev::all_gather_kernel));
+}
+
 }  // namespace cuda
 }  // namespace nvc

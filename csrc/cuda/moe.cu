@@ -21,8 +21,16 @@ cudaError_t moe_load_kernels() {
                        (const void*)moe::combine_recv_kernel<kMoeF32>,
                        (const void*)moe::combine_recv_kernel<kMoeBF16>,
                        (const void*)moe::combine_recv_kernel<kMoeF16>};
-  for (const void* f : fns)
+  for (const void* f : fns) {
     if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
+    // One shared-memory carveout for every MoE kernel: an SM changes its L1/shared split only
+    // when idle, so with spinning RECV blocks on every SM a SEND that wants another split would
+    // never be scheduled (seen with 8 ranks on one GPU).
+    if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             int(cudaSharedmemCarveoutMaxShared));
+        e != cudaSuccess)
+      return e;
+  }
   return cudaSuccess;
 }
 

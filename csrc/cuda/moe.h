@@ -23,10 +23,13 @@
 namespace nvc {
 namespace cuda {
 
-// Load the MoE kernels into the current device's context now (cudaFuncGetAttributes on each).
-// Call once per device at communicator creation: with CUDA lazy module loading (the default), the
-// first launch of a kernel can wait for the device to go idle, which deadlocks when a peer's
-// spinning RECV kernel shares the device (several ranks per GPU) until the bounded wait expires.
+// Call once per device (current device) at communicator creation, before any MoE call:
+// - loads the MoE kernels now: with CUDA lazy module loading (the default) the first launch of a
+//   kernel can wait for the device to go idle, which stalls behind a spinning RECV;
+// - gives every MoE kernel the same shared-memory carveout (max shared): an SM changes its split
+//   only when idle, so with RECV blocks spinning on every SM (several ranks per GPU) a SEND that
+//   wants another split is never scheduled and the call times out.
+// Both matter when several ranks share a GPU; harmless otherwise.
 cudaError_t moe_load_kernels();
 
 // x [T,H] of cfg.dtype; x_scale [T,S] f32 (null iff S == 0); topk_ids [T,K] int32;

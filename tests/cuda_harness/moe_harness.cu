@@ -5,7 +5,7 @@
 // same numbers the host protocol produces).
 //
 // Build (from the repo root):
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc \
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc
 //        tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu -o build/moe_harness
 // Run:  build/moe_harness            PASS/FAIL table, exit 1 on any failure
 //       build/moe_harness --perf     + timing of one large EP8 configuration (all ranks share the GPU)
@@ -365,7 +365,7 @@ cudaError_t wait_round(const World& w) {
         for (int b = 0; b < kMaxBlocks; ++b) n += flag_seq(h->flags[(h->seq + 1) & 1][0][src][b]) == h->seq + 1;
         std::fprintf(stderr, " %d:%d", src, n);
       }
-      std::fprintf(stderr, "\n");
+      std::fprintf(stderr, " dbg %u %llu %llu\n", h->pad0, (unsigned long long)h->pad1[0], (unsigned long long)h->pad1[1]);
     }
   }
   return cudaDeviceSynchronize();
@@ -525,6 +525,7 @@ int main(int argc, char** argv) {
   c = {"W4 rank 2 zero tokens", 4, 16, 2, 64, 128, kMoeBF16, 2, kMoeBF16}; c.zero_rank = 2; c.rounds = 3; cases.push_back(c);
   c = {"W8 top8 of 256 E, 7168 H", 8, 256, 8, 32, 7168, kMoeBF16, 56, kMoeBF16}; c.full = true; cases.push_back(c);
   c = {"W8 two dispatches in flight", 8, 32, 4, 64, 128, kMoeBF16, 2, kMoeF32}; c.inflight = 2; c.rounds = 5; cases.push_back(c);
+  c = {"W4 three dispatches in flight", 4, 16, 2, 32, 64, kMoeF8E4M3, 1, kMoeF16}; c.inflight = 3; c.rounds = 10; cases.push_back(c);
   c = {"W4 split send/recv", 4, 16, 4, 64, 128, kMoeF16, 0, kMoeF16}; c.split = true; c.rounds = 3; cases.push_back(c);
   c = {"W4 200 rounds changing routing", 4, 16, 4, 32, 64, kMoeBF16, 1, kMoeBF16}; c.rounds = 200; cases.push_back(c);
   c = {"W8 graph replay x30, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.graph = 1; c.rounds = 30; c.inflight = 2; cases.push_back(c);

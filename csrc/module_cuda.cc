@@ -6,6 +6,7 @@
 
 #include "common/bindings.h"
 #include "cuda/allgather.h"
+#include "cuda/allreduce.h"
 #include "cuda/moe.h"
 #include "transport/cuda_mem.h"
 
@@ -41,7 +42,8 @@ NB_MODULE(_cuda, m) {
   // first launch waits on a device that a spinning peer kernel keeps busy.
   m.def("load_kernels", [](int device) {
     if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
-    for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::moe_load_kernels()})
+    for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::all_reduce_load_kernels(),
+                          cuda::moe_load_kernels()})
       if (e != cudaSuccess)
         throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
                                  cudaGetErrorString(e));

@@ -16,6 +16,9 @@ using dev::ArTensors;
 using dev::kArThreads;
 using dev::RowCfg;
 
+static_assert(kMaxArBlocks <= kMaxBlocks, "flag arrays are sized for kMaxBlocks blocks");
+static_assert(kMaxArBlocks <= dev::kEpiMaxBlocks, "row configuration assumes at most this grid");
+
 // Fused rows keep float32 r in dynamic shared memory: hidden * 4 bytes for one row.
 constexpr int64_t kMaxFusedHidden = 32768;
 constexpr int kMaxDynSmem = int(kMaxFusedHidden * 4);
@@ -36,52 +39,73 @@ int current_sm_count() {
   return n;
 }
 
-// Opt a kernel in to more than 48 KiB of dynamic shared memory, once per (kernel, device). A
-// function attribute, no stream work: fine outside and inside CUDA-graph capture.
+// Load a kernel and set its attributes, once per (kernel, device): the dynamic shared memory
+// limit (fused rows need up to 128 KiB) and the same carveout as every other kernel of the
+// package (an SM changes its L1/shared split only when idle, so a kernel that wants another
+// split may never be scheduled next to spinning blocks). Loading early also keeps lazy module
+// loading out of the first launch. Attributes only, no stream work: fine inside graph capture.
 template <auto kKernel>
-void allow_smem(int bytes) {
+cudaError_t prepare_kernel() {
   static std::atomic<uint64_t> done{0};
-  if (bytes <= 48 * 1024) return;
   int dev = 0;
-  cudaGetDevice(&dev);
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   const uint64_t bit = uint64_t(1) << (dev & 63);
-  if ((done.load(std::memory_order_relaxed) & bit) != 0) return;
-  if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynSmem) ==
-      cudaSuccess)
-    done.fetch_or(bit, std::memory_order_relaxed);
+  if ((done.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
+  const void* f = reinterpret_cast<const void*>(kKernel);
+  cudaFuncAttributes a;
+  if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           kMaxDynSmem);
+      e != cudaSuccess)
+    return e;
+  if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           int(cudaSharedmemCarveoutMaxShared));
+      e != cudaSuccess)
+    return e;
+  done.fetch_or(bit, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 template <typename T, bool kFused>
-void launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
-                Strategy s, char* mc, int grid, cudaStream_t st) {
+cudaError_t prepare_all() {
+  for (cudaError_t e : {prepare_kernel<dev::oneshot_kernel<T, kFused>>(),
+                        prepare_kernel<dev::twoshot_kernel<T, kFused>>(),
+                        prepare_kernel<dev::oneshot_mc_kernel<T, kFused>>(),
+                        prepare_kernel<dev::twoshot_mc_kernel<T, kFused>>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+template <typename T, bool kFused>
+cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
+                       Strategy s, char* mc, int grid, cudaStream_t st) {
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
   if (s == Strategy::kOneShot) {
     if (mc == nullptr) {
-      allow_smem<dev::oneshot_kernel<T, kFused>>(smem);
+      if (cudaError_t e = prepare_kernel<dev::oneshot_kernel<T, kFused>>(); e != cudaSuccess) return e;
       dev::oneshot_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc);
     } else {
-      allow_smem<dev::oneshot_mc_kernel<T, kFused>>(smem);
+      if (cudaError_t e = prepare_kernel<dev::oneshot_mc_kernel<T, kFused>>(); e != cudaSuccess) return e;
       dev::oneshot_mc_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc, mc);
     }
   } else {
     if (mc == nullptr) {
-      allow_smem<dev::twoshot_kernel<T, kFused>>(smem);
+      if (cudaError_t e = prepare_kernel<dev::twoshot_kernel<T, kFused>>(); e != cudaSuccess) return e;
       dev::twoshot_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc);
     } else {
-      allow_smem<dev::twoshot_mc_kernel<T, kFused>>(smem);
+      if (cudaError_t e = prepare_kernel<dev::twoshot_mc_kernel<T, kFused>>(); e != cudaSuccess) return e;
       dev::twoshot_mc_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc, mc);
     }
   }
+  return cudaGetLastError();
 }
 
 template <typename T>
-void launch_typed(const CommView& v, const ArTensors& t, bool fused, uint32_t desc, Strategy s,
+cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint32_t desc, Strategy s,
                   char* mc, int grid, cudaStream_t st) {
-  const RowCfg rc = dev::make_row_cfg(t.hidden, dev::Vec<T>::kElems);
-  if (fused)
-    launch_one<T, true>(v, t, rc, desc, s, mc, grid, st);
-  else
-    launch_one<T, false>(v, t, rc, desc, s, mc, grid, st);
+  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
+  return fused ? launch_one<T, true>(v, t, rc, desc, s, mc, grid, st)
+               : launch_one<T, false>(v, t, rc, desc, s, mc, grid, st);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -100,8 +124,8 @@ int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strate
   int64_t g = s == Strategy::kOneShot ? (nv * world + per_block - 1) / per_block
                                       : (nv + per_block - 1) / per_block;
   if (fused) {
-    const RowCfg rc = dev::make_row_cfg(hidden, elems_per_vec(dtype));
-    const int64_t rows_per_iter = kArThreads / rc.tpr;
+    const RowCfg rc = dev::make_row_cfg(tokens, hidden, elems_per_vec(dtype));
+    const int64_t rows_per_iter = int64_t(kArThreads / rc.tpr) * rc.nr;
     const int64_t gr = (tokens + rows_per_iter - 1) / rows_per_iter;
     if (gr > g) g = gr;
   }
@@ -150,11 +174,18 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                       uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
   switch (a.dtype) {
-    case kF32: launch_typed<float>(v, t, fused, desc, s, mc, grid, stream); break;
-    case kBF16: launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream); break;
-    default: launch_typed<__half>(v, t, fused, desc, s, mc, grid, stream); break;
+    case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream);
+    case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream);
+    default: return launch_typed<__half>(v, t, fused, desc, s, mc, grid, stream);
   }
-  return cudaGetLastError();
+}
+
+cudaError_t all_reduce_load_kernels() {
+  for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
+                        prepare_all<__nv_bfloat16, false>(), prepare_all<__nv_bfloat16, true>(),
+                        prepare_all<__half, false>(), prepare_all<__half, true>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,

@@ -92,9 +92,9 @@ template <typename T, bool kFused, class Policy>
 __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kU = 4;                            // input vectors in flight per thread
-  constexpr int kChunk = 8;  // slot loads in flight
+  constexpr int kChunk = kFused ? 4 : 8;  // slot loads in flight (x kEpiPairs when fused)
   __shared__ char* s_dst[kMaxWorld];
-  __shared__ float s_red[kArThreads / 32];
+  __shared__ float s_red[kEpiPairs * kArThreads / 32];
   extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
 
   Ctrl* ctrl = v.ctrl();

@@ -147,7 +147,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kChunk = 8;  // slot loads in flight
   __shared__ char* s_half[kMaxWorld];
-  __shared__ float s_red[kArThreads / 32];
+  __shared__ float s_red[kEpiPairs * kArThreads / 32];
   extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
 
   const uint64_t seq = call_seq(v);

@@ -7,6 +7,8 @@
 // Run:
 //   build/allreduce_harness                 full run (W = 1, 2, 4, 8), exit 0 on PASS
 //   build/allreduce_harness --quick         fewer shapes
+//   build/allreduce_harness --gpus 2        ranks spread over 2 GPUs (peer access, NVLink)
+//   build/allreduce_harness --gpus 2 --bench  timing table, one rank per GPU (not a check)
 //   build/allreduce_harness --timeout-test  one rank of two calls alone: expects the kernel to
 //                                           report kErrTimeout and trap (kills the context, so
 //                                           it runs alone)
@@ -50,6 +52,9 @@ namespace {
 struct World;
 World* g_world = nullptr;
 void dump_errors();
+int g_ngpu = 1;                                  // --gpus N: rank r lives on GPU r % N
+int dev_of(int r) { return r % g_ngpu; }
+void set_dev(int r);
 
 #define CK(call)                                                                        \
   do {                                                                                  \
@@ -62,6 +67,21 @@ void dump_errors();
       std::exit(2);                                                                     \
     }                                                                                   \
   } while (0)
+
+void set_dev(int r) {
+  const cudaError_t e = cudaSetDevice(dev_of(r));
+  if (e != cudaSuccess) {
+    std::printf("cudaSetDevice(%d) failed: %s\nRESULT: FAIL\n", dev_of(r), cudaGetErrorName(e));
+    std::exit(2);
+  }
+}
+// cudaDeviceSynchronize on every GPU in use.
+void sync_devices() {
+  for (int d = 0; d < g_ngpu; ++d) {
+    CK(cudaSetDevice(d));
+    CK(cudaDeviceSynchronize());
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Host dtype helpers (raw bits in uint32_t)
@@ -173,19 +193,21 @@ World make_world(int W, size_t M, uint64_t timeout_ns, int device_sms) {
   World w;
   w.W = W;
   w.M = M;
-  w.sms = device_sms / W > 0 ? device_sms / W : 1;
+  const int per_gpu = (W + g_ngpu - 1) / g_ngpu;  // ranks sharing one GPU
+  w.sms = device_sms / per_gpu > 0 ? device_sms / per_gpu : 1;
   w.r.resize(W);
   const size_t total = nvc::comm_buffer_bytes(M, W);
   const size_t loff = nvc::lamport_offset(M, W);
   for (int i = 0; i < W; ++i) {
     RankState& s = w.r[i];
+    set_dev(i);
     CK(cudaMalloc(&s.buf, total));
     CK(cudaMemset(s.buf, 0, loff));
     fill_u32<<<256, 256>>>(reinterpret_cast<uint32_t*>(s.buf + loff), (total - loff) / 4,
                            nvc::kLamportEmpty);
     CK(cudaGetLastError());
     CK(cudaStreamCreateWithFlags(&s.st, cudaStreamNonBlocking));
-    CK(cudaHostAlloc(&s.err, sizeof(ErrorInfo), cudaHostAllocMapped));
+    CK(cudaHostAlloc(&s.err, sizeof(ErrorInfo), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(s.err, 0, sizeof(ErrorInfo));
   }
   for (int i = 0; i < W; ++i) {
@@ -203,12 +225,14 @@ World make_world(int W, size_t M, uint64_t timeout_ns, int device_sms) {
     v.lamport_off = loff;
     v.lamport_slot = nvc::lamport_slot_bytes(M, W);
   }
-  CK(cudaDeviceSynchronize());
+  sync_devices();
   return w;
 }
 
 void free_world(World& w) {
-  for (auto& s : w.r) {
+  for (int i = 0; i < w.W; ++i) {
+    RankState& s = w.r[i];
+    set_dev(i);
     CK(cudaFree(s.buf));
     CK(cudaStreamDestroy(s.st));
     CK(cudaFreeHost(s.err));
@@ -244,7 +268,7 @@ struct Case {
   std::vector<std::vector<double>> tol_out, tol_rout;
   // device
   std::vector<char*> d_x, d_res, d_out, d_rout;
-  char* d_w = nullptr;
+  std::vector<char*> d_w;
 };
 
 uint32_t rand_val(int dt, Rng& g) {
@@ -386,7 +410,9 @@ void upload(Case& c) {
   c.d_res.resize(c.W);
   c.d_out.resize(c.W);
   c.d_rout.resize(c.W);
+  c.d_w.assign(c.W, nullptr);
   for (int r = 0; r < c.W; ++r) {
+    set_dev(r);
     CK(cudaMalloc(&c.d_x[r], bytes));
     CK(cudaMalloc(&c.d_out[r], bytes));
     auto hx = c.x[r].pack();
@@ -398,26 +424,26 @@ void upload(Case& c) {
       auto hr = c.res[r].pack();
       CK(cudaMemcpy(c.d_res[r], hr.data(), bytes, cudaMemcpyHostToDevice));
       CK(cudaMemset(c.d_rout[r], 0xFF, bytes));
+      CK(cudaMalloc(&c.d_w[r], c.w.bytes()));
+      auto hw = c.w.pack();
+      CK(cudaMemcpy(c.d_w[r], hw.data(), c.w.bytes(), cudaMemcpyHostToDevice));
     }
   }
-  if (c.sh.fused) {
-    CK(cudaMalloc(&c.d_w, c.w.bytes()));
-    auto hw = c.w.pack();
-    CK(cudaMemcpy(c.d_w, hw.data(), c.w.bytes(), cudaMemcpyHostToDevice));
-  }
+  sync_devices();
 }
 
 void release(Case& c) {
   for (int r = 0; r < c.W; ++r) {
+    set_dev(r);
     CK(cudaFree(c.d_x[r]));
     CK(cudaFree(c.d_out[r]));
     if (c.sh.fused) {
       CK(cudaFree(c.d_res[r]));
       CK(cudaFree(c.d_rout[r]));
+      CK(cudaFree(c.d_w[r]));
     }
   }
-  if (c.d_w) CK(cudaFree(c.d_w));
-  c.d_w = nullptr;
+  c.d_w.clear();
 }
 
 AllReduceArgs args_of(const Case& c, int r) {
@@ -426,7 +452,7 @@ AllReduceArgs args_of(const Case& c, int r) {
   a.out = c.d_out[r];
   a.residual = c.sh.fused ? c.d_res[r] : nullptr;
   a.residual_out = c.sh.fused ? c.d_rout[r] : nullptr;
-  a.weight = c.sh.fused ? c.d_w : nullptr;
+  a.weight = c.sh.fused ? c.d_w[r] : nullptr;
   a.tokens = c.sh.T;
   a.hidden = c.sh.H;
   a.dtype = c.sh.dt;
@@ -437,6 +463,7 @@ AllReduceArgs args_of(const Case& c, int r) {
 // Launch one call on every rank (no sync).
 void launch(World& w, const Case& c, Strategy s) {
   for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
     const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args_of(c, r), s, nullptr,
                                                 w.r[r].st, w.sms);
     if (e != cudaSuccess) {
@@ -564,10 +591,11 @@ bool run_case(World& w, const Shape& sh, uint64_t seed) {
                                : nvc::cuda::twoshot_max_bytes(w.r[0].v);
     if (bytes > cap) continue;
     for (int r = 0; r < w.W; ++r) {  // poison outputs between strategies
+      set_dev(r);
       CK(cudaMemset(c.d_out[r], 0xFF, bytes));
       if (sh.fused) CK(cudaMemset(c.d_rout[r], 0xFF, bytes));
     }
-    CK(cudaDeviceSynchronize());
+    sync_devices();
     launch(w, c, s);
     sync_world(w);
     res[si] = download(c);
@@ -616,7 +644,7 @@ bool stress(World& w, int ncalls, uint64_t seed) {
     compute_expected(cs[k]);
     upload(cs[k]);
   }
-  CK(cudaDeviceSynchronize());
+  sync_devices();
   for (int k = 0; k < ncalls; ++k) launch(w, cs[k], st[k]);
   sync_world(w);
   bool ok = true;
@@ -662,7 +690,7 @@ bool graph_test(World& w, int replays, uint64_t seed) {
         CK(cudaMemcpy(cs[k].d_x[r], p, hx.size(), cudaMemcpyHostToDevice));
       }
     }
-    CK(cudaDeviceSynchronize());
+    sync_devices();
     for (int k = 0; k < K; ++k) launch(w, cs[k], strat[k]);
     sync_world(w);
     for (int k = 0; k < K; ++k) {
@@ -674,6 +702,7 @@ bool graph_test(World& w, int replays, uint64_t seed) {
   std::vector<cudaGraphExec_t> exec(w.W);
   for (int r = 0; r < w.W; ++r) {
     cudaGraph_t graph;
+    set_dev(r);
     CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
     for (int k = 0; k < K; ++k) {
       const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args_of(cs[k], r), strat[k],
@@ -692,6 +721,7 @@ bool graph_test(World& w, int replays, uint64_t seed) {
   for (int rep = 0; rep < replays && ok; ++rep) {
     const int set = rep % kSets;
     for (int r = 0; r < w.W; ++r) {
+      set_dev(r);
       for (int k = 0; k < K; ++k)
         CK(cudaMemcpyAsync(cs[k].d_x[r], pinned[set][k][r], cs[k].x[r].bytes(),
                            cudaMemcpyHostToDevice, w.r[r].st));
@@ -709,11 +739,58 @@ bool graph_test(World& w, int replays, uint64_t seed) {
       }
     }
   }
-  for (int r = 0; r < w.W; ++r) CK(cudaGraphExecDestroy(exec[r]));
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    CK(cudaGraphExecDestroy(exec[r]));
+  }
   for (auto& a : pinned)
     for (auto& b : a)
       for (char* p : b) CK(cudaFreeHost(p));
   for (auto& c : cs) release(c);
+  return ok;
+}
+
+// A row's result must not depend on how many rows the call has (the epilogue processes 1, 2 or
+// 4 rows per thread group depending on tokens): rows 0..6 of a 600-row fused call (two-shot)
+// against the same 7 rows alone (one-shot and two-shot).
+bool batch_invariance(World& w, uint64_t seed) {
+  bool ok = true;
+  for (int dt = 0; dt < 3; ++dt) {
+    Case big, small;
+    big.sh = {dt, 600, 2048, true, false, false};
+    big.W = w.W;
+    gen_inputs(big, seed + dt);
+    small.sh = {dt, 7, 2048, true, false, false};
+    small.W = w.W;
+    const size_t n = size_t(7) * 2048;
+    small.x = big.x;
+    small.res = big.res;
+    for (auto& h : small.x) h.v.resize(n);
+    for (auto& h : small.res) h.v.resize(n);
+    small.w = big.w;
+    if (size_t(600) * 2048 * esize(dt) > nvc::cuda::twoshot_max_bytes(w.r[0].v)) continue;
+    upload(big);
+    upload(small);
+    launch(w, big, Strategy::kTwoShot);
+    sync_world(w);
+    const Outputs ob = download(big);
+    for (int si = 0; si < 2; ++si) {
+      launch(w, small, si ? Strategy::kTwoShot : Strategy::kOneShot);
+      sync_world(w);
+      const Outputs os = download(small);
+      for (int r = 0; r < w.W; ++r)
+        for (size_t i = 0; i < n; ++i)
+          if (os.out[r].v[i] != ob.out[r].v[i] || os.rout[r].v[i] != ob.rout[r].v[i]) {
+            if (g_fail_lines++ < 12)
+              std::printf("  FAIL batch invariance W=%d %s rank %d idx %zu\n", w.W,
+                          dtype_name(dt), r, i);
+            ok = false;
+            break;
+          }
+    }
+    release(big);
+    release(small);
+  }
   return ok;
 }
 
@@ -744,6 +821,7 @@ bool validation_ok(World& w) {
   gen_inputs(c, 5);
   upload(c);
   AllReduceArgs a = args_of(c, 0);
+  set_dev(0);
   auto refused = [&](AllReduceArgs b, Strategy s, const char* what) {
     if (nvc::cuda::all_reduce(w.r[0].v, b, s, nullptr, w.r[0].st, w.sms) != cudaErrorInvalidValue) {
       std::printf("  FAIL validation accepted: %s\n", what);
@@ -776,7 +854,7 @@ bool validation_ok(World& w) {
     std::printf("  FAIL validation: tokens == 0 refused\n");
     ok = false;
   }
-  CK(cudaDeviceSynchronize());
+  sync_devices();
   release(c);
   return ok;
 }
@@ -791,6 +869,7 @@ int timeout_test(int sms, bool twoshot) {
   gen_inputs(c, 1);
   upload(c);
   const Strategy s = twoshot ? Strategy::kTwoShot : Strategy::kOneShot;
+  set_dev(0);
   CK(nvc::cuda::all_reduce(w.r[0].v, args_of(c, 0), s, nullptr, w.r[0].st, w.sms));
   const cudaError_t e = cudaStreamSynchronize(w.r[0].st);
   const ErrorInfo* info = w.r[0].err;
@@ -803,16 +882,101 @@ int timeout_test(int sms, bool twoshot) {
   return ok ? 0 : 1;
 }
 
+// --bench: one rank per GPU, bf16, hidden 4096; per rank a CUDA graph of `iters` calls; the
+// time per call is the slowest rank's (graph time / iters). Not a check: prints a table.
+void bench(int sms) {
+  const int W = g_ngpu;
+  const size_t M = 16 << 20;
+  World w = make_world(W, M, 4ull * 1000 * 1000 * 1000, sms);
+  g_world = &w;
+  const int iters = 200;
+  const int64_t H = 4096;
+  const int64_t Ts[] = {1, 4, 16, 64, 128, 512, 2048};
+  std::printf("\nbench: W=%d (one rank per GPU), bf16, hidden %lld, us per call (CUDA graph of %d calls)\n",
+              W, (long long)H, iters);
+  std::printf("   bytes   | plain oneshot  twoshot | fused oneshot  twoshot\n");
+  for (int64_t T : Ts) {
+    double us[2][2] = {{-1, -1}, {-1, -1}};
+    for (int fused = 0; fused < 2; ++fused) {
+      Case c;
+      c.sh = {1, T, H, fused == 1, false, false};
+      c.W = W;
+      gen_inputs(c, 7);
+      upload(c);
+      for (int si = 0; si < 2; ++si) {
+        const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
+        const size_t bytes = size_t(T) * H * 2;
+        if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v) : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
+          continue;
+        std::vector<cudaGraphExec_t> exec(W);
+        std::vector<cudaEvent_t> e0(W), e1(W);
+        for (int r = 0; r < W; ++r) {
+          set_dev(r);
+          cudaGraph_t g;
+          CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
+          for (int i = 0; i < iters; ++i)
+            CK(nvc::cuda::all_reduce(w.r[r].v, args_of(c, r), st, nullptr, w.r[r].st, w.sms));
+          CK(cudaStreamEndCapture(w.r[r].st, &g));
+          CK(cudaGraphInstantiate(&exec[r], g, 0));
+          CK(cudaGraphDestroy(g));
+          CK(cudaEventCreate(&e0[r]));
+          CK(cudaEventCreate(&e1[r]));
+        }
+        for (int rep = 0; rep < 3; ++rep) {  // warm-up, then two timed rounds (keep the best)
+          for (int r = 0; r < W; ++r) {
+            set_dev(r);
+            CK(cudaEventRecord(e0[r], w.r[r].st));
+            CK(cudaGraphLaunch(exec[r], w.r[r].st));
+            CK(cudaEventRecord(e1[r], w.r[r].st));
+          }
+          sync_world(w);
+          if (rep == 0) continue;
+          float worst = 0;
+          for (int r = 0; r < W; ++r) {
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
+            worst = std::max(worst, ms);
+          }
+          const double t = 1000.0 * worst / iters;
+          if (us[fused][si] < 0 || t < us[fused][si]) us[fused][si] = t;
+        }
+        for (int r = 0; r < W; ++r) {
+          set_dev(r);
+          CK(cudaGraphExecDestroy(exec[r]));
+          CK(cudaEventDestroy(e0[r]));
+          CK(cudaEventDestroy(e1[r]));
+        }
+      }
+      release(c);
+    }
+    auto cell = [](double v) {
+      static char b[4][16];
+      static int k = 0;
+      char* p = b[k++ & 3];
+      if (v < 0) std::snprintf(p, 16, "%8s", "-");
+      else std::snprintf(p, 16, "%8.1f", v);
+      return p;
+    };
+    std::printf("%8lld B | %s %s | %s %s\n", (long long)(T * H * 2), cell(us[0][0]), cell(us[0][1]),
+                cell(us[1][0]), cell(us[1][1]));
+  }
+  free_world(w);
+  g_world = nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, tmo = false, tmo_one = false;
+  bool quick = false, tmo = false, tmo_one = false, do_bench = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
+    else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
     else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
     else {
-      std::printf("usage: %s [--quick | --timeout-test | --timeout-test-oneshot]\n", argv[0]);
+      std::printf("usage: %s [--gpus N] [--quick | --bench | --timeout-test | --timeout-test-oneshot]\n",
+                  argv[0]);
       return 2;
     }
   }
@@ -823,8 +987,37 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
-  std::printf("device: %s, %d SMs\n", prop.name, sms);
+  int ndev = 0;
+  CK(cudaGetDeviceCount(&ndev));
+  if (g_ngpu < 1 || g_ngpu > ndev) {
+    std::printf("--gpus %d: only %d GPU(s) visible\nRESULT: FAIL\n", g_ngpu, ndev);
+    return 2;
+  }
+  for (int a = 0; a < g_ngpu; ++a)  // peers map each other's buffers (NVLink between GPUs)
+    for (int b = 0; b < g_ngpu; ++b) {
+      if (a == b) continue;
+      int can = 0;
+      CK(cudaDeviceCanAccessPeer(&can, a, b));
+      if (!can) {
+        std::printf("GPU %d cannot access GPU %d\nRESULT: FAIL\n", a, b);
+        return 2;
+      }
+      CK(cudaSetDevice(a));
+      const cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) CK(e);
+      cudaGetLastError();
+    }
+  for (int d = 0; d < g_ngpu; ++d) {  // as the communicator setup does
+    CK(cudaSetDevice(d));
+    CK(nvc::cuda::all_reduce_load_kernels());
+  }
+  std::printf("device: %s, %d SMs, %d GPU(s) used (rank r on GPU r %% %d)\n", prop.name, sms,
+              g_ngpu, g_ngpu);
   if (tmo) return timeout_test(sms, !tmo_one);
+  if (do_bench) {
+    bench(sms);
+    return 0;
+  }
 
   const size_t M = 8 << 20;  // max_message_bytes: one-shot slot 1 MiB, two-shot 8 MiB
   const uint64_t timeout_ns = 4ull * 1000 * 1000 * 1000;
@@ -832,12 +1025,14 @@ int main(int argc, char** argv) {
   std::vector<TH> shapes = {{1, 64},     {1, 4096},   {1, 16384}, {2, 72},    {3, 1000},
                             {5, 128},    {7, 4096},   {8, 8192},  {16, 2048}, {33, 520},
                             {64, 8192},  {128, 1024}, {200, 2048}, {1000, 64}, {4097, 64},
-                            {4, 32768},  {48, 16384}, {256, 8192}, {2, 65536}};
-  if (quick) shapes = {{1, 64}, {3, 1000}, {7, 4096}, {64, 8192}, {200, 2048}, {4, 32768}};
+                            {2100, 64},  {600, 4096}, {4, 32768}, {48, 16384}, {256, 8192},
+                            {2, 65536}};
+  if (quick) shapes = {{1, 64}, {3, 1000}, {7, 4096}, {64, 8192}, {4097, 64}, {4, 32768}};
   const int Ws[] = {1, 2, 4, 8};
   bool all_ok = true;
   bool stress_ok[4] = {true, true, true, true}, graph_ok[4] = {true, true, true, true},
-       counters[4] = {true, true, true, true}, valid_ok = true;
+       counters[4] = {true, true, true, true}, batch_ok[4] = {true, true, true, true},
+       valid_ok = true;
   const int nstress = quick ? 60 : 240;
   for (int W : Ws) {
     World w = make_world(W, M, timeout_ns, sms);
@@ -860,10 +1055,13 @@ int main(int argc, char** argv) {
       }
     }
     stress_ok[widx(W)] = stress(w, nstress, 77 + W);
+    const bool inv_ok = batch_invariance(w, 555 + W);
+    batch_ok[widx(W)] = inv_ok;
     graph_ok[widx(W)] = graph_test(w, quick ? 12 : 60, 99 + W);
     if (W == 2) valid_ok = validation_ok(w);
     counters[widx(W)] = counters_ok(w);
-    all_ok &= stress_ok[widx(W)] && graph_ok[widx(W)] && counters[widx(W)] && valid_ok;
+    all_ok &= stress_ok[widx(W)] && graph_ok[widx(W)] && counters[widx(W)] && valid_ok &&
+              batch_ok[widx(W)];
     free_world(w);
     g_world = nullptr;
   }
@@ -880,10 +1078,10 @@ int main(int argc, char** argv) {
       }
   for (int W : Ws) {
     const Tally& x = g_cross[widx(W)];
-    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | %d queued calls %s | graph replays %s | counters %s\n",
+    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | %d queued calls %s | graph replays %s | batch-invariant rows %s | counters %s\n",
                 W, x.pass, x.total, x.pass == x.total ? "ok" : "FAIL", nstress,
                 stress_ok[widx(W)] ? "ok" : "FAIL", graph_ok[widx(W)] ? "ok" : "FAIL",
-                counters[widx(W)] ? "ok" : "FAIL");
+                batch_ok[widx(W)] ? "ok" : "FAIL", counters[widx(W)] ? "ok" : "FAIL");
   }
   std::printf("host validation %s\n", valid_ok ? "ok" : "FAIL");
   std::printf("RESULT: %s\n", all_ok ? "PASS" : "FAIL");

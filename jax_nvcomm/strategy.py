@@ -17,16 +17,23 @@ import os
 import numpy as np
 
 # world size -> (oneshot_max_bytes, twoshot_max_bytes).
-# Provenance: see README "Strategy thresholds" (defaults follow published crossovers for
-# 8 x H100/H200 until measured on several GPUs here; `bench allreduce --tune` replaces them).
+# Provenance (README "Performance"):
+#   2: measured on 2 x H200 (NVLink), bf16, 2026-11-29: one-shot beats lax.psum up to the
+#      largest size measured for it (512 KiB: 11.4 us vs 18.2 us) and is capped by the Lamport
+#      slot (1 MiB); two-shot is on par with psum at 512 KiB and 56 MiB and behind it at 112 MiB
+#      (473 vs 413 us); the fused two-shot is behind psum + XLA's RMSNorm at 56 MiB (380 vs
+#      318 us); the kernel harness measured two-shot 16 MiB at 72 us.
+#   1: no communication at all: "auto" picks "xla" (lax.psum over one device is the identity and
+#      XLA's fused add + RMSNorm ran 6x faster than our fused epilogue on one H200).
+#   4, 8, 16: not measured here yet (needs a 4/8-GPU machine): published crossovers for
+#      8 x H100/H200 (one-shot to ~128-256 KiB) until `bench allreduce --tune` replaces them.
 THRESHOLDS: dict[int, tuple[int, int]] = {
-    1: (1 << 20, 64 << 20),
-    2: (512 << 10, 64 << 20),
-    4: (256 << 10, 64 << 20),
-    8: (128 << 10, 64 << 20),
-    16: (64 << 10, 64 << 20),
+    1: (0, 0),
+    2: (1 << 20, 16 << 20),
+    4: (256 << 10, 32 << 20),
+    8: (128 << 10, 32 << 20),
+    16: (64 << 10, 32 << 20),
 }
-
 
 
 def _table(world: int) -> tuple[int, int]:

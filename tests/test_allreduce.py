@@ -205,3 +205,20 @@ def test_validation_errors(comms):
         trace(lambda v: nvc.all_reduce_rms_norm(v, v, v[0, :8], c)[0], jnp.ones((4, 16)))
     with pytest.raises(ValueError, match=r"residual must have x's shape"):
         trace(lambda v: nvc.all_reduce_rms_norm(v, v[:1], v[0], c)[0], jnp.ones((4, 16)))
+
+
+def test_select_strategy_table_and_overrides(comms, monkeypatch):
+    c = comms[2]
+    one = min(1 << 20, c.lamport_slot_bytes)
+    assert nvc.select_strategy(c, (1, 64), jnp.bfloat16) == "oneshot"
+    assert nvc.select_strategy(c, (one // 2 // 64, 64), jnp.bfloat16) == "oneshot"
+    assert nvc.select_strategy(c, (one // 64, 64), jnp.float32) == "twoshot"
+    assert nvc.select_strategy(c, (c.max_message_bytes // 4 + 64, 1), jnp.float32) == "xla"
+    assert nvc.select_strategy(comms[1], (4, 64), jnp.float32) == "xla"  # world 1: no comm
+    assert nvc.select_strategy(c, (4, 64), jnp.float32, oneshot_max_bytes=0) == "twoshot"
+    assert nvc.select_strategy(c, (4, 64), jnp.float32, oneshot_max_bytes=0,
+                               twoshot_max_bytes=0) == "xla"
+    monkeypatch.setenv("JAX_NVCOMM_ONESHOT_MAX_BYTES", "0")
+    assert nvc.select_strategy(c, (4, 64), jnp.float32) == "twoshot"
+    monkeypatch.setenv("JAX_NVCOMM_TWOSHOT_MAX_BYTES", "16")
+    assert nvc.select_strategy(c, (4, 64), jnp.float32) == "xla"

@@ -212,7 +212,7 @@ def test_select_strategy_table_and_overrides(comms, monkeypatch):
     one = min(1 << 20, c.lamport_slot_bytes)
     assert nvc.select_strategy(c, (1, 64), jnp.bfloat16) == "oneshot"
     assert nvc.select_strategy(c, (one // 2 // 64, 64), jnp.bfloat16) == "oneshot"
-    assert nvc.select_strategy(c, (one // 64, 64), jnp.float32) == "twoshot"
+    assert nvc.select_strategy(c, (one // 256 + 64, 64), jnp.float32) == "twoshot"
     assert nvc.select_strategy(c, (c.max_message_bytes // 4 + 64, 1), jnp.float32) == "xla"
     assert nvc.select_strategy(comms[1], (4, 64), jnp.float32) == "xla"  # world 1: no comm
     assert nvc.select_strategy(c, (4, 64), jnp.float32, oneshot_max_bytes=0) == "twoshot"

@@ -1,5 +1,7 @@
 """jax_nvcomm.reference (pure-JAX baselines) against the float64 numpy references on 8 CPU
-devices: MoE dispatch/combine (impl "ragged" and "dense"), all_reduce_rms_norm_xla."""
+devices (or the GPUs with JAX_NVCOMM_TEST_GPU=1, where impl="ragged" runs XLA's real
+ragged_all_to_all): MoE dispatch/combine (impl "ragged" and "dense"),
+all_reduce_rms_norm_xla."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,10 @@ from jax.sharding import PartitionSpec as P
 from jax_nvcomm import reference as ref
 from helpers import f64, mesh1d, rel_err, rms_ref, run_sharded
 
-W = 8
+if len(jax.devices()) < 2:
+    pytest.skip("needs at least 2 devices", allow_module_level=True)
+
+W = 8 if len(jax.devices()) >= 8 else 4 if len(jax.devices()) >= 4 else 2
 IMPLS = ["ragged", "dense"]
 
 
@@ -22,7 +27,8 @@ def _routing(rng, T, K, E, *, neg_frac=0.0):
     return ids
 
 
-def _run(impl, x_all, ids_all, nt_all, w_all, ey_all, E, *, scale_all=None, check_vma=True):
+def _run(impl, x_all, ids_all, nt_all, w_all, ey_all, E, *, scale_all=None, check_vma=True,
+         pieces=None):
     T, K = ids_all.shape[1:]
     L = E // W
     mesh = mesh1d(W)
@@ -30,8 +36,9 @@ def _run(impl, x_all, ids_all, nt_all, w_all, ey_all, E, *, scale_all=None, chec
     def f(x, ids, nt, w, ey, *sc):
         ex, cnt, exs, h = ref.moe_dispatch_xla(x, ids, axis_name="x", num_experts=E,
                                                num_tokens=nt, x_scale=sc[0] if sc else None,
-                                               impl=impl)
-        y = ref.moe_combine_xla(ey, w, h, axis_name="x", num_experts=E, impl=impl)
+                                               impl=impl, ragged_pieces=pieces)
+        y = ref.moe_combine_xla(ey, w, h, axis_name="x", num_experts=E, impl=impl,
+                                ragged_pieces=pieces)
         return (ex, cnt, y) + ((exs,) if sc else ())
 
     args = [jnp.asarray(x_all.reshape(W * T, -1)), jnp.asarray(ids_all.reshape(W * T, K)),
@@ -82,28 +89,31 @@ def _check(rng, impl, T, H, K, E, ids, nt, *, dtype=jnp.bfloat16, ey_dtype=jnp.b
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_random_routing(rng, impl):
-    """num_tokens < capacity on most ranks, rank 3 with 0 tokens, -1 slots; both impls agree."""
+    """num_tokens < capacity on most ranks, rank 1 with 0 tokens, -1 slots."""
     T, H, K, E = 12, 32, 4, 32
     ids = _routing(rng, T, K, E, neg_frac=0.2)
-    nt = np.array([12, 5, 9, 0, 12, 1, 7, 11])
+    nt = np.array([12, 0, 9, 5, 12, 1, 7, 11])[:W]
     _check(rng, impl, T, H, K, E, ids, nt)
 
 
 def test_impls_identical_and_check_vma_off(rng):
+    """ragged (check_vma off), dense, ragged with one update per peer: identical results."""
     T, H, K, E = 8, 16, 2, 16
     ids = _routing(rng, T, K, E, neg_frac=0.1)
-    nt = np.array([8, 3, 0, 8, 6, 8, 2, 8])
+    nt = np.array([8, 0, 3, 8, 6, 8, 2, 8])[:W]
     x = np.asarray(jnp.asarray(rng.standard_normal((W, T, H)), jnp.bfloat16))
     w = rng.random((W, T, K)).astype(np.float32)
     ey = rng.standard_normal((W, E // W, W * T, H)).astype(np.float32)
     a = _run("ragged", x, ids, nt, w, ey, E, check_vma=False)
     b = _run("dense", x, ids, nt, w, ey, E, check_vma=True)
-    np.testing.assert_array_equal(a[1], b[1])
-    np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
-    for d in range(W):
-        for e in range(E // W):
-            c = int(a[1][d, e])
-            np.testing.assert_array_equal(a[0][d, e, :c], b[0][d, e, :c])
+    c1 = _run("ragged", x, ids, nt, w, ey, E, pieces=1)  # one update per peer
+    for o in (b, c1):
+        np.testing.assert_array_equal(a[1], o[1])
+        np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(o[2]))
+        for d in range(W):
+            for e in range(E // W):
+                c = int(a[1][d, e])
+                np.testing.assert_array_equal(a[0][d, e, :c], o[0][d, e, :c])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -123,7 +133,7 @@ def test_top_k(rng, impl, K):
     """top_k 1; top_k 8 with 2 local experts per rank (capacity bound min(top_k, L))."""
     T, H, E = 8, 16, 16
     ids = _routing(rng, T, K, E, neg_frac=0.15)
-    nt = np.array([8, 8, 4, 0, 8, 1, 8, 7])
+    nt = np.array([8, 4, 8, 0, 8, 1, 8, 7])[:W]
     _check(rng, impl, T, H, K, E, ids, nt)
 
 
@@ -131,7 +141,7 @@ def test_top_k(rng, impl, K):
 def test_fp8_with_scales(rng, impl):
     T, H, K, E = 8, 256, 4, 32
     ids = _routing(rng, T, K, E, neg_frac=0.1)
-    nt = np.array([8, 2, 8, 0, 5, 8, 8, 3])
+    nt = np.array([8, 2, 8, 0, 5, 8, 8, 3])[:W]
     _check(rng, impl, T, H, K, E, ids, nt, dtype=jnp.float8_e4m3fn, scale_cols=H // 128)
 
 
@@ -139,9 +149,8 @@ def test_gradients(rng):
     """expert_y = expert_x * a[expert]: y[t] = x[t] * sum_k w[t,k] a[id_k], so the gradients
     of sum(y^2) to x and w equal those of that local formula; both impls, finite."""
     T, H, K, E = 8, 16, 4, 32
-    L = E // W
     ids = _routing(rng, T, K, E, neg_frac=0.2)
-    nt = np.array([8, 8, 5, 0, 8, 3, 8, 8])
+    nt = np.array([8, 0, 5, 8, 8, 3, 8, 8])[:W]
     x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.float32)
     w = jnp.asarray(rng.random((W * T, K)), jnp.float32)
     a = jnp.asarray(rng.standard_normal((E, H)), jnp.float32)
@@ -172,7 +181,6 @@ def test_gradients(rng):
         for g, gw in zip(got, want):
             assert np.all(np.isfinite(np.asarray(g)))
             np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-4)
-    assert L == 4
 
 
 def test_all_reduce_rms_norm_xla(rng):

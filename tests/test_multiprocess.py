@@ -52,3 +52,22 @@ def test_moe_across_processes(n, rounds):
     rc, out = launch(n, "moe_mp.py", f"--rounds={rounds}")
     assert rc == 0, out[-4000:]
     assert out.count("PASS") == n, out[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case,who,pattern", [
+    ("dead", 1, "rank 0 timed out waiting for rank 1"),
+    ("sizes", 2, "ranks disagree on the op or its sizes"),
+    ("order", 2, r"received a (all_gather|all_reduce) call from rank"),
+])
+def test_faults_end_with_errors(case, who, pattern):
+    """A peer that never arrives, ranks with other sizes, ranks calling other ops: each ends
+    with an error naming it within the deadline (3 s), never a hang."""
+    import re
+    rc, out = launch(2, "faults_mp.py", f"--case={case}", timeout=120)
+    assert rc == 0, out[-4000:]
+    got = [l for l in out.splitlines() if "GOT after" in l]
+    assert len(got) >= who - (1 if case == "dead" else 0) and got, out[-4000:]
+    assert all(re.search(pattern, l) for l in got), got
+    for l in got:  # bounded: the deadline is 3 s
+        assert float(re.search(r"GOT after ([0-9.]+)s", l).group(1)) < 30, l

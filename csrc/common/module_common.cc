@@ -40,11 +40,18 @@ std::string describe_error(const ErrorInfo& e) {
                     op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
       break;
     case kErrMismatch:
-      std::snprintf(buf, sizeof buf,
-                    "jax_nvcomm: %s call #%llu: rank %d received a different call from rank %d "
-                    "(descriptor 0x%06x, expected 0x%06x): ranks disagree on the op or its sizes",
-                    op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
-                    (unsigned)flag_desc(e.observed), (unsigned)(e.op & 0xFFFFFFu));
+      if (flag_desc(e.observed) == 0xFFFFFFu) {
+        std::snprintf(buf, sizeof buf,
+                      "jax_nvcomm: %s call #%llu: rank %d: rank %d failed this call (bad input "
+                      "found there)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
+      } else {
+        std::snprintf(buf, sizeof buf,
+                      "jax_nvcomm: %s call #%llu: rank %d received a %s call from rank %d with "
+                      "other sizes or op (descriptor 0x%06x, expected 0x%06x): ranks disagree "
+                      "on the op or its sizes", op_name(e.op), (unsigned long long)e.seq, e.rank,
+                      op_name(flag_desc(e.observed)), e.peer, (unsigned)flag_desc(e.observed),
+                      (unsigned)(e.op & 0xFFFFFFu));
+      }
       break;
     case kErrAhead:
       std::snprintf(buf, sizeof buf,

@@ -1,0 +1,57 @@
+"""Fault cases across processes (2 ranks, CPU or shared GPU). Every case must END with an error
+that names what happened, within the communicator's deadline, never hang.
+  --case=dead       rank 1 never calls (exits): rank 0 gets a timeout naming rank 1
+  --case=sizes      ranks call all_reduce with different shapes: a disagreement is reported
+  --case=order      rank 0 calls all_gather while rank 1 calls all_reduce: reported
+Prints "GOT <message>" on the rank(s) that must see the error; exits 0 when the case behaved.
+"""
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from common import arg, global_array, init, mesh1d, rank_print
+
+nvc = init()
+case = arg("case", "dead")
+mesh = mesh1d()
+me = jax.process_index()
+comm = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20, timeout_s=3)
+
+
+def call(fn, shape):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = global_array(mesh, P("x"), np.ones((2 * shape[0],) + shape[1:], np.float32))
+    return jax.block_until_ready(f(x))
+
+
+ar = lambda v: nvc.all_reduce(v, comm, strategy="twoshot")[None]
+ag = lambda v: nvc.all_gather(v, comm)
+
+# one good call first: both ranks are up and the buffers work
+call(ar, (4, 64))
+rank_print("warm-up call OK")
+t0 = time.monotonic()
+try:
+    if case == "dead":
+        if me == 1:
+            rank_print("exiting without calling")
+            os._exit(0)
+        call(ar, (4, 64))
+    elif case == "sizes":
+        call(ar, (4, 64) if me == 0 else (8, 64))
+    elif case == "order":
+        call(ag if me == 0 else ar, (4, 64))
+    else:
+        raise SystemExit(f"unknown case {case}")
+except Exception as e:  # JaxRuntimeError from the FFI handler
+    msg = str(e).splitlines()[0]
+    rank_print(f"GOT after {time.monotonic() - t0:.1f}s: {msg}")
+    from jax._src import dispatch
+    dispatch.runtime_tokens.clear()
+    os._exit(0)
+rank_print("NO ERROR")
+os._exit(3)

@@ -9,7 +9,7 @@ Model (per layer, pre-norm, residual stream in the working dtype):
     h = RMSNorm(x)                       (fused into the previous layer's last collective)
     x = x + Attention(h)                 causal softmax attention, RoPE, q/k/v/o projections
     h = RMSNorm(x)
-    x = x + MoE(h)                       softmax router, top-k (weights renormalised), SwiGLU experts
+    x = x + MoE(h)                       softmax router, top-k (renormalised), SwiGLU experts
     ...  final RMSNorm -> the "final hidden states" that are compared.
 Attention, simplified (no KV cache management):
   - prefill: each sequence's tokens attend causally to each other (one sequence of `--tokens`
@@ -35,25 +35,38 @@ Layouts (a 1-D mesh over the devices; W ranks):
     einsum, rows past each expert's count masked to zero.
 
 Agreement: relative L2 error ||a - b|| / ||b|| of the final hidden states, below 1e-4 in
-float32 and 2e-2 in bfloat16/float16 (see TOLERANCE). In low precision the two all-reduces may
-round differently, which can flip a near-tied top-k choice for a token; the bound allows for it.
+float32 and 2e-2 in bfloat16/float16 (see TOLERANCE). In low precision the two all-reduces
+round differently (jax_nvcomm sums in float32, XLA's psum in the working dtype), which flips
+near-tied top-k choices of a few tokens (measured on CPU, bf16, 4 layers, 32 experts top-4:
+4-7% of (layer, token) choices); such a token then differs by ~10%, which no tolerance on the
+whole output should hide. Each step therefore also returns its routing; when the candidate's
+differs from the baseline's, the candidate is run once more with the baseline's routing forced
+(the router still computes its weights) and that output is compared. The table reports the
+share of differing routing choices next to the error.
 
 Timing: each step is jitted (the whole stack in one program), compiled, run `--warmup` times,
 then `--iters` times with a host sync after each call; the median wall time is reported. On GPUs
 this includes ~60 us of host dispatch per call.
 
 Multi-process: works under `python -m jax_nvcomm.launch -n N [--share-gpu] -m jax_nvcomm.demo
---nvcomm-only --ref FILE.npz ...` (the mesh spans jax.devices() of every process; inputs are
-built with jax.make_array_from_callback, weights with jax.random inside a jit whose
-out_shardings place each shard where it lives; results are gathered to process 0 through the
-distributed key-value store, never through XLA collectives, so `--nvcomm-only` needs no NCCL).
+--nvcomm-only --ref FILE.npz ...`: the table is printed by process 0; the mesh spans
+jax.devices() of every process; inputs are built with jax.make_array_from_callback, weights
+with jax.random inside a jit whose out_shardings place each shard where it lives; results go to
+process 0 through the distributed key-value store, never through XLA collectives, so
+`--nvcomm-only` needs no NCCL.
 NCCL refuses several ranks on one GPU, so with --share-gpu the XLA side cannot run: compare
-against a stored reference made by a run that can (`--save-ref FILE.npz`).
+against a stored reference made by a run that can (`--save-ref FILE.npz`, same model flags).
+The reference may come from another world size: the low-latency layout's results do not depend
+on it, and in the high-throughput layout rank r's tokens (and decode context) are seeded by r,
+so the first min(world, reference world) ranks' tokens are compared. E.g. on one GPU:
+    python -m jax_nvcomm.demo --devices 1 --save-ref ref.npz
+    python -m jax_nvcomm.launch -n 4 --share-gpu -m jax_nvcomm.demo --nvcomm-only --ref ref.npz
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -114,8 +127,10 @@ class Config:
 
 GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=768, tokens=256,
                     decode_tokens=4, context=256, dtype="bfloat16", iters=20)
-CPU_DEFAULTS = dict(layers=2, hidden=128, heads=None, experts=16, top_k=4, ffn=64, tokens=64,
-                    decode_tokens=4, context=32, dtype="float32", iters=5)
+# CPU: scaled down so that the default run (8 host devices, both layouts and phases, both
+# implementations) takes well under a minute on 2 cores.
+CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128, tokens=128,
+                    decode_tokens=4, context=64, dtype="float32", iters=5)
 
 
 def resolve(cfg: Config, platform: str, world: int) -> Config:
@@ -125,9 +140,11 @@ def resolve(cfg: Config, platform: str, world: int) -> Config:
     for k, v in d.items():
         if vals.get(k) is None:
             vals[k] = v
-    if vals["heads"] is None:  # head_dim up to 128, heads a multiple of the world size
-        h = max(world, vals["hidden"] // 128)
-        vals["heads"] = -(-h // world) * world
+    if vals["heads"] is None:  # head_dim up to 128 (the same for every world size up to 8)
+        h = max(8, vals["hidden"] // 128)
+        if "low-latency" in vals["layouts"] and h % world:
+            h = -(-h // world) * world
+        vals["heads"] = h
     c = Config(**vals)
     errs = []
     if c.hidden % c.heads:
@@ -231,14 +248,20 @@ def attention(h, p, cache, head_dim, phase):
     return o.reshape(t, nh * head_dim) @ p["wo"]
 
 
-def route(h, w_router, top_k):
-    """Softmax router, top-k, weights renormalised: (float32 [t, k], int32 [t, k])."""
+def route(h, w_router, top_k, forced_ids=None):
+    """Softmax router, top-k, weights renormalised: (float32 [t, k], int32 [t, k]).
+    forced_ids (int32 [t, k]) replaces the top-k choice (the weights are still this run's
+    probabilities of those experts): used to compare two runs under the same routing."""
     import jax
     from jax import lax
     jnp = _jnp()
     logits = jnp.dot(h.astype(jnp.float32), w_router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    w, ids = lax.top_k(probs, top_k)
+    if forced_ids is None:
+        w, ids = lax.top_k(probs, top_k)
+    else:
+        ids = forced_ids
+        w = jnp.take_along_axis(probs, ids, axis=-1)
     return w / jnp.sum(w, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
@@ -279,23 +302,26 @@ def experts_dispatched(expert_x, expert_counts, wg, wu, wd):
     return jnp.where(mask, y, jnp.zeros((), y.dtype))
 
 
-def forward(x, params, caches, *, cfg, phase, layout, ar_norm, moe):
+def forward(x, params, caches, forced_ids=None, *, cfg, phase, ar_norm, moe):
     """The decoder stack on one rank. ar_norm(partial, residual, w) -> (normed, residual) ends
     every sub-layer; moe(h, topk_w, topk_ids, layer_params) -> MoE output (a partial sum in the
-    low-latency layout). Returns the final normed hidden states."""
+    low-latency layout). forced_ids: None, or int32 [layers, t, k] routing to use instead of
+    the router's top-k. Returns (final normed hidden states, routing int32 [layers, t, k])."""
     jnp = _jnp()
     hd = cfg.hidden // cfg.heads
     layers = params["layers"]
     residual = x
     h = rms_norm(x.astype(jnp.float32), layers[0]["attn_norm"]).astype(x.dtype)
+    routing = []
     for i, p in enumerate(layers):
         a = attention(h, p, caches[i] if phase == "decode" else None, hd, phase)
         h, residual = ar_norm(a, residual, p["moe_norm"])
-        tw, ti = route(h, p["router"], cfg.top_k)
+        tw, ti = route(h, p["router"], cfg.top_k, None if forced_ids is None else forced_ids[i])
+        routing.append(ti)
         m = moe(h, tw, ti, p)
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else params["final_norm"]
         h, residual = ar_norm(m, residual, nxt)
-    return h
+    return h, jnp.stack(routing)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,16 +343,26 @@ def param_specs(cfg, layout):
 
 def init_params(cfg, mesh, layout):
     """Seeded random weights, generated on the devices (jax.random inside one jit whose
-    out_shardings place each shard; threefry is partitionable, so the values do not depend on
-    the layout or the number of devices). Same logical model in both layouts."""
+    out_shardings place each shard; threefry is partitionable, so the values depend neither on
+    the layout nor on the number of devices). Same logical model in both layouts."""
+    return _params_fn(_model_key(cfg), cfg.dtype, layout, mesh)()
+
+
+def _model_key(cfg):
+    return tuple(sorted(cfg.model_dict().items()))
+
+
+@functools.lru_cache(maxsize=8)
+def _params_fn(model, dtype, layout, mesh):
     import jax
     jnp = _jnp()
     from jax.sharding import NamedSharding
-    H, E, F, L = cfg.hidden, cfg.experts, cfg.ffn, cfg.layers
-    dt = jnp.dtype(cfg.dtype)
+    m = dict(model)
+    H, E, F, L = m["hidden"], m["experts"], m["ffn"], m["layers"]
+    dt = jnp.dtype(dtype)
 
     def gen():
-        key = jax.random.key(cfg.seed)
+        key = jax.random.key(m["seed"])
 
         def normal(k, shape, fan_in):
             return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dt)
@@ -346,50 +382,79 @@ def init_params(cfg, mesh, layout):
         return dict(layers=layers,
                     final_norm=(1.0 + 0.1 * jax.random.normal(fk, (H,))).astype(dt))
 
+    cfg = Config(**m)
     shard = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, layout))
-    return jax.jit(gen, out_shardings=shard)()
+    return jax.jit(gen, out_shardings=shard)
+
+
+def cache_specs(cfg, layout):
+    from jax.sharding import PartitionSpec as P
+    spec = P(None, None, "tp", None) if layout == "low-latency" else P("ep")
+    return [(spec, spec)] * cfg.layers
 
 
 def init_caches(cfg, mesh, layout, world):
     """Decode context: per layer (k, v) [batch, context, heads, head_dim], seeded random.
-    Low-latency: batch = decode tokens, split over heads; high-throughput: batch =
-    world * decode tokens, split over the batch (each rank its own sequences)."""
+    Low-latency: batch = decode tokens (the same sequences on every rank), split over heads;
+    high-throughput: batch = world * decode tokens, split over the batch (each rank its own
+    sequences; rank r's block is seeded by r, so it does not depend on the world size)."""
+    return _caches_fn(_model_key(cfg), cfg.dtype, layout, mesh, world)()
+
+
+@functools.lru_cache(maxsize=8)
+def _caches_fn(model, dtype, layout, mesh, world):
     import jax
     jnp = _jnp()
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    hd = cfg.hidden // cfg.heads
-    if layout == "low-latency":
-        b, spec = cfg.decode_tokens, P(None, None, "tp", None)
-    else:
-        b, spec = world * cfg.decode_tokens, P("ep")
-    shape = (b, cfg.context, cfg.heads, hd)
-    dt = jnp.dtype(cfg.dtype)
+    m = dict(model)
+    hd = m["hidden"] // m["heads"]
+    ranks = 1 if layout == "low-latency" else world
+    shape = (m["decode_tokens"], m["context"], m["heads"], hd)
+    dt = jnp.dtype(dtype)
 
     def gen():
-        key = jax.random.fold_in(jax.random.key(cfg.seed), 2 << 20)
-        ks = jax.random.split(key, 2 * cfg.layers)
-        return [(jax.random.normal(ks[2 * i], shape).astype(dt),
-                 jax.random.normal(ks[2 * i + 1], shape).astype(dt)) for i in range(cfg.layers)]
+        key = jax.random.fold_in(jax.random.key(m["seed"]), 2 << 20)
+        out = []
+        for i in range(m["layers"]):
+            pair = []
+            for j in range(2):
+                k = jax.random.fold_in(key, 2 * i + j)
+                if ranks == 1:
+                    v = jax.random.normal(k, shape)
+                else:
+                    keys = jax.vmap(lambda r: jax.random.fold_in(k, r))(jnp.arange(ranks))
+                    v = jax.vmap(lambda kk: jax.random.normal(kk, shape))(keys)
+                    v = v.reshape((ranks * shape[0],) + shape[1:])
+                pair.append(v.astype(dt))
+            out.append(tuple(pair))
+        return out
 
-    sh = NamedSharding(mesh, spec)
-    caches = jax.jit(gen, out_shardings=[(sh, sh)] * cfg.layers)()
-    return caches, [(spec, spec)] * cfg.layers
+    specs = cache_specs(Config(**m), layout)
+    shard = [tuple(NamedSharding(mesh, s) for s in pair) for pair in specs]
+    return jax.jit(gen, out_shardings=shard)
+
+
+def input_host(cfg, layout, phase, world):
+    """Token hidden states as float32 numpy (seeded; the same in every process). High-throughput
+    layout: rank r's rows are seeded by r, so they do not depend on the world size."""
+    import numpy as np
+    t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
+    seed = [cfg.seed, LAYOUTS.index(layout), PHASES.index(phase)]
+    if layout == "low-latency":
+        return np.random.default_rng(seed).standard_normal((t, cfg.hidden), np.float32)
+    return np.concatenate([np.random.default_rng(seed + [r]).standard_normal(
+        (t, cfg.hidden), np.float32) for r in range(world)])
 
 
 def make_input(cfg, mesh, layout, phase, world):
-    """Token hidden states (seeded numpy, the same in every process), as a global array built
-    with jax.make_array_from_callback (works with several processes)."""
+    """The input as a global array built with jax.make_array_from_callback (works with several
+    processes: each one fills its own shards)."""
     import jax
-    import numpy as np
     jnp = _jnp()
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
-    rows, spec = (t, P()) if layout == "low-latency" else (world * t, P("ep"))
-    seed = [cfg.seed, LAYOUTS.index(layout), PHASES.index(phase)]
-    host = np.random.default_rng(seed).standard_normal((rows, cfg.hidden), np.float32)
-    host = host.astype(jnp.dtype(cfg.dtype))
+    spec = P() if layout == "low-latency" else P("ep")
+    host = input_host(cfg, layout, phase, world).astype(jnp.dtype(cfg.dtype))
     arr = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
                                        lambda idx: host[idx])
     return arr, spec
@@ -437,13 +502,15 @@ def ep_available(impls=IMPLS):
     return True, ""
 
 
-def make_step(cfg, mesh, layout, phase, impl, comms):
-    """The jitted step: x, params, caches -> final hidden states."""
+def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
+    """The step, jitted: (x, params, caches, forced_ids or ()) -> (final hidden states,
+    routing [layers, tokens, top_k]), over the layout's mesh. forced: take the routing as an
+    input instead of the router's top-k (for the comparison under identical routing)."""
     import jax
     import jax_nvcomm as nvc
     from jax.sharding import PartitionSpec as P
     if layout == "low-latency":
-        axis, out_spec = "tp", P()
+        axis, out_spec, r_spec = "tp", P(), P()
         if impl == "jax_nvcomm":
             comm = comms["tp"]
 
@@ -456,7 +523,7 @@ def make_step(cfg, mesh, layout, phase, impl, comms):
         def moe(h, tw, ti, p):
             return experts_grouped(h, tw, ti, p["wg"], p["wu"], p["wd"])
     else:
-        axis, out_spec = "ep", P("ep")
+        axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
         ar_norm = add_rms_norm  # data-parallel attention: no all-reduce
         if impl == "jax_nvcomm":
             dispatch, combine, _ = nvc_moe_api()
@@ -476,17 +543,23 @@ def make_step(cfg, mesh, layout, phase, impl, comms):
                 return combine_xla(y, tw, handle, axis_name=axis, num_experts=cfg.experts,
                                    impl="ragged")
 
-    def body(x, params, caches):
-        return forward(x, params, caches, cfg=cfg, phase=phase, layout=layout, ar_norm=ar_norm,
-                       moe=moe)
+    def body(x, params, caches, forced_ids):
+        return forward(x, params, caches, forced_ids if forced else None, cfg=cfg, phase=phase,
+                       ar_norm=ar_norm, moe=moe)
 
-    return body, axis, out_spec
+    x_spec = P() if layout == "low-latency" else P("ep")
+    in_specs = (x_spec, param_specs(cfg, layout),
+                cache_specs(cfg, layout) if phase == "decode" else (), r_spec if forced else ())
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                                 out_specs=(out_spec, r_spec)))
 
 
 def nvc_op_name(cfg, layout, phase, comms, world):
     """What jax_nvcomm runs for this step (for the table)."""
     import jax_nvcomm as nvc
     jnp = _jnp()
+    if "jax_nvcomm" not in cfg.impls:
+        return "-"
     if layout == "high-throughput":
         return "dispatch+combine"
     comm = comms.get("tp")
@@ -497,58 +570,68 @@ def nvc_op_name(cfg, layout, phase, comms, world):
 
 
 # --------------------------------------------------------------------------------------------
-# gathering results to process 0 (no XLA collectives: works where NCCL cannot run)
+# results to process 0 (no XLA collectives: works where NCCL cannot run)
 
-_gather_seq = [0]
+_kv_seq = [0]
 
 
-def to_host0(arr):
-    """The full value of a global array as float32 numpy on process 0 (None elsewhere)."""
+def _kv_prefix(what):
+    _kv_seq[0] += 1  # every process makes the same calls in the same order
+    return f"jax_nvcomm_demo/{_kv_seq[0]}/{what}"
+
+
+def to_host0(arr, dtype="float32"):
+    """The full value of a global array as numpy `dtype` on process 0 (None elsewhere).
+    Several processes: each one publishes the blocks it holds the primary copy of
+    (replica_id 0), and a manifest of them, in the distributed key-value store."""
     import jax
     import numpy as np
+    dtype = np.dtype(dtype)
     if jax.process_count() == 1:
-        return np.asarray(arr.astype("float32") if arr.dtype != np.float32 else arr)
+        return np.asarray(arr).astype(dtype)
     from . import _exchange
-    _gather_seq[0] += 1
-    prefix = f"jax_nvcomm_demo/gather/{_gather_seq[0]}"
+    prefix = _kv_prefix("gather")
     chunk = 1 << 20
-    if jax.process_index() != 0:
-        for s in arr.addressable_shards:
+    me = jax.process_index()
+    if me != 0:
+        manifest = []
+        for j, s in enumerate(arr.addressable_shards):
             if s.replica_id != 0:
                 continue
-            data = np.ascontiguousarray(np.asarray(s.data, np.float32)).tobytes()
+            data = np.ascontiguousarray(np.asarray(s.data).astype(dtype)).tobytes()
             n = max(1, -(-len(data) // chunk))
-            _exchange.put(f"{prefix}/{s.device.id}/n", str(n).encode())
             for i in range(n):
-                _exchange.put(f"{prefix}/{s.device.id}/{i}", data[i * chunk:(i + 1) * chunk])
+                _exchange.put(f"{prefix}/{me}/{j}/{i}", data[i * chunk:(i + 1) * chunk])
+            idx = [[sl.start, sl.stop] for sl in
+                   (tuple(s.index) + (slice(None),) * (arr.ndim - len(s.index)))]
+            manifest.append([j, n, idx])
+        _exchange.put(f"{prefix}/{me}/manifest", json.dumps(manifest).encode())
         return None
-    out = np.zeros(arr.shape, np.float32)
-    idx_map = arr.sharding.devices_indices_map(arr.shape)
-    local = {s.device.id: s for s in arr.addressable_shards}
-    done = set()
-    for dev, idx in idx_map.items():
-        key = tuple((sl.start, sl.stop) for sl in idx)
-        if key in done:
-            continue
-        if dev.id in local:
-            out[idx] = np.asarray(local[dev.id].data, np.float32)
-            done.add(key)
-    for dev, idx in idx_map.items():
-        key = tuple((sl.start, sl.stop) for sl in idx)
-        if key in done or dev.id in local:
-            continue
-        # the replica_id == 0 copy of this block lives on the first device holding it
-        owner = min((d for d, i in idx_map.items()
-                     if tuple((sl.start, sl.stop) for sl in i) == key), key=lambda d: d.id)
-        if owner.id != dev.id:
-            continue
-        n = int(_exchange.get(f"{prefix}/{dev.id}/n", 120, "a result shard").decode())
-        data = b"".join(_exchange.get(f"{prefix}/{dev.id}/{i}", 120, "a result shard")
-                        for i in range(n))
-        block = out[idx]
-        out[idx] = np.frombuffer(data, np.float32).reshape(block.shape)
-        done.add(key)
+    out = np.zeros(arr.shape, dtype)
+    for s in arr.addressable_shards:
+        out[s.index] = np.asarray(s.data).astype(dtype)
+    for p in range(1, jax.process_count()):
+        manifest = json.loads(_exchange.get(f"{prefix}/{p}/manifest", 300,
+                                            f"process {p}'s results").decode())
+        for j, n, idx in manifest:
+            data = b"".join(_exchange.get(f"{prefix}/{p}/{j}/{i}", 300, "a result shard")
+                            for i in range(n))
+            sl = tuple(slice(lo, hi) for lo, hi in idx)
+            out[sl] = np.frombuffer(data, dtype).reshape(out[sl].shape)
     return out
+
+
+def from_host0(value):
+    """A small JSON value decided on process 0, for every process."""
+    import jax
+    if jax.process_count() == 1:
+        return value
+    from . import _exchange
+    key = _kv_prefix("bcast")
+    if jax.process_index() == 0:
+        _exchange.put(key, json.dumps(value).encode())
+        return value
+    return json.loads(_exchange.get(key, 300, "process 0's decision").decode())
 
 
 def compare(a, b):
@@ -560,12 +643,18 @@ def compare(a, b):
     return float(np.linalg.norm(a - b)) / den, float(np.max(np.abs(a - b)))
 
 
+def routing_diff(a, b):
+    """Fraction of (layer, token) routing decisions whose expert sets differ; a, b: [L, t, k]."""
+    import numpy as np
+    return float(np.mean(np.any(np.sort(a, -1) != np.sort(b, -1), axis=-1)))
+
+
 # --------------------------------------------------------------------------------------------
 # running
 
 class Progress:
     def __init__(self, total, enabled):
-        self.total, self.enabled, self.n, self.t0 = total, enabled, 0, time.perf_counter()
+        self.total, self.enabled, self.t0 = total, enabled, time.perf_counter()
 
     def line(self, msg, step=None):
         if self.enabled:
@@ -589,14 +678,22 @@ def _time_step(fn, args, warmup, iters):
 
 
 def run(cfg: Config, *, devices=None):
-    """Run every requested (layout, phase, impl) step. Returns a dict with "rows" (one per
-    layout x phase: timings, errors, agreement), "ok" (no comparison disagreed), "config"
-    (the resolved Config), "world", "platform". Print nothing but progress (stderr, process 0)."""
+    """Run every requested (layout, phase, impl) step, time it, and compare the results.
+
+    Comparison: the candidate (jax_nvcomm, or the XLA side with --xla-only) against each
+    baseline (the XLA side when both ran; the stored reference with --ref). When the two
+    runs routed some token to other experts (near-tied top-k scores, rounded differently:
+    expected in bfloat16), the candidate is run once more with the baseline's routing forced
+    and that output is compared; the fraction of differing routing decisions is reported.
+
+    Returns a dict: "rows" (one per layout x phase: ms per impl, errors, routing difference,
+    agreement), "ok" (no comparison disagreed), "config" (resolved), "world", "platform",
+    "processes", "elapsed". Prints only progress lines (stderr, process 0)."""
     import jax
     import numpy as np
     import jax_nvcomm as nvc
     jnp = _jnp()
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding
 
     all_devs = list(jax.devices()) if devices is None else list(devices)
     if cfg.devices is not None:
@@ -613,10 +710,10 @@ def run(cfg: Config, *, devices=None):
         ok_ep, why = ep_available(cfg.impls)
         if not ok_ep:
             raise Unavailable(why)
-
-    ref = None
-    if cfg.ref:
-        ref = load_ref(cfg.ref, cfg, world)
+    ref = load_ref(cfg.ref, cfg) if cfg.ref else None
+    tol = TOLERANCE[cfg.dtype]
+    if ref is not None:
+        tol_ref = max(tol, TOLERANCE[ref["dtype"]])
 
     meshes = {"low-latency": Mesh(np.array(all_devs), ("tp",)),
               "high-throughput": Mesh(np.array(all_devs), ("ep",))}
@@ -627,7 +724,8 @@ def run(cfg: Config, *, devices=None):
     prog.line(f"{world} x {platform} devices, {jax.process_count()} process(es); "
               f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, {cfg.experts} "
               f"experts top-{cfg.top_k}, ffn {cfg.ffn}, {cfg.dtype}")
-    rows, outputs = [], {}
+    rows, saved = [], {}
+    ok = True
     try:
         if "jax_nvcomm" in cfg.impls:
             if "low-latency" in cfg.layouts:
@@ -646,89 +744,144 @@ def run(cfg: Config, *, devices=None):
         n = 0
         for layout in cfg.layouts:
             mesh = meshes[layout]
+            prog.line(f"initialising {layout} weights" +
+                      (" and decode context" if "decode" in cfg.phases else "") + "...")
             params = init_params(cfg, mesh, layout)
-            pspecs = param_specs(cfg, layout)
-            caches, cspecs = init_caches(cfg, mesh, layout, world) if "decode" in \
-                cfg.phases else (None, None)
+            caches = init_caches(cfg, mesh, layout, world) if "decode" in cfg.phases else None
             for phase in cfg.phases:
-                x, xspec = make_input(cfg, mesh, layout, phase, world)
-                cs, csp = (caches, cspecs) if phase == "decode" else ((), ())
+                x, _ = make_input(cfg, mesh, layout, phase, world)
+                cs = caches if phase == "decode" else ()
                 t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
                 row = dict(layout=layout, phase=phase, tokens=t, ms={}, err=None, maxabs=None,
-                           ref_err=None, agree=None,
-                           op=nvc_op_name(cfg, layout, phase, comms, world))
+                           routing=None, ref_err=None, ref_routing=None, ref_note=None,
+                           agree=None, op=nvc_op_name(cfg, layout, phase, comms, world))
+                res = {}
                 for impl in cfg.impls:
                     n += 1
                     what = f"{layout} {phase} ({impl})"
                     prog.line(f"compiling {what}...", n)
-                    body, axis, out_spec = make_step(cfg, mesh, layout, phase, impl, comms)
-                    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(xspec, pspecs, csp),
-                                               out_specs=out_spec))
-                    compiled = fn.lower(x, params, cs).compile()
+                    fn = make_step(cfg, mesh, layout, phase, impl, comms)
+                    compiled = fn.lower(x, params, cs, ()).compile()
                     prog.line(f"running {what}: {cfg.warmup} warm-up + {cfg.iters} timed "
                               "steps...", n)
-                    out, sec = _time_step(compiled, (x, params, cs), cfg.warmup, cfg.iters)
+                    (h, ids), sec = _time_step(compiled, (x, params, cs, ()), cfg.warmup,
+                                               cfg.iters)
                     row["ms"][impl] = sec * 1e3
-                    outputs[(layout, phase, impl)] = to_host0(out)
+                    res[impl] = dict(ids=ids, rows=h.shape[0], h_np=to_host0(h),
+                                     ids_np=to_host0(ids, "int32"))
                     prog.line(f"{what}: {sec * 1e3:.3f} ms/step", n)
+                cand = "jax_nvcomm" if "jax_nvcomm" in res else "xla"
+                base = res[cand] if cand == "xla" or "xla" not in res else res["xla"]
+                saved[(layout, phase)] = (base["h_np"], base["ids_np"])
+
+                forced_fn = []  # compiled once per row, if needed
+
+                def check(b_h, b_ids, b_ids_global, label):
+                    """(rel L2 err, max abs err, routing diff) of the candidate vs a baseline
+                    (process 0; None elsewhere), over the first rows both have."""
+                    c = res[cand]
+                    rows_n = from_host0(None if b_h is None else min(len(b_h), c["rows"]))
+                    same = from_host0(None if c["ids_np"] is None else bool(np.array_equal(
+                        c["ids_np"][:, :rows_n], b_ids[:, :rows_n])))
+                    if same:
+                        out = c["h_np"]
+                    else:
+                        prog.line(f"{layout} {phase}: routing differs from {label}; running "
+                                  f"{cand} with {label}'s routing for the comparison...")
+                        if not forced_fn:
+                            forced_fn.append(make_step(cfg, mesh, layout, phase, cand, comms,
+                                                       forced=True))
+                        out = to_host0(forced_fn[0](x, params, cs, b_ids_global())[0])
+                    if not main_proc:
+                        return None
+                    e, m = compare(out[:rows_n], b_h[:rows_n])
+                    return e, m, routing_diff(c["ids_np"][:, :rows_n], b_ids[:, :rows_n])
+
+                checks = []
+                if cand == "jax_nvcomm" and "xla" in res:
+                    r = check(res["xla"]["h_np"], res["xla"]["ids_np"], lambda: res["xla"]["ids"],
+                              "XLA")
+                    if r is not None:
+                        row["err"], row["maxabs"], row["routing"] = r
+                        checks.append(row["err"] < tol)
+                if ref is not None:
+                    r_h, r_ids = ref["out"][(layout, phase)]
+                    own = res[cand]["ids"]
+
+                    def ref_ids_global():
+                        # the reference's routing for the rows it has, ours for the others
+                        # (a high-throughput reference of fewer ranks)
+                        full = np.zeros(own.shape, np.int32)
+                        m = min(own.shape[1], r_ids.shape[1])
+                        full[:, :m] = r_ids[:, :m]
+                        arr = jax.make_array_from_callback(full.shape, own.sharding,
+                                                           lambda idx: full[idx])
+                        keep = jax.jit(lambda o, f: jnp.where(
+                            jnp.arange(o.shape[1])[None, :, None] < m, f, o),
+                            out_shardings=own.sharding)
+                        return keep(own, arr)
+
+                    r = check(r_h, r_ids, ref_ids_global, "the reference")
+                    if r is not None:
+                        row["ref_err"], _, row["ref_routing"] = r
+                        m = min(len(r_h), res[cand]["rows"])
+                        if m < max(len(r_h), res[cand]["rows"]):
+                            row["ref_note"] = f"ranks 0-{m // t - 1}"
+                        checks.append(row["ref_err"] < tol_ref)
+                if main_proc and checks:
+                    errs = [e for e in (row["err"], row["ref_err"]) if e is not None]
+                    row["agree"] = all(checks) and all(math.isfinite(e) for e in errs)
+                    ok &= row["agree"]
                 rows.append(row)
+                del res
     finally:
         for c in comms.values():
             c.close()
 
-    ok = True
-    if main_proc:
-        tol = TOLERANCE[cfg.dtype]
-        for row in rows:
-            k = (row["layout"], row["phase"])
-            cand = outputs.get(k + ("jax_nvcomm",))
-            base = outputs.get(k + ("xla",))
-            checks = []
-            if cand is not None and base is not None:
-                row["err"], row["maxabs"] = compare(cand, base)
-                checks.append(row["err"] < tol)
-            if ref is not None:
-                rtol = max(tol, TOLERANCE[ref["dtype"]])
-                errs = [compare(o, ref["out"][k])[0] for o in (cand, base) if o is not None]
-                row["ref_err"] = max(errs)
-                checks.append(row["ref_err"] < rtol)
-            if checks:
-                row["agree"] = all(checks) and all(math.isfinite(e) for e in
-                                                   (row["err"] or 0.0, row["ref_err"] or 0.0))
-                ok &= row["agree"]
-        if cfg.save_ref:
-            save_ref(cfg.save_ref, cfg, world, outputs)
-            prog.line(f"saved final hidden states to {cfg.save_ref}")
+    if main_proc and cfg.save_ref:
+        save_ref(cfg.save_ref, cfg, world, saved)
+        prog.line(f"saved final hidden states and routing to {cfg.save_ref}")
     return dict(rows=rows, ok=ok, config=cfg, world=world, platform=platform,
                 processes=jax.process_count(), elapsed=time.perf_counter() - prog.t0)
 
 
-def save_ref(path, cfg, world, outputs):
+def save_ref(path, cfg, world, saved):
+    """Final hidden states (float32) and routing (int32 [layers, tokens, top_k]) per layout
+    and phase, from the XLA side when it ran, with the model configuration."""
     import numpy as np
     arrays = {}
-    for (layout, phase, impl), v in outputs.items():
-        key = f"{layout}/{phase}"
-        if impl == "xla" or key not in arrays:  # prefer the XLA side as the reference
-            arrays[key] = np.asarray(v, np.float32)
+    for (layout, phase), (h, ids) in saved.items():
+        arrays[f"{layout}/{phase}/hidden"] = np.asarray(h, np.float32)
+        arrays[f"{layout}/{phase}/routing"] = np.asarray(ids, np.int32)
     meta = dict(cfg.model_dict(), world=world, dtype=cfg.dtype)
-    np.savez(path, __meta__=np.array(json.dumps(meta)), **arrays)
+    with open(path, "wb") as f:  # np.savez would append .npz to a name without it
+        np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
 
 
-def load_ref(path, cfg, world):
+def load_ref(path, cfg):
+    """The stored reference, checked against this run's model configuration (the world size
+    may differ: the low-latency layout's results do not depend on it, and the high-throughput
+    layout's rank r tokens are seeded by r, so the first min(world, ref world) ranks compare)."""
     import numpy as np
-    with np.load(path) as z:
-        meta = json.loads(str(z["__meta__"]))
-        out = {tuple(k.split("/")): z[k] for k in z.files if k != "__meta__"}
-    want = dict(cfg.model_dict(), world=world)
+    try:
+        with np.load(path) as z:
+            meta = json.loads(str(z["__meta__"]))
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"--ref {path}: not a reference file of this program ({e})") from e
+    want = cfg.model_dict()
     diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
     if diff:
         raise ConfigError(f"--ref {path} was made with another configuration: " + ", ".join(
             f"{k} {a} (ref) vs {b} (now)" for k, (a, b) in diff.items()))
+    out = {}
     for lay in cfg.layouts:
         for ph in cfg.phases:
-            if (lay, ph) not in out:
+            h, ids = arrays.get(f"{lay}/{ph}/hidden"), arrays.get(f"{lay}/{ph}/routing")
+            if h is None or ids is None:
                 raise ConfigError(f"--ref {path} has no {lay} {ph} results")
-    return dict(out=out, dtype=meta["dtype"])
+            out[(lay, ph)] = (h, ids)
+    return dict(out=out, dtype=meta["dtype"], world=meta.get("world"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -737,19 +890,30 @@ def load_ref(path, cfg, world):
 def format_table(res) -> str:
     cfg = res["config"]
     tol = TOLERANCE[cfg.dtype]
-    has_ref = any(r["ref_err"] is not None for r in res["rows"])
+    rows = res["rows"]
+    has_ref = any(r["ref_err"] is not None for r in rows)
+    has_cmp = any(r["err"] is not None for r in rows)
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)
+    pct = lambda v: "-" if v is None else "0" if v == 0 else f"{100 * v:.1f}%"
     head = ["layout", "phase", "tokens/rank", "jax_nvcomm op", "ms jax_nvcomm", "ms XLA",
-            "XLA/nvcomm", "rel L2 err", "max abs err"] + (["vs ref"] if has_ref else []) + \
-        ["agree"]
+            "XLA/nvcomm"]
+    if has_cmp:
+        head += ["rel L2 err", "max abs err", "routing diff"]
+    if has_ref:
+        head += ["vs ref", "routing diff vs ref"]
+    head += ["agree"]
     body = []
-    for r in res["rows"]:
+    for r in rows:
         a, b = r["ms"].get("jax_nvcomm"), r["ms"].get("xla")
-        f = lambda v, fmt: "-" if v is None else format(v, fmt)
-        body.append([r["layout"], r["phase"], str(r["tokens"]), r["op"], f(a, ".3f"),
-                     f(b, ".3f"), f(b / a if a and b else None, ".2f") + ("x" if a and b else ""),
-                     f(r["err"], ".1e"), f(r["maxabs"], ".1e")] +
-                    ([f(r["ref_err"], ".1e")] if has_ref else []) +
-                    ["-" if r["agree"] is None else "yes" if r["agree"] else "NO"])
+        cells = [r["layout"], r["phase"], str(r["tokens"]), r["op"], f(a, ".3f"), f(b, ".3f"),
+                 f"{b / a:.2f}x" if a and b else "-"]
+        if has_cmp:
+            cells += [f(r["err"], ".1e"), f(r["maxabs"], ".1e"), pct(r["routing"])]
+        if has_ref:
+            cells += [f(r["ref_err"], ".1e") + (f" ({r['ref_note']})" if r["ref_note"] else ""),
+                      pct(r["ref_routing"])]
+        cells += ["-" if r["agree"] is None else "yes" if r["agree"] else "NO"]
+        body.append(cells)
     w = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     line = lambda cells: "  ".join(c.rjust(w[i]) if i >= 2 else c.ljust(w[i])
                                    for i, c in enumerate(cells))
@@ -760,8 +924,16 @@ def format_table(res) -> str:
            f"context; prefill: {cfg.tokens} tokens/rank",
            line(head), line(["-" * x for x in w])]
     out += [line(b) for b in body]
-    out.append(f"ms: median of {cfg.iters} steps after {cfg.warmup} warm-up; XLA/nvcomm > 1: "
-               f"jax_nvcomm faster; agree: rel L2 err < {tol:g} ({cfg.dtype})")
+    out.append(f"ms: median of {cfg.iters} steps after {cfg.warmup} warm-up. XLA/nvcomm > 1: "
+               "jax_nvcomm faster.")
+    if not (has_cmp or has_ref):
+        out.append("no comparison: only one side ran (--ref FILE.npz compares with a run stored "
+                   "by --save-ref)")
+    else:
+        out.append(f"err: final hidden states, ||a-b||/||b||; agree: rel L2 err < {tol:g} "
+                   f"({cfg.dtype}). routing diff: share of (layer, token) top-k choices that "
+                   "differ; where any does, the errors are measured with the baseline's routing "
+                   "forced on jax_nvcomm.")
     return "\n".join(out)
 
 
@@ -824,18 +996,21 @@ def setup_platform(cpu_devices: int = 8) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
+_NOT_SHOWN = ("iters", "dtype", "heads")
+
+
 def parse_args(argv=None, prog=None) -> Config:
     p = argparse.ArgumentParser(
         prog=prog, description="MoE decoder stack with jax_nvcomm vs XLA's collectives "
         "(low-latency TP layout and high-throughput DP-attention + EP layout; decode and "
         "prefill). Sizes default to a small model on CPU and a Qwen3-MoE-like one on GPU.")
     g = p.add_argument_group("model (defaults: CPU {} / GPU {})".format(
-        " ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items() if k not in ("iters", "dtype")),
-        " ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items() if k not in ("iters", "dtype"))))
+        " ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items() if k not in _NOT_SHOWN),
+        " ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items() if k not in _NOT_SHOWN)))
     g.add_argument("--layers", type=int)
     g.add_argument("--hidden", type=int)
-    g.add_argument("--heads", type=int, help="attention heads (default: head_dim <= 128, a "
-                   "multiple of the world size)")
+    g.add_argument("--heads", type=int, help="attention heads (default: max(8, hidden/128), "
+                   "rounded up to a multiple of the world size for the low-latency layout)")
     g.add_argument("--experts", type=int)
     g.add_argument("--top-k", dest="top_k", type=int)
     g.add_argument("--ffn", type=int, help="intermediate size of one expert")
@@ -847,8 +1022,8 @@ def parse_args(argv=None, prog=None) -> Config:
                    help="default: bfloat16 on GPU, float32 on CPU")
     g.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run")
-    r.add_argument("--devices", type=int, help="use the first N devices (default: all; 8 CPU "
-                   "devices when no GPU is present)")
+    r.add_argument("--devices", type=int, help="use the first N devices (default: all; "
+                   "max(8, N) CPU devices when no GPU is present)")
     r.add_argument("--layouts", default=",".join(LAYOUTS),
                    help="comma list of low-latency,high-throughput")
     r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
@@ -887,7 +1062,7 @@ def main(argv=None, prog=None) -> int:
     """Command line entry point; returns the exit code (0: every comparison agreed, 1: one
     disagreed, 2: bad arguments or a missing part of the package)."""
     cfg = parse_args(argv, prog)
-    setup_platform()
+    setup_platform(max(8, cfg.devices or 0))
     import jax
     try:
         res = run(cfg)

@@ -1,37 +1,90 @@
 #!/usr/bin/env bash
-# GPU correctness run (device machine): single process over all GPUs, one process per GPU,
-# processes sharing GPU 0, CUDA-graph loop, then a quick benchmark. Logs in $OUT (or ./gpu_out).
-# Usage: bash scripts/gpu_check.sh [quick]
+# GPU verification runs (device machine). Logs under $OUT (or ./gpu_out): summary.txt, all.log,
+# bench/*.json|png. Each part fits one 10-minute call.
+#   bash scripts/gpu_check.sh quick    2-GPU and shared-GPU smoke run + quick all-reduce bench (~90 s)
+#   bash scripts/gpu_check.sh shared   package build timing, kernel harnesses (+ compute-sanitizer),
+#                                      2/4/8 processes sharing GPU 0: collectives (1,000 calls),
+#                                      MoE, CUDA-graph loop, fault cases, example (--nvcomm-only)
+#   bash scripts/gpu_check.sh multi    all GPUs: one process driving all, one process per GPU,
+#                                      example on all GPUs, full benchmarks with --tune
+# Never sets JAX_NVCOMM_MULTICAST or NCCL variables (multicast stays off on shared machines).
 set -u
+MODE=${1:-quick}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/tests/mp:${PYTHONPATH:-} PYTHONUNBUFFERED=1 JAX_NVCOMM_TIMEOUT_S=60
+export PYTHONPATH=$PWD:$PWD/tests/mp:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export JAX_NVCOMM_TIMEOUT_S=${JAX_NVCOMM_TIMEOUT_S:-60}
 PY=${PY:-python3}
-if ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
-  echo "building the extension here" | tee -a "$OUT/summary.txt"
-  t0=$SECONDS
-  cmake -S . -B build/gpu -G Ninja -DJAX_NVCOMM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-    -DPython_EXECUTABLE="$(command -v $PY)" >"$OUT/build.log" 2>&1 &&
-    cmake --build build/gpu -j >>"$OUT/build.log" 2>&1 && cp build/gpu/_*.so jax_nvcomm/
-  echo "build: $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-fi
-NG=$(nvidia-smi -L | wc -l)
-echo "GPUs: $NG; $($PY -c 'import jax; print(jax.__version__)')" | tee -a "$OUT/summary.txt"
-step() {
+L="$PY -m jax_nvcomm.launch"
+
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+step() {  # step NAME TIMEOUT CMD...: runs CMD, appends its output to all.log, one summary line
   local name=$1 tmo=$2; shift 2
   local t0=$SECONDS
   echo "=== $name: $*" >>"$OUT/all.log"
-  timeout "$tmo" "$@" >>"$OUT/all.log" 2>&1
+  timeout "$tmo" "$@" >"$OUT/step.log" 2>&1
   local rc=$?
-  printf '%-14s rc=%-4s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(tail -n 400 "$OUT/all.log" | grep -c PASS) PASS lines" | tee -a "$OUT/summary.txt"
+  cat "$OUT/step.log" >>"$OUT/all.log"
+  printf '%-16s rc=%-4s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(grep -c -E 'PASS|GOT after' "$OUT/step.log") PASS/GOT lines" | tee -a "$OUT/summary.txt"
+  rm -f "$OUT/step.log"
 }
-L="$PY -m jax_nvcomm.launch"
-step sp_coll 90 $PY tests/mp/collectives_mp.py --calls=100
-if [ "$NG" -ge 2 ]; then step mp2_coll 90 $L -n 2 --timeout 85 tests/mp/collectives_mp.py --calls=100; fi
-step sp_moe 90 $PY tests/mp/moe_mp.py --rounds=20
-step sh4_coll 120 $L -n 4 --share-gpu --timeout 115 tests/mp/collectives_mp.py --calls=30
-step sp_graph 60 $PY tests/mp/graph_mp.py --iters=100
-if [ "$NG" -ge 2 ]; then step mp2_moe 90 $L -n 2 --timeout 85 tests/mp/moe_mp.py --rounds=20; fi
-step sh4_moe 120 $L -n 4 --share-gpu --timeout 115 tests/mp/moe_mp.py --rounds=5
-step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
+
+ensure_built() {
+  if [ "$MODE" = shared ] || ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
+    local t0=$SECONDS
+    $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . \
+      >"$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH &&
+      say "package build on this machine: $((SECONDS - t0)) s" ||
+      { say "package build FAILED (see all.log)"; cat "$OUT/build.log" >>"$OUT/all.log"; }
+    rm -f "$OUT/build.log"
+  fi
+  (cd /tmp && $PY -c "import jax_nvcomm as n, jax; print('CUDA built:', n.CUDA_BUILT, jax.devices())") \
+    2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+}
+
+NG=$(nvidia-smi -L | wc -l)
+say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); mode $MODE; $(date -u)"
+ensure_built
+
+case "$MODE" in
+quick)
+  step sp_coll 90 $PY tests/mp/collectives_mp.py --calls=100
+  [ "$NG" -ge 2 ] && step mp2_coll 90 $L -n 2 --timeout 85 tests/mp/collectives_mp.py --calls=100
+  step sp_moe 90 $PY tests/mp/moe_mp.py --rounds=20
+  step sh4_coll 120 $L -n 4 --share-gpu --timeout 115 tests/mp/collectives_mp.py --calls=30
+  step sp_graph 60 $PY tests/mp/graph_mp.py --iters=100
+  step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
+  ;;
+shared)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
+  step ar_harness 120 build/ar_h --quick
+  step moe_harness 120 build/moe_h
+  step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
+  step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
+  for n in 2 4 8; do
+    step sh${n}_coll 150 $L -n $n --share-gpu --timeout 145 tests/mp/collectives_mp.py --calls=1000
+    step sh${n}_moe 150 $L -n $n --share-gpu --timeout 145 tests/mp/moe_mp.py --rounds=100
+    step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
+  done
+  for c in dead sizes order; do
+    step fault_$c 90 $L -n 2 --share-gpu --timeout 85 tests/mp/faults_mp.py --case=$c
+  done
+  step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
+  step demo_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.demo --nvcomm-only --ref /tmp/ref.npz
+  step bench_1gpu 200 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1"
+  ;;
+multi)
+  step sp_coll 120 $PY tests/mp/collectives_mp.py --calls=1000
+  step mpN_coll 150 $L -n "$NG" --timeout 145 tests/mp/collectives_mp.py --calls=1000
+  step sp_moe 120 $PY tests/mp/moe_mp.py --rounds=100
+  step mpN_moe 150 $L -n "$NG" --timeout 145 tests/mp/moe_mp.py --rounds=100
+  step sp_graph 90 $PY tests/mp/graph_mp.py --iters=200
+  step demo 240 $PY -m jax_nvcomm.demo
+  step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
+  step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
+  ;;
+*) echo "usage: $0 quick|shared|multi" >&2; exit 2 ;;
+esac
 cat "$OUT/summary.txt"

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import jax
 
-from . import _host
+try:
+    from . import _host
+except ImportError as _e:  # a source checkout without the compiled modules shadows the install
+    import os as _os
+    raise ImportError(
+        f"jax_nvcomm: the compiled extension is missing from {_os.path.dirname(__file__)}: "
+        "this is the source folder of a checkout (or a broken install). Install the package "
+        "(bash scripts/dev.sh install, or pip install .) and run Python from outside the "
+        "checkout's root, where the source folder would shadow the installed package") from _e
 
 try:
     from . import _cuda  # noqa: F401

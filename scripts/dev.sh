@@ -46,7 +46,9 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   install) install ;;
-  demo) install; exec "$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
+  # run from examples/ so the source folder jax_nvcomm/ (no compiled modules) does not shadow
+  # the installed package
+  demo) install; cd examples && exec "../$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
   test) install; cd tests && exec "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "usage: $0 demo|test|install [args]" >&2; exit 2 ;;
 esac

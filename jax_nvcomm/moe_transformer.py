@@ -693,7 +693,7 @@ def run(cfg: Config, *, devices=None):
     import numpy as np
     import jax_nvcomm as nvc
     jnp = _jnp()
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
 
     all_devs = list(jax.devices()) if devices is None else list(devices)
     if cfg.devices is not None:

@@ -37,7 +37,6 @@ every other platform (GPU) the real `lax.ragged_all_to_all`.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -40,7 +40,6 @@ def test_forced_routing_reproduces_the_free_run():
     """The comparison under a baseline's routing: forcing a run's own routing gives back
     exactly its output; forcing another routing changes it."""
     import jax
-    import jax.numpy as jnp
     import jax_nvcomm as nvc
     cfg = mt.resolve(mt.Config(**SMALL, layouts=("low-latency",)), "cpu", 4)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("tp",))

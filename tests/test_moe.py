@@ -39,7 +39,6 @@ def routing(rng, n, E, K, mode="random"):
 
 
 def run_round(moe, x, ids, w, nt, ey_scale=2.0, scales=None):
-    W = moe.world_size
 
     def f(x, ids, w, nt, *sc):
         d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0], x_scale=sc[0] if sc else None)

@@ -7,7 +7,6 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 
 def init():

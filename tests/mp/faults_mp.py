@@ -9,7 +9,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 

@@ -11,4 +11,8 @@ from .strategy import select_strategy
 __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
-__all__ = ["Communicator", "MoECommunicator", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle", "all_gather", "all_reduce", "all_reduce_rms_norm", "select_strategy", "distributed_initialize", "CUDA_BUILT"]
+__all__ = [
+    "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
+    "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
+    "distributed_initialize", "CUDA_BUILT",
+]

@@ -80,6 +80,9 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 LAYOUTS = ("low-latency", "high-throughput")
 PHASES = ("decode", "prefill")
 IMPLS = ("jax_nvcomm", "xla")
+# version of the --save-ref file. 2: the high-throughput decode context of a 1-device run is
+# seeded like rank 0's of any world size (format 1 files of world 1 have another context).
+REF_FORMAT = 2
 
 
 class Unavailable(RuntimeError):
@@ -397,7 +400,9 @@ def init_caches(cfg, mesh, layout, world):
     """Decode context: per layer (k, v) [batch, context, heads, head_dim], seeded random.
     Low-latency: batch = decode tokens (the same sequences on every rank), split over heads;
     high-throughput: batch = world * decode tokens, split over the batch (each rank its own
-    sequences; rank r's block is seeded by r, so it does not depend on the world size)."""
+    sequences; rank r's block is drawn from the layer's key folded with r, for every world
+    size including 1, so it does not depend on the world size: a reference stored by a run of
+    another world size sees the same context on its ranks 0..min(world, ref world)-1)."""
     return _caches_fn(_model_key(cfg), cfg.dtype, layout, mesh, world)()
 
 
@@ -408,7 +413,6 @@ def _caches_fn(model, dtype, layout, mesh, world):
     from jax.sharding import NamedSharding
     m = dict(model)
     hd = m["hidden"] // m["heads"]
-    ranks = 1 if layout == "low-latency" else world
     shape = (m["decode_tokens"], m["context"], m["heads"], hd)
     dt = jnp.dtype(dtype)
 
@@ -419,12 +423,15 @@ def _caches_fn(model, dtype, layout, mesh, world):
             pair = []
             for j in range(2):
                 k = jax.random.fold_in(key, 2 * i + j)
-                if ranks == 1:
+                if layout == "low-latency":  # one set of sequences, the same on every rank
                     v = jax.random.normal(k, shape)
                 else:
-                    keys = jax.vmap(lambda r: jax.random.fold_in(k, r))(jnp.arange(ranks))
+                    # rank r's sequences from fold_in(k, r), also when world == 1 (a special
+                    # case here made a 1-device reference's rank 0 differ from rank 0 of
+                    # every larger world)
+                    keys = jax.vmap(lambda r: jax.random.fold_in(k, r))(jnp.arange(world))
                     v = jax.vmap(lambda kk: jax.random.normal(kk, shape))(keys)
-                    v = v.reshape((ranks * shape[0],) + shape[1:])
+                    v = v.reshape((world * shape[0],) + shape[1:])
                 pair.append(v.astype(dt))
             out.append(tuple(pair))
         return out
@@ -853,7 +860,7 @@ def save_ref(path, cfg, world, saved):
     for (layout, phase), (h, ids) in saved.items():
         arrays[f"{layout}/{phase}/hidden"] = np.asarray(h, np.float32)
         arrays[f"{layout}/{phase}/routing"] = np.asarray(ids, np.int32)
-    meta = dict(cfg.model_dict(), world=world, dtype=cfg.dtype)
+    meta = dict(cfg.model_dict(), world=world, dtype=cfg.dtype, format=REF_FORMAT)
     with open(path, "wb") as f:  # np.savez would append .npz to a name without it
         np.savez(f, __meta__=np.array(json.dumps(meta)), **arrays)
 
@@ -881,6 +888,11 @@ def load_ref(path, cfg):
             if h is None or ids is None:
                 raise ConfigError(f"--ref {path} has no {lay} {ph} results")
             out[(lay, ph)] = (h, ids)
+    if (meta.get("format", 1) < 2 and meta.get("world") == 1 and "high-throughput" in cfg.layouts
+            and "decode" in cfg.phases):
+        raise ConfigError(f"--ref {path} is a 1-device reference made by an older version, "
+                          "whose high-throughput decode context differs from rank 0's of other "
+                          "world sizes; store it again with --save-ref")
     return dict(out=out, dtype=meta["dtype"], world=meta.get("world"))
 
 
@@ -930,6 +942,10 @@ def format_table(res) -> str:
         out.append("no comparison: only one side ran (--ref FILE.npz compares with a run stored "
                    "by --save-ref)")
     else:
+        if any(r["ref_note"] for r in rows):
+            out.append("vs ref (ranks a-b): the reference has another world size; only those "
+                       "ranks' tokens (high-throughput: rank r's tokens and decode context are "
+                       "seeded by r) are compared.")
         out.append(f"err: final hidden states, ||a-b||/||b||; agree: rel L2 err < {tol:g} "
                    f"({cfg.dtype}). routing diff: share of (layer, token) top-k choices that "
                    "differ; where any does, the errors are measured with the baseline's routing "

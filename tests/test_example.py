@@ -101,6 +101,62 @@ def test_cli_reference_round_trip(tmp_path, capsys):
     assert "another configuration" in capsys.readouterr().err
 
 
+def test_inputs_of_rank_r_do_not_depend_on_the_world_size():
+    """What makes a reference of another world size comparable: rank r's tokens and decode
+    context are the same for every world size (a 1-device world included)."""
+    import jax
+    cfg = {w: mt.resolve(mt.Config(**SMALL), "cpu", w) for w in (1, 2, 4)}
+    for layout in mt.LAYOUTS:
+        caches, xs = {}, {}
+        for w in (1, 2, 4):
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:w]), ("tp",) if
+                                     layout == "low-latency" else ("ep",))
+            caches[w] = [[np.asarray(a) for a in pair] for pair in
+                         mt.init_caches(cfg[w], mesh, layout, w)]
+            xs[w] = {ph: mt.input_host(cfg[w], layout, ph, w) for ph in mt.PHASES}
+        for w in (1, 2):
+            for pair_w, pair_4 in zip(caches[w], caches[4]):
+                for a, b in zip(pair_w, pair_4):
+                    np.testing.assert_array_equal(a, b[:len(a)], err_msg=f"{layout} w={w}")
+            for ph in mt.PHASES:
+                np.testing.assert_array_equal(xs[w][ph], xs[4][ph][:len(xs[w][ph])])
+
+
+def test_reference_of_one_device_matches_two_devices(tmp_path):
+    """A reference stored by a 1-device run agrees with a 2-device jax_nvcomm-only run, in both
+    layouts and phases (high-throughput: rank 0's tokens compared, and the table says so)."""
+    ok, why = mt.ep_available()
+    if not ok:
+        pytest.skip(why)
+    ref = str(tmp_path / "ref1.npz")
+    res1 = _run(devices=1, save_ref=ref)
+    assert res1["world"] == 1 and res1["ok"]
+    res2 = _run(devices=2, impls=("jax_nvcomm",), ref=ref)
+    assert res2["world"] == 2
+    assert [(r["layout"], r["phase"]) for r in res2["rows"]] == [
+        (lay, ph) for lay in mt.LAYOUTS for ph in mt.PHASES]
+    for r in res2["rows"]:
+        assert r["ref_err"] is not None and r["ref_err"] < 1e-4, r
+        assert r["ref_routing"] == 0, r
+        assert r["agree"] is True, r
+        assert r["ref_note"] == (None if r["layout"] == "low-latency" else "ranks 0-0"), r
+    assert res2["ok"]
+    assert "only those ranks' tokens" in mt.format_table(res2)
+
+    # a 1-device reference of the older format (another high-throughput decode context) is
+    # refused rather than compared
+    import json
+    with np.load(ref) as z:
+        data = {k: z[k] for k in z.files}
+    meta = json.loads(str(data["__meta__"]))
+    del meta["format"]
+    data["__meta__"] = np.array(json.dumps(meta))
+    old = str(tmp_path / "old.npz")
+    np.savez(old, **data)
+    with pytest.raises(mt.ConfigError, match="older version"):
+        mt.load_ref(old, res2["config"])
+
+
 def test_bad_sizes_are_clear_errors(capsys):
     assert mt.main(SMALL_ARGS + ["--heads", "3"]) == 2
     err = capsys.readouterr().err

@@ -1,0 +1,38 @@
+"""`python -m jax_nvcomm.launch`: environment, rank prefixes, a failing rank ends the job with its
+code, a hung job ends with 124 at the timeout (both quickly, never waiting for the sleepers)."""
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "mp", "launcher_mp.py")
+
+
+def launch(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "jax_nvcomm.launch", *args], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
+
+
+def test_environment_and_prefixes():
+    rc, out, _ = launch("-n", "3", SCRIPT, "ok")
+    assert rc == 0, out
+    for r in range(3):
+        line = [l for l in out.splitlines() if l.startswith(f"[rank {r}] env")]
+        assert line and line[0].split()[3:5] == ["3", str(r)], out
+        assert "127.0.0.1:" in line[0]
+
+
+def test_failing_rank_ends_the_job():
+    rc, out, dt = launch("-n", "2", SCRIPT, "fail")
+    assert rc == 3, out
+    assert "rank 1" in out and dt < 60, (dt, out)
+
+
+def test_timeout_ends_a_hung_job():
+    rc, out, dt = launch("-n", "2", "--timeout", "3", SCRIPT, "hang")
+    assert rc == 124, out
+    assert dt < 60, dt

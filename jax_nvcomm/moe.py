@@ -167,10 +167,8 @@ def _dispatch_call(x, topk_ids, moe, nt, x_scale):
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
     L, R = moe.num_local_experts, W * T
-    x = _shard.varying(x, axis)
-    vma = _shard.vma_of(x) | _shard.vma_of(topk_ids) | {axis}
-    if _shard.vma_of(x) == frozenset():  # check_vma off
-        vma = frozenset()
+    x = _shard.varying(x, axis)  # varies over the axis now, when check_vma tracks it
+    vma = _shard.vma_of(x) | _shard.vma_of(topk_ids)
     rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
     results = (rt((L, R, H), moe.dtype), rt((L,), jnp.int32), rt((L, R, S), jnp.float32),
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))

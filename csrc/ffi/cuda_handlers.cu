@@ -7,15 +7,10 @@
 #include "../common/ffi_targets.h"
 #include "../cuda/allgather.h"
 #include "../cuda/allreduce.h"
-#include "ffi_common.h"
+#include "cuda_ffi_common.h"
 
 namespace nvc {
 namespace {
-
-ffi::Error launch_error(cudaError_t e, const char* what) {
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("jax_nvcomm: ") + what + ": " + cudaGetErrorString(e));
-}
 
 ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
@@ -27,8 +22,9 @@ ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   if (n * size_t(ctx->view.world) > ctx->view.max_message_bytes)
     return precondition("jax_nvcomm: all_gather of " + std::to_string(n) +
                         " bytes per rank exceeds max_message_bytes");
-  cudaError_t e = cuda::all_gather(ctx->view, x.untyped_data(), out->untyped_data(), n, stream);
-  return e == cudaSuccess ? ffi::Error::Success() : launch_error(e, "all_gather launch");
+  return launch_result(
+      cuda::all_gather(ctx->view, x.untyped_data(), out->untyped_data(), n, stream),
+      "all_gather launch");
 }
 
 ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::AllReduceArgs& a,
@@ -38,8 +34,9 @@ ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::All
   const auto s = static_cast<cuda::Strategy>(strategy);
   if (const char* why = cuda::all_reduce_check(ctx.view, a, s))
     return precondition(std::string("jax_nvcomm: all_reduce: ") + why);
-  cudaError_t e = cuda::all_reduce(ctx.view, a, s, /*multicast_base=*/nullptr, stream);
-  return e == cudaSuccess ? ffi::Error::Success() : launch_error(e, "all_reduce launch");
+  // Multicast is never selected here: no multicast object is ever created (see README).
+  return launch_result(cuda::all_reduce(ctx.view, a, s, /*multicast_base=*/nullptr, stream),
+                       "all_reduce launch");
 }
 
 ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,

@@ -5,16 +5,11 @@
 
 #include "../common/ffi_targets.h"
 #include "../cuda/moe.h"
+#include "cuda_ffi_common.h"
 #include "moe_ffi_common.h"
 
 namespace nvc {
 namespace {
-
-ffi::Error launched(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("jax_nvcomm: ") + what + ": " + cudaGetErrorString(e));
-}
 
 ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
@@ -30,7 +25,7 @@ ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x); e.failure()) return e;
   const bool sc = c.scale_cols > 0;
-  return launched(
+  return launch_result(
       cuda::moe_dispatch(ctx->view, c, x.untyped_data(),
                          sc ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
                          static_cast<const int32_t*>(ids.untyped_data()), num_tokens.typed_data(),
@@ -52,7 +47,7 @@ ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   int yd = 0;
   if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd); e.failure())
     return e;
-  return launched(
+  return launch_result(
       cuda::moe_combine(ctx->view, c, expert_y.untyped_data(), yd,
                         static_cast<const float*>(w.untyped_data()),
                         static_cast<const int32_t*>(token_dest.untyped_data()),

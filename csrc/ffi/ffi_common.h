@@ -13,6 +13,11 @@ inline ffi::Error precondition(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
 }
 
+// A host protocol's result text ("" = success) as an FFI error.
+inline ffi::Error from_text(const std::string& err) {
+  return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
 // dtype code used by the protocols (0 f32, 1 bf16, 2 f16, 3 f8e4m3), -1 if unsupported.
 inline int dtype_code(ffi::DataType t) {
   switch (t) {

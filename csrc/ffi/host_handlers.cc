@@ -15,7 +15,7 @@ ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
     return precondition("jax_nvcomm: all_gather output size does not match world * input");
   std::string err = host::all_gather(ctx->view, x.untyped_data(), out->untyped_data(),
                                      x.size_bytes());
-  return err.empty() ? ffi::Error::Success() : precondition(err);
+  return from_text(err);
 }
 
 ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
@@ -28,7 +28,7 @@ ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   host::AllReduceArgs a{x.untyped_data(), out->untyped_data(), nullptr, nullptr, nullptr,
                         tokens, hidden, dtype_code(x.element_type()), 0.0f};
   std::string err = host::all_reduce(ctx->view, a);
-  return err.empty() ? ffi::Error::Success() : precondition(err);
+  return from_text(err);
 }
 
 ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
@@ -45,7 +45,7 @@ ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
                         residual_out->untyped_data(), weight.untyped_data(),
                         tokens, hidden, dtype_code(x.element_type()), eps};
   std::string err = host::all_reduce(ctx->view, a);
-  return err.empty() ? ffi::Error::Success() : precondition(err);
+  return from_text(err);
 }
 
 }  // namespace

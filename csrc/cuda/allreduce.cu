@@ -4,6 +4,7 @@
 
 #include <atomic>
 
+#include "../kernels/allreduce_local.cuh"
 #include "../kernels/allreduce_multicast.cuh"
 #include "../kernels/allreduce_oneshot.cuh"
 #include "../kernels/allreduce_twoshot.cuh"
@@ -22,6 +23,9 @@ static_assert(kMaxArBlocks <= dev::kEpiMaxBlocks, "row configuration assumes at 
 // Fused rows keep float32 r in dynamic shared memory: hidden * 4 bytes for one row.
 constexpr int64_t kMaxFusedHidden = 32768;
 constexpr int kMaxDynSmem = int(kMaxFusedHidden * 4);
+
+// World size 1: blocks per SM of the local kernel's grid (several hide the epilogue's barrier).
+constexpr int64_t kLocalBlocksPerSm = 4;
 
 int elems_per_vec(int dtype) { return dtype == kF32 ? 4 : 8; }
 
@@ -68,7 +72,8 @@ cudaError_t prepare_kernel() {
 
 template <typename T, bool kFused>
 cudaError_t prepare_all() {
-  for (cudaError_t e : {prepare_kernel<dev::oneshot_kernel<T, kFused>>(),
+  for (cudaError_t e : {prepare_kernel<dev::local_kernel<T, kFused>>(),
+                        prepare_kernel<dev::oneshot_kernel<T, kFused>>(),
                         prepare_kernel<dev::twoshot_kernel<T, kFused>>(),
                         prepare_kernel<dev::oneshot_mc_kernel<T, kFused>>(),
                         prepare_kernel<dev::twoshot_mc_kernel<T, kFused>>()})
@@ -80,7 +85,10 @@ template <typename T, bool kFused>
 cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
                        Strategy s, char* mc, int grid, cudaStream_t st) {
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
-  if (s == Strategy::kOneShot) {
+  if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
+    if (cudaError_t e = prepare_kernel<dev::local_kernel<T, kFused>>(); e != cudaSuccess) return e;
+    dev::local_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(t, rc);
+  } else if (s == Strategy::kOneShot) {
     if (mc == nullptr) {
       if (cudaError_t e = prepare_kernel<dev::oneshot_kernel<T, kFused>>(); e != cudaSuccess) return e;
       dev::oneshot_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc);
@@ -121,6 +129,16 @@ int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strate
                     int sm_count) {
   const int64_t nv = tokens * hidden / elems_per_vec(dtype);
   const int64_t per_block = int64_t(kArThreads) * 4;  // ~4 vectors (x W stores) per thread
+  if (world == 1) {  // local kernel: no spin-waits, so the grid may exceed the SM count
+    int64_t g = (nv + per_block - 1) / per_block;
+    if (fused) {
+      const RowCfg rc = dev::make_row_cfg(tokens, hidden, elems_per_vec(dtype));
+      const int64_t rows_per_iter = int64_t(kArThreads / rc.tpr) * rc.nr;
+      g = (tokens + rows_per_iter - 1) / rows_per_iter;
+    }
+    const int64_t cap = int64_t(sm_count < 1 ? 1 : sm_count) * kLocalBlocksPerSm;
+    return int(g < 1 ? 1 : (g > cap ? cap : g));
+  }
   int64_t g = s == Strategy::kOneShot ? (nv * world + per_block - 1) / per_block
                                       : (nv + per_block - 1) / per_block;
   if (fused) {

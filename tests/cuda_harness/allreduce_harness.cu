@@ -473,7 +473,7 @@ void launch(World& w, const Case& c, Strategy s) {
       std::exit(2);
     }
   }
-  (s == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;
+  if (w.W > 1) (s == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;  // W=1: no protocol
 }
 
 struct Outputs {
@@ -728,7 +728,7 @@ bool graph_test(World& w, int replays, uint64_t seed) {
       CK(cudaGraphLaunch(exec[r], w.r[r].st));
     }
     for (int k = 0; k < K; ++k)
-      (strat[k] == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;
+      if (w.W > 1) (strat[k] == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;
     sync_world(w);
     for (int k = 0; k < K; ++k) {
       if (!same_outputs(download(cs[k]), expect[set][k])) {

@@ -1,0 +1,60 @@
+// All-reduce over a group of one rank (world size 1): no communication, no protocol state.
+//
+// The sum over one rank is that rank's sanitised input (-0.0 -> +0.0, lamport.cuh), converted
+// through float32 and back exactly as the one-shot / two-shot reduce does, so results are
+// bitwise identical to those kernels at world size 1 (same RowCfg, same rmsnorm_rows code):
+//   plain: out = T(float(sanitise(x)))
+//   fused: the epilogue of rmsnorm.cuh with sum_vec(i) = that value, straight from x in HBM.
+// Nothing of the communication buffer is read or written and no Ctrl counter moves (a group of
+// one never runs the one-shot or two-shot protocol, so their counters stay consistent).
+//
+// Grid: any size; blocks never wait on each other, so they need not be co-resident and the grid
+// may exceed the SM count (several blocks per SM hide the epilogue's barrier between its two
+// passes). Fused: block b owns rows [tokens*b/G, tokens*(b+1)/G).
+//
+// Aliasing: out may alias x, residual_out may alias residual. Plain: each vector is read, then
+// written, by one thread. Fused: rmsnorm_rows reads every sum_vec of a row (pass 1) before it
+// writes that row's out (pass 2), and rows belong to exactly one thread group.
+#pragma once
+#include "lamport.cuh"
+#include "rmsnorm.cuh"
+
+namespace nvc {
+namespace dev {
+
+template <typename T>
+__device__ __forceinline__ uint4 local_sum_v4(const char* x, size_t i) {
+  float acc[Vec<T>::kElems];
+  accumulate<T>(acc, sanitize_v4<T>(ld_nc_v4(x + i * 16)), true);
+  return pack<T>(acc);
+}
+
+template <typename T, bool kFused>
+__global__ void __launch_bounds__(kArThreads, 1)
+    local_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
+  const char* x = static_cast<const char*>(t.x);
+  if constexpr (!kFused) {
+    constexpr int kU = 4;
+    const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
+    const size_t nthreads = size_t(gridDim.x) * kArThreads;
+    char* out = static_cast<char*>(t.out);
+    for (size_t i0 = size_t(blockIdx.x) * kArThreads + threadIdx.x; i0 < nv; i0 += nthreads * kU) {
+      uint4 d[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i0 + u * nthreads < nv) d[u] = local_sum_v4<T>(x, i0 + u * nthreads);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i0 + u * nthreads < nv) st_v4(out + (i0 + u * nthreads) * 16, d[u]);
+    }
+  } else {
+    __shared__ float s_red[kEpiPairs * kArThreads / 32];
+    extern __shared__ float4 s_dyn[];
+    const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
+    const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
+    rmsnorm_rows<T>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) { return local_sum_v4<T>(x, i); });
+  }
+}
+
+}  // namespace dev
+}  // namespace nvc

@@ -489,6 +489,27 @@ def thresholds_source(measured, current):
     return "\n".join(lines)
 
 
+COPY_METHOD = "copy (XLA -x)"
+
+
+def _copy_point(env, mesh, hidden, tokens, a):
+    """The copy bandwidth of this device for a [tokens, hidden] bf16 array: an XLA elementwise
+    kernel (y = -x) reading and writing every byte once. The reference for the epilogue."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    x = np.random.default_rng(1).standard_normal((tokens, hidden)).astype(jnp.bfloat16)
+    xs = _put(env, mesh, x, P("x"))
+    row = dict(method=COPY_METHOD, hidden=hidden, tokens=tokens, bytes=tokens * hidden * 2,
+               world=1, bytes_moved=tokens * hidden * 2 * 2)
+    row.update(_measure(env, COPY_METHOD, mesh, lambda c, k: ((_varying(-c[0]),), ()), (xs,),
+                        (P("x"),), 1, a))
+    if "median_us" in row:
+        row["GBps"] = row["bytes_moved"] / (row["median_us"] * 1e-6) / 1e9
+        env.log(f"#   {tokens}x{hidden} {COPY_METHOD}: {_cell(row)}")
+    return row
+
+
 def _single_device_report(env, a):
     """One device: the fused epilogue's HBM bandwidth vs XLA's add+RMSNorm, and the per-call
     overhead of the custom call in a jitted step."""
@@ -505,6 +526,7 @@ def _single_device_report(env, a):
                     r["GBps"] = moved / (r["median_us"] * 1e-6) / 1e9
                 r["bytes_moved"] = moved
                 out.append(r)
+            out.append(_copy_point(env, mesh, hidden, tokens, a))
         tiny = [r for r in _ar_point(env, comm, mesh, 8, 1, a) if r["method"] != "lax.psum"]
     finally:
         _close(comm)
@@ -513,8 +535,14 @@ def _single_device_report(env, a):
 
     def gbps(m):
         return lambda g: f"{g[m]['GBps']:.0f}" if "GBps" in g.get(m, {}) else "-"
-    _pivot(env, out, [("shape", lambda r: f"{r['tokens']}x{r['hidden']}")], FUSED_METHODS,
-           [(f"GB/s {m}", gbps(m)) for m in FUSED_METHODS])
+    methods = FUSED_METHODS + [COPY_METHOD]
+
+    def pct(m):  # fraction of the copy bandwidth measured for the same shape
+        return lambda g: (f"{100 * g[m]['GBps'] / g[COPY_METHOD]['GBps']:.0f}%"
+                          if "GBps" in g.get(m, {}) and "GBps" in g.get(COPY_METHOD, {}) else "-")
+    _pivot(env, out, [("shape", lambda r: f"{r['tokens']}x{r['hidden']}")], methods,
+           [(f"GB/s {m}", gbps(m)) for m in methods]
+           + [(f"{m} / copy", pct(m)) for m in FUSED_METHODS])
     env.log("\n## one device: per-call cost of a 1x8 bf16 message (the custom call's overhead "
             "in a jitted step; psum+rmsnorm = XLA's own add+RMSNorm kernel)")
     _pivot(env, tiny, [("shape", lambda r: f"{r['tokens']}x{r['hidden']}")],

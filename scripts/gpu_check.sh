@@ -7,9 +7,13 @@
 #                                      MoE, CUDA-graph loop, fault cases, example (--nvcomm-only)
 #   bash scripts/gpu_check.sh multi    all GPUs: one process driving all, one process per GPU,
 #                                      example on all GPUs, full benchmarks with --tune
+# `shared` is the parts harness, share, faults, bench1 in turn; parts may be named directly and
+# several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
+# build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
+# With NVC_BUILD_BG=1 the package build that is timed runs in the background (into
+# /tmp/nvc_site, not used) while the steps use the jax_nvcomm importable from here.
 # Never sets JAX_NVCOMM_MULTICAST or NCCL variables (multicast stays off on shared machines).
 set -u
-MODE=${1:-quick}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests/mp:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export JAX_NVCOMM_TIMEOUT_S=${JAX_NVCOMM_TIMEOUT_S:-60}
@@ -30,7 +34,12 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD, appends its output to all.log, o
 }
 
 ensure_built() {
-  if [ "$MODE" = shared ] || ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
+  if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
+    ( t0=$SECONDS; $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . \
+        >"$OUT/build.log" 2>&1 && say "package build on this machine (background): $((SECONDS - t0)) s" ||
+        say "package build FAILED (see build.log)" ) &
+    BUILD_PID=$!
+  elif [ "$BUILD" = 1 ] || ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
     local t0=$SECONDS
     $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . \
       >"$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH &&
@@ -38,15 +47,18 @@ ensure_built() {
       { say "package build FAILED (see all.log)"; cat "$OUT/build.log" >>"$OUT/all.log"; }
     rm -f "$OUT/build.log"
   fi
-  (cd /tmp && $PY -c "import jax_nvcomm as n, jax; print('CUDA built:', n.CUDA_BUILT, jax.devices())") \
+  (cd /tmp && $PY -c "import jax_nvcomm as n, jax; print('CUDA built:', n.CUDA_BUILT, n.__file__, jax.devices())") \
     2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 }
 
 NG=$(nvidia-smi -L | wc -l)
-say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); mode $MODE; $(date -u)"
+MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
+BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
+say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
 ensure_built
 
-case "$MODE" in
+run_part() {
+case "$1" in
 quick)
   step sp_coll 90 $PY tests/mp/collectives_mp.py --calls=100
   [ "$NG" -ge 2 ] && step mp2_coll 90 $L -n 2 --timeout 85 tests/mp/collectives_mp.py --calls=100
@@ -55,26 +67,32 @@ quick)
   step sp_graph 60 $PY tests/mp/graph_mp.py --iters=100
   step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
   ;;
-shared)
+shared) for p in harness share faults bench1; do run_part $p; done ;;
+harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
-  step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
+  [ -x build/ar_h ] && [ -x build/moe_h ] ||
+    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
   step ar_harness 120 build/ar_h --quick
   step moe_harness 120 build/moe_h
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
+  ;;
+share)
   for n in 2 4 8; do
     step sh${n}_coll 150 $L -n $n --share-gpu --timeout 145 tests/mp/collectives_mp.py --calls=1000
     step sh${n}_moe 150 $L -n $n --share-gpu --timeout 145 tests/mp/moe_mp.py --rounds=100
     step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
   done
+  ;;
+faults)
   for c in dead sizes order; do
     step fault_$c 90 $L -n 2 --share-gpu --timeout 85 tests/mp/faults_mp.py --case=$c
   done
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
   step demo_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.demo --nvcomm-only --ref /tmp/ref.npz
-  step bench_1gpu 200 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1"
   ;;
+bench1) step bench_1gpu 200 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
 multi)
   step sp_coll 120 $PY tests/mp/collectives_mp.py --calls=1000
   step mpN_coll 150 $L -n "$NG" --timeout 145 tests/mp/collectives_mp.py --calls=1000
@@ -85,6 +103,9 @@ multi)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-*) echo "usage: $0 quick|shared|multi" >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|bench1|multi]..." >&2; exit 2 ;;
 esac
+}
+for m in "${MODES[@]}"; do run_part "$m"; done
+[ -n "${BUILD_PID:-}" ] && wait "$BUILD_PID"
 cat "$OUT/summary.txt"

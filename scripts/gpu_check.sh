@@ -78,8 +78,8 @@ harness)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
   ;;
-share)
-  for n in 2 4 8; do
+share)  # SHARE_NS: the process counts (default 2 4 8)
+  for n in ${SHARE_NS:-2 4 8}; do
     step sh${n}_coll 150 $L -n $n --share-gpu --timeout 145 tests/mp/collectives_mp.py --calls=1000
     step sh${n}_moe 150 $L -n $n --share-gpu --timeout 145 tests/mp/moe_mp.py --rounds=100
     step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
@@ -92,18 +92,22 @@ faults)
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
   step demo_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.demo --nvcomm-only --ref /tmp/ref.npz
   ;;
-bench1) step bench_1gpu 200 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
-multi)
+bench1) step bench_1gpu 200 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
+multi) run_part multitest; run_part multibench ;;
+multitest)
   step sp_coll 120 $PY tests/mp/collectives_mp.py --calls=1000
   step mpN_coll 150 $L -n "$NG" --timeout 145 tests/mp/collectives_mp.py --calls=1000
   step sp_moe 120 $PY tests/mp/moe_mp.py --rounds=100
   step mpN_moe 150 $L -n "$NG" --timeout 145 tests/mp/moe_mp.py --rounds=100
   step sp_graph 90 $PY tests/mp/graph_mp.py --iters=200
   step demo 240 $PY -m jax_nvcomm.demo
+  ;;
+multibench)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|bench1|multi]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -9,9 +9,20 @@ handler finds it by device ordinal.
 Transports: CUDA devices of this process: the pointer itself (+ peer access between devices);
 CUDA devices of other processes: CUDA IPC handles through the key-value store; CPU devices:
 POSIX shared memory named after a job-wide token.
+
+CUDA allocation modes (`alloc`, agreed by every process, see _multicast.py): "cudamalloc"
+(default) as above; "vmm": cuMemCreate allocations, peers of this process get access to the
+owner's mapping, peers of other processes import it from (pid, POSIX fd) published in the
+key-value store (csrc/transport/cuda_vmm.h). `multicast=True` (implies "vmm") adds one multicast
+object per group (csrc/transport/cuda_multicast.h for the protocol): group rank 0's process
+creates it, every process imports it, every rank adds its device, a barrier, every rank binds its
+buffer and maps the object; the mapped address is the rank's `multicast_base`. close() releases
+in reverse order: multicast objects, imported mappings, own allocations.
 """
 from __future__ import annotations
 
+import json
+import os
 import secrets
 
 import jax
@@ -33,10 +44,13 @@ class SymmetricBuffers:
 
     def __init__(self, comm_id: int, mesh, axis_name, backend: str, nbytes: int,
                  max_message_bytes: int, timeout_s: float, setup_timeout_s: float,
-                 lamport_range: tuple[int, int] = (0, 0), zero_bytes: int | None = None):
+                 lamport_range: tuple[int, int] = (0, 0), zero_bytes: int | None = None,
+                 alloc: str = "cudamalloc", multicast: bool = False):
         self.comm_id = comm_id
         self.backend = backend
         self.nbytes = int(nbytes)
+        self.multicast = bool(multicast) and backend == "cuda"
+        self.alloc = "vmm" if self.multicast else alloc
         self.mod = _ffi.module(backend)
         self.groups = groups_of(mesh, axis_name)
         self.world = self.groups.shape[1]
@@ -46,6 +60,10 @@ class SymmetricBuffers:
         self._owned = []     # (kind, handle...) to free on close
         self._imported = []  # CUDA IPC mappings to close
         self._shm = []       # (addr, nbytes) host mappings to unmap
+        self._vmm = []       # own VMM allocations (release last)
+        self._vmm_mapped = []  # peers' VMM allocations mapped here
+        self._mc = []        # multicast objects (release first)
+        self._mc_base = {}   # (g, r) -> multicast address of the rank's buffer
         self.slots = []      # registry slots of this process
         prefix = f"jax_nvcomm/{comm_id}"
         tmo = setup_timeout_s
@@ -53,13 +71,16 @@ class SymmetricBuffers:
         try:
             if backend == "host":
                 self._setup_host(prefix, tmo)
+            elif self.alloc == "vmm":
+                self._setup_cuda_vmm(prefix, tmo, zero, lamport_range)
             else:
                 self._setup_cuda(prefix, tmo, zero, lamport_range)
             for g, r in self.local:
                 bufs = self._bufs[(g, r)]
                 slot = self._slot(g, r)
+                extra = {"multicast_base": self._mc_base[(g, r)]} if self.multicast else {}
                 self.mod.register_rank(comm_id, slot, r, self.world, bufs,
-                                       int(timeout_s * 1e9), int(max_message_bytes))
+                                       int(timeout_s * 1e9), int(max_message_bytes), **extra)
                 self.slots.append(slot)
         except BaseException:
             self.close(sync=False)
@@ -136,19 +157,105 @@ class SymmetricBuffers:
             self._bufs[(g, r)] = row
         _exchange.barrier(f"{prefix}/ipc_mapped", tmo, "CUDA IPC mapping")
 
+    # ---- CUDA, VMM allocations (JAX_NVCOMM_ALLOC=vmm, and always with multicast) ----
+    def _dev(self, g, r) -> int:
+        return int(self.groups[g, r].local_hardware_id)
+
+    def _setup_cuda_vmm(self, prefix, tmo, zero, lamport_range):
+        mod = self.mod
+        loff, llen = lamport_range
+        multi = jax.process_count() > 1
+        devs = sorted({self._dev(g, r) for g, r in self.local})
+        for dev in devs:
+            mod.load_kernels(dev)
+        align = 0
+        if self.multicast:  # the buffer is what gets bound: a multiple of the multicast granularity
+            align = max([mod.multicast_granularity(d, self.nbytes, self.world, multi)
+                         for d in devs], default=0)
+        allocs = {}
+        for g, r in self.local:
+            dev = self._dev(g, r)
+            a = mod.VmmAllocation(dev, self.nbytes, align, multi)
+            self._vmm.append(a)
+            allocs[(g, r)] = a
+            mod.init_buffer(dev, a.ptr, zero, loff, llen, 0x80000000)
+            if multi:
+                _exchange.put(f"{prefix}/vmm/{g}/{r}", json.dumps(
+                    {"pid": os.getpid(), "fd": a.export_fd(), "size": a.size}).encode())
+        self._bufs = {}
+        for g, r in self.local:
+            dev = self._dev(g, r)
+            row = []
+            for rr in range(self.world):
+                if (g, rr) in allocs:
+                    peer = allocs[(g, rr)]
+                    if rr != r:
+                        mod.enable_peer_access(dev, peer.device)  # the path check, clear error
+                        peer.grant_access(dev)
+                    row.append(peer.ptr)
+                else:
+                    info = json.loads(_exchange.get(f"{prefix}/vmm/{g}/{rr}", tmo,
+                                                    f"rank {rr}'s VMM handle (group {g})"))
+                    m = mod.VmmMapping(dev, info["pid"], info["fd"], info["size"])
+                    self._vmm_mapped.append(m)
+                    row.append(m.ptr)
+            self._bufs[(g, r)] = row
+        if self.multicast:
+            self._setup_multicast(prefix, tmo, allocs, multi)
+        _exchange.barrier(f"{prefix}/vmm_mapped", tmo, "VMM mapping")
+
+    def _setup_multicast(self, prefix, tmo, allocs, multi):
+        mod = self.mod
+        objs = {}
+        for g in sorted({g for g, _ in self.local}):
+            mine = [r for gg, r in self.local if gg == g]
+            dev = self._dev(g, mine[0])
+            if (g, 0) in allocs:  # this process holds group rank 0: it creates the object
+                mc = mod.Multicast.create(self._dev(g, 0), allocs[(g, 0)].size, self.world,
+                                          multi)
+                self._mc.append(mc)
+                if multi:
+                    _exchange.put(f"{prefix}/mc/{g}", json.dumps(
+                        {"pid": os.getpid(), "fd": mc.export_fd(), "size": mc.size}).encode())
+            else:
+                info = json.loads(_exchange.get(f"{prefix}/mc/{g}", tmo,
+                                                f"group {g}'s multicast handle"))
+                mc = mod.Multicast.import_from(dev, info["pid"], info["fd"], info["size"],
+                                               self.world)
+                self._mc.append(mc)
+            for r in mine:
+                mc.add_device(self._dev(g, r))
+            objs[g] = mc
+        # Binding blocks until every device of the team was added: all processes add first.
+        _exchange.barrier(f"{prefix}/mc_added", tmo, "multicast device registration")
+        for g, r in self.local:
+            self._mc_base[(g, r)] = objs[g].bind_and_map(allocs[(g, r)])
+
     def buffers(self, g, r):
         return list(self._bufs[(g, r)])
+
+    def local_devices(self) -> list[int]:
+        """CUDA ordinals of this process's ranks (empty for the host backend)."""
+        if self.backend != "cuda":
+            return []
+        return sorted({self._dev(g, r) for g, r in self.local})
 
     def close(self, sync=True):
         mod = self.mod
         if sync and self.backend == "cuda":
-            for dev, _ in self._owned:
+            for dev in self.local_devices():
                 try:
                     mod.synchronize(dev)
                 except RuntimeError:
                     pass
         mod.unregister(self.comm_id)
         if self.backend == "cuda":
+            for mc in reversed(self._mc):        # unmap, unbind, release, close the fd
+                mc.release()
+            for m in reversed(self._vmm_mapped):
+                m.release()
+            for a in reversed(self._vmm):        # unmap, release, close the exported fd
+                a.release()
             for dev, a in self._imported:
                 mod.ipc_close(dev, a)
             for dev, p in self._owned:
@@ -157,3 +264,4 @@ class SymmetricBuffers:
             for a, n in self._shm:
                 mod.shm_unmap(a, n)
         self._owned, self._imported, self._shm, self.slots = [], [], [], []
+        self._vmm, self._vmm_mapped, self._mc, self._mc_base = [], [], [], {}

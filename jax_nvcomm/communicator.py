@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax._src import core as _core
 
-from . import _exchange, _ffi
+from . import _exchange, _ffi, _multicast
 from ._symmetric import SymmetricBuffers
 
 _ids = itertools.count(1)
@@ -57,9 +57,11 @@ class _Base:
     """Shared lifecycle of the communicators: id, collective setup, close(), context manager."""
 
     _kind = "base"
+    _multicast = False
+    _multicast_reason = "not set up"
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
-               lamport_range=(0, 0), zero_bytes=None):
+               lamport_range=(0, 0), zero_bytes=None, multicast_capable=False):
         what = type(self).__name__
         _check_not_traced(what)
         _check_mesh_axis(mesh, axis_name, what)
@@ -77,15 +79,30 @@ class _Base:
         self._id = next(_ids)
         self._closed = True
         prefix = f"jax_nvcomm/{self._id}"
+        # Transport (_multicast.py): the allocation mode and the environment's multicast verdict
+        # are compared across processes with the arguments; device facts are exchanged after.
+        alloc = _multicast.alloc_mode(os.environ)
+        if multicast_capable:
+            mc_req, mc_why = _multicast.requested(os.environ, self._backend, self._world)
+        else:
+            mc_req, mc_why = False, f"{what} does not use multicast"
         full = dict(config, kind=self._kind, axis_name=str(axis_name),
                     mesh_shape=[int(mesh.shape[a]) for a in mesh.axis_names],
                     mesh_axes=[str(a) for a in mesh.axis_names], backend=self._backend,
-                    devices=[int(d.id) for d in np.asarray(mesh.devices).flat])
+                    devices=[int(d.id) for d in np.asarray(mesh.devices).flat],
+                    cuda_alloc=alloc if self._backend == "cuda" else None,
+                    multicast_requested=mc_req)
         _exchange.agree(prefix, full, DEFAULT_SETUP_TIMEOUT_S)
         self._groups = groups_of(mesh, axis_name)
+        if mc_req:
+            facts = _multicast.gather_facts(prefix, _ffi.module(self._backend), self._groups,
+                                            DEFAULT_SETUP_TIMEOUT_S)
+            mc_req, mc_why = _multicast.decide(os.environ, self._backend, self._world, facts)
+        self._multicast, self._multicast_reason = mc_req, mc_why
         self._sym = SymmetricBuffers(self._id, mesh, axis_name, self._backend, nbytes,
                                      max_message_bytes, self._timeout_s,
-                                     DEFAULT_SETUP_TIMEOUT_S, lamport_range, zero_bytes)
+                                     DEFAULT_SETUP_TIMEOUT_S, lamport_range, zero_bytes,
+                                     alloc=alloc, multicast=mc_req)
         self._closed = False
 
     # ---- properties (API.md) ----
@@ -117,6 +134,21 @@ class _Base:
     def timeout_s(self) -> float:
         return self._timeout_s
 
+    @property
+    def multicast(self) -> bool:
+        """True when this communicator's all-reduce uses the NVLink SHARP (multicast) kernels.
+
+        Opt-in: only with JAX_NVCOMM_MULTICAST=1, NCCL_NVLS_ENABLE not 0, the CUDA backend, and
+        every group on distinct physical GPUs that all report multicast support, on one host
+        (jax_nvcomm/_multicast.py). Decided identically in every process; `multicast_reason`
+        says why it is off. Otherwise the unicast kernels run (the default)."""
+        return self._multicast
+
+    @property
+    def multicast_reason(self) -> str:
+        """Why `multicast` is on or off (the first condition that failed)."""
+        return self._multicast_reason
+
     def check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"jax_nvcomm: {what}: the {type(self).__name__} was closed")
@@ -142,7 +174,7 @@ class _Base:
             return
         self._closed = True
         if self._backend == "cuda":
-            for dev, _ in self._sym._owned:
+            for dev in self._sym.local_devices():
                 try:
                     self._sym.mod.synchronize(dev)
                 except RuntimeError:
@@ -175,7 +207,11 @@ class Communicator(_Base):
     Per-rank memory (`nbytes`): 64 KiB control block + 2 halves of
     (W * align256(ceil(M / W)) + align256(M)) + 3 * W * L Lamport slots, with M =
     max_message_bytes and L = min(M, 4M / (3W), 1 MiB) rounded down to 256 B; at most
-    8 * M + 64 KiB.
+    8 * M + 64 KiB. (VMM allocations, JAX_NVCOMM_ALLOC=vmm or multicast, round it up to the
+    allocation / multicast granularity that the driver reports.)
+
+    Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
+    when `multicast` is True (opt-in, see that property and README "Multicast").
     """
 
     _kind = "communicator"
@@ -198,7 +234,7 @@ class Communicator(_Base):
         self._setup(mesh, axis_name, backend, lay["total"], self._max_message_bytes, timeout_s,
                     dict(max_message_bytes=self._max_message_bytes),
                     lamport_range=(lay["lamport_offset"], lay["total"] - lay["lamport_offset"]),
-                    zero_bytes=lay["ctrl_bytes"])
+                    zero_bytes=lay["ctrl_bytes"], multicast_capable=True)
 
     @property
     def max_message_bytes(self) -> int:

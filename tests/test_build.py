@@ -1,6 +1,7 @@
 """Build-level checks of the CUDA code (need nvcc, not a GPU): the multicast variants hold the
-multimem instructions, no kernel spills registers to local memory, and nothing in the package
-creates a multicast object (multicast must never run on shared machines unless enabled)."""
+multimem instructions, no kernel spills registers to local memory, and only the multicast
+transport creates a multicast object, each of its entry points behind the environment interlock
+(multicast must never run on shared machines unless enabled)."""
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 def nvcc(*args):
     p = subprocess.run([NVCC, "-std=c++17", "-I", os.path.join(ROOT, "csrc"), *args],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout + p.stderr
 
@@ -43,13 +44,55 @@ def test_no_register_spills(tmp_path, src):
     assert max(frames, default=0) == 0, "a kernel uses a stack frame (local memory)"
 
 
-def test_nothing_creates_multicast_objects():
-    hits = []
+MULTICAST_CU = "csrc/transport/cuda_multicast.cu"
+# Calls that create, import, export, join, bind, map or size a multicast object.
+GUARDED = ("cuMulticastCreate(", "cuMulticastAddDevice(", "cuMulticastBindMem(",
+           "cuMulticastGetGranularity(", "import_handle(", "export_handle(", "map_handle(")
+
+
+def _sources():
     for d in ("csrc", "jax_nvcomm"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, d)):
             for f in files:
                 if f.endswith((".cu", ".cuh", ".cc", ".h", ".py")):
-                    text = open(os.path.join(dirpath, f), errors="ignore").read()
-                    if "cuMulticastCreate" in text:
-                        hits.append(os.path.join(dirpath, f))
-    assert not hits, hits
+                    path = os.path.join(dirpath, f)
+                    with open(path, errors="ignore") as fh:
+                        yield os.path.relpath(path, ROOT), fh.read()
+
+
+def _functions(text):
+    """(signature, body) of every function defined at column 0 whose body closes at column 0."""
+    pat = re.compile(r"^(?![\s#/]|namespace|struct|class)([^\n;{}]*\([^;{}]*\)[^;{}]*)\{\n"
+                     r"(.*?)^\}", re.MULTILINE | re.DOTALL)
+    return [(m.group(1), m.group(2)) for m in pat.finditer(text)]
+
+
+def test_only_the_multicast_transport_creates_multicast_objects():
+    hits = sorted(path for path, text in _sources() if "cuMulticastCreate" in text)
+    assert hits == [MULTICAST_CU], hits
+
+
+def test_multicast_interlock_precedes_every_multicast_call():
+    with open(os.path.join(ROOT, MULTICAST_CU)) as f:
+        text = f.read()
+    funcs = _functions(text)
+    lock = [body for sig, body in funcs if "multicast_interlock(" in sig]
+    assert len(lock) == 1, "one interlock function"
+    # it re-reads both variables itself and refuses through the shared rule
+    assert 'getenv("JAX_NVCOMM_MULTICAST")' in lock[0]
+    assert 'getenv("NCCL_NVLS_ENABLE")' in lock[0]
+    assert "env_allows(" in lock[0] and "throw" in lock[0]
+    rule = [body for sig, body in funcs if sig.startswith("bool env_allows(")]
+    assert len(rule) == 1 and 'strcmp(multicast, "1")' in rule[0]
+    assert text.index("void multicast_interlock(") < text.index("cuMulticastCreate(&")
+    calls = re.compile(r"(?<![\w])(?:" + "|".join(re.escape(g) for g in GUARDED) + ")")
+    guarded = [(sig, body) for sig, body in funcs if calls.search(body)]
+    names = " ".join(sig for sig, _ in guarded)
+    for must in ("Multicast::create(", "Multicast::import(", "Multicast::add_device(",
+                 "Multicast::bind_and_map(", "Multicast::export_fd(", "granularity("):
+        assert must in names, f"{must} not found: the parser missed a function"
+    for sig, body in guarded:
+        first = body.strip().splitlines()[0].strip()
+        assert first.startswith("multicast_interlock("), (sig.strip(), first)
+    # every call of the creating function sits in such a function
+    assert text.count("cuMulticastCreate(") == 1

@@ -30,6 +30,9 @@ struct RankContext {
   std::atomic<uint64_t> host_calls{0};  // handler executions (graph replays do not count)
   std::unique_ptr<ErrorInfo> owned_err; // host backend: the error block itself
   std::shared_ptr<void> resources;      // CUDA backend: the host-mapped error block
+  // CUDA backend: multicast address of this rank's buffer start (cuda_multicast.h), or nullptr
+  // (the default: unicast kernels). Set at registration only when the multicast gate is on.
+  void* multicast_base = nullptr;
 };
 
 class Registry {

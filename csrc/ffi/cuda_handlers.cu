@@ -34,8 +34,9 @@ ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::All
   const auto s = static_cast<cuda::Strategy>(strategy);
   if (const char* why = cuda::all_reduce_check(ctx.view, a, s))
     return precondition(std::string("jax_nvcomm: all_reduce: ") + why);
-  // Multicast is never selected here: no multicast object is ever created (see README).
-  return launch_result(cuda::all_reduce(ctx.view, a, s, /*multicast_base=*/nullptr, stream),
+  // ctx.multicast_base is nullptr (unicast) unless the communicator was set up with the opt-in
+  // multicast transport (jax_nvcomm/_multicast.py decides, csrc/transport/cuda_multicast.h).
+  return launch_result(cuda::all_reduce(ctx.view, a, s, ctx.multicast_base, stream),
                        "all_reduce launch");
 }
 

@@ -26,6 +26,13 @@ void* alloc_buffer(int device, size_t bytes, size_t zero_bytes, size_t fill_off,
   check(cudaSetDevice(device), "cudaSetDevice");
   void* p = nullptr;
   check(cudaMalloc(&p, bytes), "cudaMalloc of the communication buffer");
+  init_buffer(device, p, zero_bytes, fill_off, fill_len, fill_word);
+  return p;
+}
+
+void init_buffer(int device, void* p, size_t zero_bytes, size_t fill_off, size_t fill_len,
+                 uint32_t fill_word) {
+  check(cudaSetDevice(device), "cudaSetDevice");
   check(cudaMemset(p, 0, zero_bytes), "cudaMemset");
   if (fill_len > 0) {
     fill_u32<<<256, 256>>>(reinterpret_cast<uint32_t*>(static_cast<char*>(p) + fill_off),
@@ -33,7 +40,6 @@ void* alloc_buffer(int device, size_t bytes, size_t zero_bytes, size_t fill_off,
     check(cudaGetLastError(), "fill kernel launch");
   }
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after buffer init");
-  return p;
 }
 
 void free_buffer(int device, void* p) {

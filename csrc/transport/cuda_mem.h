@@ -12,6 +12,9 @@ namespace cuda {
 // with the 32-bit word `fill_word` (the Lamport "empty" pattern). Synchronous (setup only).
 void* alloc_buffer(int device, size_t bytes, size_t zero_bytes, size_t fill_off, size_t fill_len,
                    uint32_t fill_word);
+// The same initialisation of a buffer allocated elsewhere (a VMM allocation, cuda_vmm.h).
+void init_buffer(int device, void* p, size_t zero_bytes, size_t fill_off, size_t fill_len,
+                 uint32_t fill_word);
 void free_buffer(int device, void* p);
 std::string ipc_export(int device, void* p);         // 64-byte cudaIpcMemHandle_t
 void* ipc_import(int device, const std::string& h);  // maps a peer's buffer in this process

@@ -49,6 +49,11 @@ try:
 except Exception as e:  # JaxRuntimeError from the FFI handler
     msg = str(e).splitlines()[0]
     rank_print(f"GOT after {time.monotonic() - t0:.1f}s: {msg}")
+    try:  # the record the kernel left in the host-mapped error block (CUDA), if any
+        for line in comm.errors():
+            rank_print(f"recorded: {line}")
+    except Exception as e2:  # noqa: BLE001 - reported, the case still ended
+        rank_print(f"comm.errors() failed: {type(e2).__name__}: {e2}")
     from jax._src import dispatch
     dispatch.runtime_tokens.clear()
     os._exit(0)

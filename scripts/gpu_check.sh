@@ -85,12 +85,20 @@ share)  # SHARE_NS: the process counts (default 2 4 8)
     step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
   done
   ;;
-faults)
+faults)  # FAULT_LAUNCH: launcher flags (default --share-gpu; empty: one process per GPU)
   for c in dead sizes order; do
-    step fault_$c 90 $L -n 2 --share-gpu --timeout 85 tests/mp/faults_mp.py --case=$c
+    step fault_$c 90 $L -n 2 ${FAULT_LAUNCH---share-gpu} --timeout 85 tests/mp/faults_mp.py --case=$c
   done
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
   step demo_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.demo --nvcomm-only --ref /tmp/ref.npz
+  ;;
+vmm)  # the cuMemCreate + POSIX-fd allocation mode (never multicast: JAX_NVCOMM_MULTICAST unset)
+  step vmm_info 60 env JAX_NVCOMM_ALLOC=vmm $PY -c "import jax, jax_nvcomm as n
+c = n.Communicator(jax.make_mesh((len(jax.devices()),), ('x',)), 'x')
+print('PASS multicast', c.multicast, '|', c.multicast_reason, '| nbytes', c.nbytes); c.close()"
+  step vmm_sp 120 env JAX_NVCOMM_ALLOC=vmm $PY tests/mp/collectives_mp.py --calls=200
+  [ "$NG" -ge 2 ] && step vmm_mp2 120 env JAX_NVCOMM_ALLOC=vmm $L -n 2 --timeout 115 tests/mp/collectives_mp.py --calls=200
+  step vmm_sh2 120 env JAX_NVCOMM_ALLOC=vmm $L -n 2 --share-gpu --timeout 115 tests/mp/collectives_mp.py --calls=200
   ;;
 bench1) step bench_1gpu 200 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
     $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
@@ -107,7 +115,7 @@ multibench)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|vmm|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

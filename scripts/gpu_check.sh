@@ -7,7 +7,7 @@
 #                                      MoE, CUDA-graph loop, fault cases, example (--nvcomm-only)
 #   bash scripts/gpu_check.sh multi    all GPUs: one process driving all, one process per GPU,
 #                                      example on all GPUs, full benchmarks with --tune
-# `shared` is the parts harness, share, faults, bench1 in turn; parts may be named directly and
+# `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
 # With NVC_BUILD_BG=1 the package build that is timed runs in the background (into
@@ -67,7 +67,7 @@ quick)
   step sp_graph 60 $PY tests/mp/graph_mp.py --iters=100
   step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
   ;;
-shared) for p in harness share faults bench1; do run_part $p; done ;;
+shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
 harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
@@ -89,6 +89,8 @@ faults)  # FAULT_LAUNCH: launcher flags (default --share-gpu; empty: one process
   for c in dead sizes order; do
     step fault_$c 90 $L -n 2 ${FAULT_LAUNCH---share-gpu} --timeout 85 tests/mp/faults_mp.py --case=$c
   done
+  ;;
+demo1)  # the example: one GPU, then 2 processes sharing it, compared with the stored reference
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
   step demo_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.demo --nvcomm-only --ref /tmp/ref.npz
   ;;
@@ -115,7 +117,7 @@ multibench)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|vmm|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

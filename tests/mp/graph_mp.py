@@ -62,4 +62,32 @@ with nvc.Communicator(mesh, "x", max_message_bytes=1 << 20) as comm:
     rank_print(f"graph check: {kernel_calls} kernel calls, FFI handler ran {calls} times "
                f"({'CUDA graph replay' if calls < kernel_calls else 'no replay (handler per call)'})")
     assert not comm.errors(), comm.errors()
+
+# MoE dispatch + combine in the same kind of loop: identity experts, combine weights 1/K, so each
+# step maps x -> x exactly; adding 1 per step makes every step's rows distinct, so a replay that
+# read a stale round's rows (or a stale count) would be caught. Routing rotates every step.
+E, K, TM, HM = 4 * W, 2, 8, 128
+with nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=TM, hidden=HM,
+                         dtype=jnp.float32) as moe:
+    def moe_body(v, ids):
+        w = jnp.full((TM, K), 1.0 / K, jnp.float32)
+
+        def step(i, x):
+            d = nvc.moe_dispatch(x, (ids + i) % E, moe)
+            y = nvc.moe_combine(d.expert_x, w, d.handle, moe)
+            return y + 1.0
+        return lax.fori_loop(0, iters, step, v)
+
+    fm = jax.jit(jax.shard_map(moe_body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    hx = rng.integers(-8, 8, size=(W * TM, HM)).astype(np.float32)
+    hids = np.stack([rng.choice(E, K, replace=False) for _ in range(W * TM)]).astype(np.int32)
+    before = sum(moe.host_calls().values())
+    out = fm(global_array(mesh, P("x"), hx), global_array(mesh, P("x"), hids))
+    jax.block_until_ready(out)
+    calls = sum(moe.host_calls().values()) - before
+    kernel_calls = 2 * iters * len(moe.host_calls())
+    check_shards(out, hx + iters, rtol=0, atol=0, what="fori_loop moe dispatch+combine")
+    rank_print(f"moe graph check: {kernel_calls} dispatch/combine calls, FFI handlers ran {calls} "
+               f"times ({'CUDA graph replay' if calls < kernel_calls else 'no replay'})")
+    assert not moe.errors(), moe.errors()
 rank_print("PASS")

@@ -17,15 +17,17 @@ import os
 import numpy as np
 
 # world size -> (oneshot_max_bytes, twoshot_max_bytes).
-# Provenance (README "Performance"):
-#   2: measured on 2 x H200 (NVLink), bf16, 2026-11-29: one-shot beats lax.psum up to the
-#      largest size measured for it (512 KiB: 11.4 us vs 18.2 us) and is capped by the Lamport
-#      slot (1 MiB); two-shot is on par with psum at 512 KiB and 56 MiB and behind it at 112 MiB
-#      (473 vs 413 us); the fused two-shot is behind psum + XLA's RMSNorm at 56 MiB (380 vs
-#      318 us); the kernel harness measured two-shot 16 MiB at 72 us.
-#   1: no communication at all: "auto" picks "xla" (lax.psum over one device is the identity and
-#      XLA's fused add + RMSNorm ran 6x faster than our fused epilogue on one H200).
-#   4, 8, 16: not measured here yet (needs a 4/8-GPU machine): published crossovers for
+# Provenance (README "Performance"; docs/bench_h200x2_allreduce.txt):
+#   2: `bench allreduce --tune --hidden 4096` on 2 x H200 (NVLink), bf16, one process, 2026-11-29
+#      (second session): one-shot beats lax.psum at every size up to its Lamport slot (1 MiB:
+#      12.2 vs 19.1 us; 4 KiB: 6.5 vs 12.7 us). Two-shot beats psum from 2 MiB (23.5 vs 25.1 us)
+#      to 32 MiB (138 vs 143 us) and loses at 64/128 MiB (0.97x / 0.90x). The tune printed
+#      twoshot <= 32 MiB for the plain op; the table keeps 16 MiB because the fused two-shot is
+#      already behind psum + XLA's RMSNorm at 16 MiB (112.0 vs 111.3 us) and 32 MiB (0.94x),
+#      while the plain op gains only 3% at 32 MiB.
+#   1: no communication: "auto" picks "xla". Our world-1 kernel (allreduce_local.cuh) runs the
+#      fused epilogue at 1.9-2.2 TB/s on one H200, XLA's add + RMSNorm at 2.3-2.6 TB/s.
+#   4, 8, 16: not measured (4/8-GPU machines were not lent): published crossovers for
 #      8 x H100/H200 (one-shot to ~128-256 KiB) until `bench allreduce --tune` replaces them.
 THRESHOLDS: dict[int, tuple[int, int]] = {
     1: (0, 0),

@@ -445,21 +445,17 @@ def _fmt_bytes_py(n):
     return str(n)
 
 
-def crossovers(rows):
-    """(oneshot_max, twoshot_max) from rows of one world size: oneshot up to the last size of
-    the leading run where it is fastest, twoshot up to the last size (beyond that) of the run
-    where it beats lax.psum. Sizes with no measurement of a method count as losses for it."""
-    by = {}
-    for r in rows:
-        if "median_us" in r:
-            by.setdefault(r["bytes"], {})[r["method"]] = r["median_us"]
+def _crossover(by, one_m, two_m, base_m):
+    """(oneshot_max, twoshot_max) of one op from {bytes: {method: us}}: one-shot up to the last
+    size of the leading run where it is fastest, two-shot up to the last size (beyond that) of
+    the run where it beats the XLA baseline. A size with no measurement of a method is a loss."""
     sizes = sorted(by)
     inf = float("inf")
     one = 0
     for s in sizes:
         t = by[s]
-        o = t.get("nvc oneshot", inf)
-        if o < inf and o <= min(t.get("nvc twoshot", inf), t.get("lax.psum", inf)):
+        o = t.get(one_m, inf)
+        if o < inf and o <= min(t.get(two_m, inf), t.get(base_m, inf)):
             one = s
         else:
             break
@@ -468,13 +464,29 @@ def crossovers(rows):
         if s <= one:
             continue
         t = by[s]
-        tw = t.get("nvc twoshot", inf)
-        if tw < inf and tw <= t.get("lax.psum", inf):
+        tw = t.get(two_m, inf)
+        if tw < inf and tw <= t.get(base_m, inf):
             two = s
         else:
             break
     if sizes and two == sizes[-1]:
         two = max(two, 64 << 20) if sizes[-1] >= 64 << 20 else two
+    return one, two
+
+
+def crossovers(rows):
+    """(oneshot_max, twoshot_max) for strategy.THRESHOLDS from rows of one world size. The table
+    serves all_reduce and all_reduce_rms_norm alike, so where fused rows were measured too each
+    threshold is the smaller of the plain op's (vs lax.psum) and the fused op's (vs psum +
+    XLA's add + RMSNorm) crossovers: no op is sent to a strategy that loses for it."""
+    by = {}
+    for r in rows:
+        if "median_us" in r:
+            by.setdefault(r["bytes"], {})[r["method"]] = r["median_us"]
+    one, two = _crossover(by, *AR_METHODS)
+    if any(FUSED_METHODS[0] in t or FUSED_METHODS[1] in t for t in by.values()):
+        f_one, f_two = _crossover(by, *FUSED_METHODS)
+        one, two = min(one, f_one), min(two, f_two)
     return one, two
 
 
@@ -604,7 +616,8 @@ def _tune(env, a, min_bytes, max_bytes):
     worlds = [w for w in (2, 4, 8, 16, 32, 64) if w <= env.world] or [env.world]
     if env.nprocs > 1:
         worlds = [env.world]  # the launcher's processes: only the whole job
-    env.log("\n## --tune: oneshot / twoshot / lax.psum per message size and world size")
+    env.log("\n## --tune: oneshot / twoshot / lax.psum, plain and fused, per message size and "
+            "world size")
     measured, rows_all = {}, []
     sizes = []
     b = min_bytes
@@ -621,13 +634,13 @@ def _tune(env, a, min_bytes, max_bytes):
             for b in sizes:
                 hidden = 4096 if b % (2 * 4096) == 0 else b // 2
                 rows += _ar_point(env, comm, mesh, hidden, b // (2 * hidden), a,
-                                  methods=set(AR_METHODS), fused_too=False)
+                                  methods=set(AR_METHODS + FUSED_METHODS))
         finally:
             _close(comm)
         rows_all += rows
         measured[w] = crossovers(rows)
         env.log(f"\n# world {w}:")
-        _pivot(env, rows, [("bytes", lambda r: _human(r["bytes"]))], AR_METHODS)
+        _pivot(env, rows, [("bytes", lambda r: _human(r["bytes"]))], AR_METHODS + FUSED_METHODS)
         env.log(f"# world {w}: oneshot <= {_human(measured[w][0])}, twoshot <= "
                 f"{_human(measured[w][1])}, then lax.psum")
     src = thresholds_source(measured, dict(strategy.THRESHOLDS))

@@ -18,20 +18,19 @@ import numpy as np
 
 # world size -> (oneshot_max_bytes, twoshot_max_bytes).
 # Provenance (README "Performance"; docs/bench_h200x2_allreduce.txt):
-#   2: `bench allreduce --tune --hidden 4096` on 2 x H200 (NVLink), bf16, one process, 2026-11-29
-#      (second session): one-shot beats lax.psum at every size up to its Lamport slot (1 MiB:
-#      12.2 vs 19.1 us; 4 KiB: 6.5 vs 12.7 us). Two-shot beats psum from 2 MiB (23.5 vs 25.1 us)
-#      to 32 MiB (138 vs 143 us) and loses at 64/128 MiB (0.97x / 0.90x). The tune printed
-#      twoshot <= 32 MiB for the plain op; the table keeps 16 MiB because the fused two-shot is
-#      already behind psum + XLA's RMSNorm at 16 MiB (112.0 vs 111.3 us) and 32 MiB (0.94x),
-#      while the plain op gains only 3% at 32 MiB.
+#   2: 2 x H200 (NVLink), bf16, one process, 2026-11-29, from the sweep of
+#      `bench allreduce --hidden 4096` (docs/bench_h200x2_allreduce.json; tests/test_bench.py
+#      recomputes it with `crossovers`, the rule `--tune` applies): one-shot beats lax.psum up
+#      to its Lamport slot (1 MiB: 12.5 vs 19.2 us); the plain two-shot beats psum up to 32 MiB,
+#      but the fused two-shot loses to psum + XLA's RMSNorm from 16 MiB (112.0 vs 111.3 us), and
+#      the table serves both ops: two-shot up to 8 MiB.
 #   1: no communication: "auto" picks "xla". Our world-1 kernel (allreduce_local.cuh) runs the
 #      fused epilogue at 1.9-2.2 TB/s on one H200, XLA's add + RMSNorm at 2.3-2.6 TB/s.
 #   4, 8, 16: not measured (4/8-GPU machines were not lent): published crossovers for
 #      8 x H100/H200 (one-shot to ~128-256 KiB) until `bench allreduce --tune` replaces them.
 THRESHOLDS: dict[int, tuple[int, int]] = {
     1: (0, 0),
-    2: (1 << 20, 16 << 20),
+    2: (1 << 20, 8 << 20),
     4: (256 << 10, 32 << 20),
     8: (128 << 10, 32 << 20),
     16: (64 << 10, 32 << 20),

@@ -81,31 +81,27 @@ cudaError_t prepare_all() {
   return cudaSuccess;
 }
 
+// Prepare (once per device) and launch one kernel.
+template <auto kKernel, typename... Args>
+cudaError_t launch(int grid, int smem, cudaStream_t st, const Args&... args) {
+  if (cudaError_t e = prepare_kernel<kKernel>(); e != cudaSuccess) return e;
+  kKernel<<<grid, kArThreads, smem, st>>>(args...);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kFused>
 cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
                        Strategy s, char* mc, int grid, cudaStream_t st) {
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
-  if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
-    if (cudaError_t e = prepare_kernel<dev::local_kernel<T, kFused>>(); e != cudaSuccess) return e;
-    dev::local_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(t, rc);
-  } else if (s == Strategy::kOneShot) {
-    if (mc == nullptr) {
-      if (cudaError_t e = prepare_kernel<dev::oneshot_kernel<T, kFused>>(); e != cudaSuccess) return e;
-      dev::oneshot_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc);
-    } else {
-      if (cudaError_t e = prepare_kernel<dev::oneshot_mc_kernel<T, kFused>>(); e != cudaSuccess) return e;
-      dev::oneshot_mc_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc, mc);
-    }
-  } else {
-    if (mc == nullptr) {
-      if (cudaError_t e = prepare_kernel<dev::twoshot_kernel<T, kFused>>(); e != cudaSuccess) return e;
-      dev::twoshot_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc);
-    } else {
-      if (cudaError_t e = prepare_kernel<dev::twoshot_mc_kernel<T, kFused>>(); e != cudaSuccess) return e;
-      dev::twoshot_mc_kernel<T, kFused><<<grid, kArThreads, smem, st>>>(v, t, rc, desc, mc);
-    }
-  }
-  return cudaGetLastError();
+  if (v.world == 1)  // a group of one: no communication (allreduce_local.cuh)
+    return launch<dev::local_kernel<T, kFused>>(grid, smem, st, t, rc);
+  if (s == Strategy::kOneShot)
+    return mc == nullptr
+               ? launch<dev::oneshot_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc)
+               : launch<dev::oneshot_mc_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc, mc);
+  return mc == nullptr
+             ? launch<dev::twoshot_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc)
+             : launch<dev::twoshot_mc_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc, mc);
 }
 
 template <typename T>
@@ -129,25 +125,19 @@ int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strate
                     int sm_count) {
   const int64_t nv = tokens * hidden / elems_per_vec(dtype);
   const int64_t per_block = int64_t(kArThreads) * 4;  // ~4 vectors (x W stores) per thread
-  if (world == 1) {  // local kernel: no spin-waits, so the grid may exceed the SM count
-    int64_t g = (nv + per_block - 1) / per_block;
-    if (fused) {
-      const RowCfg rc = dev::make_row_cfg(tokens, hidden, elems_per_vec(dtype));
-      const int64_t rows_per_iter = int64_t(kArThreads / rc.tpr) * rc.nr;
-      g = (tokens + rows_per_iter - 1) / rows_per_iter;
-    }
-    const int64_t cap = int64_t(sm_count < 1 ? 1 : sm_count) * kLocalBlocksPerSm;
-    return int(g < 1 ? 1 : (g > cap ? cap : g));
-  }
-  int64_t g = s == Strategy::kOneShot ? (nv * world + per_block - 1) / per_block
-                                      : (nv + per_block - 1) / per_block;
+  // Blocks by data volume (the one-shot push stores every vector W times), and for the fused
+  // epilogue at least one block per iteration's worth of rows.
+  int64_t g = (nv * (world > 1 && s == Strategy::kOneShot ? world : 1) + per_block - 1) / per_block;
   if (fused) {
     const RowCfg rc = dev::make_row_cfg(tokens, hidden, elems_per_vec(dtype));
     const int64_t rows_per_iter = int64_t(kArThreads / rc.tpr) * rc.nr;
     const int64_t gr = (tokens + rows_per_iter - 1) / rows_per_iter;
-    if (gr > g) g = gr;
+    g = world == 1 ? gr : (gr > g ? gr : g);
   }
-  const int64_t cap = sm_count < kMaxArBlocks ? (sm_count < 1 ? 1 : sm_count) : kMaxArBlocks;
+  const int64_t sms = sm_count < 1 ? 1 : sm_count;
+  // World 1 never waits on other blocks, so its grid may exceed the SM count; the protocol
+  // kernels spin-wait, so all their blocks must be resident.
+  const int64_t cap = world == 1 ? sms * kLocalBlocksPerSm : (sms < kMaxArBlocks ? sms : kMaxArBlocks);
   return int(g < 1 ? 1 : (g > cap ? cap : g));
 }
 

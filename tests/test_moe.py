@@ -255,3 +255,23 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="hidden must be a multiple of 8"):
         nvc.MoECommunicator(mesh, "x", num_experts=4, top_k=1, max_tokens=2, hidden=12,
                             dtype=jnp.float32)
+
+
+def test_host_protocol_harness(tmp_path):
+    """The C++ host MoE protocol alone (tests/cuda_harness/moe_host_test.cc: W threads over
+    malloc'd buffers), against the reference shared with the GPU harness (moe_check.h): exact
+    rows/counts/handles, bitwise combine, error cases. Needs a C++ compiler, not a GPU."""
+    import pathlib
+    import shutil
+    import subprocess
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    exe = tmp_path / "moe_host_test"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-pthread", "-I", str(root / "csrc"),
+                    str(root / "tests/cuda_harness/moe_host_test.cc"),
+                    str(root / "csrc/host/moe_host.cc"), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=300)
+    p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0 and "PASS: 0 failure(s)" in p.stdout, p.stdout[-3000:]

@@ -16,164 +16,12 @@
 
 #include "common/moe_layout.h"
 #include "host/moe_host.h"
+#include "moe_check.h"
 
 using namespace nvc;
+using namespace nvc::moe_check;
 
 namespace {
-
-struct Case {
-  const char* name;
-  int W, E, K, T, H, dtype, S, ydt;
-  int rounds = 1;
-  int inflight = 1;       // dispatches issued before their combines
-  float p_neg = 0.1f;     // probability of a -1 slot
-  int hot = -1;           // >= 0: every valid token routes to this expert (slot 0)
-  int zero_rank = -1;     // this rank sends 0 tokens
-  bool full = false;      // num_tokens = T on every rank (pointer null)
-};
-
-struct RankIn {
-  int n;
-  std::vector<int32_t> ids;   // [T, K]
-  std::vector<uint8_t> x;     // [T, H*D]
-  std::vector<float> xs;      // [T, S]
-  std::vector<float> w;       // [T, K]
-  std::vector<uint8_t> ey;    // [L, W*T, H*Y]
-};
-struct RankOut {
-  std::vector<uint8_t> ex;
-  std::vector<int32_t> cnt, td, es;
-  std::vector<float> exs;
-  std::vector<uint8_t> y;
-  std::string err;
-};
-
-std::mt19937 rng(12345);
-
-uint32_t rand_val_bits(int dt) {  // finite values in about [-2, 2]
-  std::uniform_real_distribution<float> u(-2.f, 2.f);
-  float f = u(rng);
-  return dt == kMoeF32 ? moe_f2u(f) : dt == kMoeBF16 ? moe_f32_to_bf16(f) : moe_f32_to_f16(f);
-}
-void fill_vals(std::vector<uint8_t>& b, int dt) {
-  const int sz = moe_dtype_bytes(dt);
-  for (size_t i = 0; i < b.size() / sz; ++i) {
-    if (dt == kMoeF8E4M3) { b[i] = uint8_t(rng()); continue; }
-    uint32_t bits = rand_val_bits(dt);
-    std::memcpy(&b[i * sz], &bits, sz);
-  }
-}
-
-RankIn make_input(const Case& cs, const MoeConfig& c, int r) {
-  const int T = cs.T, K = cs.K, L = cs.E / cs.W;
-  RankIn in;
-  in.n = cs.full ? T : (r == cs.zero_rank ? 0 : int(rng() % (T + 1)));
-  in.ids.assign(size_t(T) * K, -1);
-  std::uniform_real_distribution<float> u(0.f, 1.f);
-  for (int t = 0; t < T; ++t) {
-    std::vector<int> perm(cs.E);
-    for (int e = 0; e < cs.E; ++e) perm[e] = e;
-    std::shuffle(perm.begin(), perm.end(), rng);
-    if (cs.hot >= 0) {
-      std::swap(perm[0], *std::find(perm.begin(), perm.end(), cs.hot));
-    }
-    for (int k = 0; k < K; ++k) {
-      const bool neg = cs.hot >= 0 ? (k > 0 && u(rng) < cs.p_neg) : u(rng) < cs.p_neg;
-      in.ids[size_t(t) * K + k] = neg ? -1 : perm[k];
-    }
-    // garbage past num_tokens is allowed (not read): make it loud
-    if (t >= in.n) for (int k = 0; k < K; ++k) in.ids[size_t(t) * K + k] = (t & 1) ? 7777 : -5;
-  }
-  in.x.resize(size_t(T) * moe_x_row_bytes(c));
-  fill_vals(in.x, cs.dtype);
-  in.xs.resize(size_t(T) * cs.S);
-  for (auto& f : in.xs) f = u(rng);
-  in.w.resize(size_t(T) * K);
-  for (auto& f : in.w) f = u(rng);
-  in.ey.resize(size_t(L) * cs.W * T * moe_y_row_bytes(c, cs.ydt));
-  fill_vals(in.ey, cs.ydt);
-  return in;
-}
-
-// Reference: list[r][le] = (src, t, k) in (src, t) order; y by fma in k order.
-struct Ref {
-  std::vector<std::vector<std::vector<std::array<int, 3>>>> list;
-};
-Ref reference(const Case& cs, const std::vector<RankIn>& in) {
-  const int L = cs.E / cs.W;
-  Ref ref;
-  ref.list.assign(cs.W, std::vector<std::vector<std::array<int, 3>>>(L));
-  for (int src = 0; src < cs.W; ++src)
-    for (int t = 0; t < in[src].n; ++t)
-      for (int k = 0; k < cs.K; ++k) {
-        const int e = in[src].ids[size_t(t) * cs.K + k];
-        if (e >= 0) ref.list[e / L][e % L].push_back({src, t, k});
-      }
-  return ref;
-}
-
-std::string verify(const Case& cs, const MoeConfig& c0, const std::vector<RankIn>& in,
-                   const std::vector<RankOut>& out) {
-  const int W = cs.W, K = cs.K, T = cs.T, L = cs.E / W, S = cs.S;
-  const size_t xrow = moe_x_row_bytes(c0), yrow = moe_y_row_bytes(c0, cs.ydt), erows = size_t(W) * T;
-  Ref ref = reference(cs, in);
-  char buf[256];
-  for (int r = 0; r < W; ++r) {
-    if (!out[r].err.empty()) return "rank " + std::to_string(r) + " error: " + out[r].err;
-    for (int t = 0; t < T; ++t)
-      for (int k = 0; k < K; ++k) {
-        const int want = t < in[r].n ? in[r].ids[size_t(t) * K + k] : -1;
-        if (out[r].td[size_t(t) * K + k] != want) {
-          snprintf(buf, sizeof buf, "rank %d token_dest[%d,%d] = %d, want %d", r, t, k, out[r].td[size_t(t) * K + k], want);
-          return buf;
-        }
-      }
-    for (int le = 0; le < L; ++le) {
-      const auto& lst = ref.list[r][le];
-      if (out[r].cnt[le] != int(lst.size())) {
-        snprintf(buf, sizeof buf, "rank %d expert %d count %d, want %zu", r, le, out[r].cnt[le], lst.size());
-        return buf;
-      }
-      for (size_t i = 0; i < lst.size(); ++i) {
-        const auto [src, t, k] = lst[i];
-        const size_t er = le * erows + i;
-        if (std::memcmp(&out[r].ex[er * xrow], &in[src].x[t * xrow], xrow) ||
-            (S && std::memcmp(&out[r].exs[er * S], &in[src].xs[size_t(t) * S], S * 4)) ||
-            out[r].es[er] != (src * T + t) * K + k) {
-          snprintf(buf, sizeof buf, "rank %d expert %d row %zu (src %d token %d k %d) differs", r, le, i, src, t, k);
-          return buf;
-        }
-      }
-    }
-  }
-  // combine
-  std::vector<float> acc(cs.H);
-  for (int src = 0; src < W; ++src)
-    for (int t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int k = 0; k < K && t < in[src].n; ++k) {
-        const int e = in[src].ids[size_t(t) * K + k];
-        if (e < 0) continue;
-        const auto& lst = ref.list[e / L][e % L];
-        size_t i = std::find(lst.begin(), lst.end(), std::array<int, 3>{src, t, k}) - lst.begin();
-        const uint8_t* row = &in[e / L].ey[(size_t(e % L) * erows + i) * yrow];
-        for (int h = 0; h < cs.H; ++h) {
-          uint32_t bits = 0;
-          std::memcpy(&bits, row + size_t(h) * moe_dtype_bytes(cs.ydt), moe_dtype_bytes(cs.ydt));
-          acc[h] = std::fmaf(in[src].w[size_t(t) * K + k], moe_to_f32(bits, cs.ydt), acc[h]);
-        }
-      }
-      for (int h = 0; h < cs.H; ++h) {
-        uint32_t want = moe_from_f32(acc[h], cs.ydt), got = 0;
-        std::memcpy(&got, &out[src].y[t * yrow + size_t(h) * moe_dtype_bytes(cs.ydt)], moe_dtype_bytes(cs.ydt));
-        if (got != want) {
-          snprintf(buf, sizeof buf, "rank %d y[%d,%d] = 0x%x, want 0x%x", src, t, h, got, want);
-          return buf;
-        }
-      }
-    }
-  return "";
-}
 
 struct World {
   int W;
@@ -316,6 +164,7 @@ std::string run_error_case(const char* kind) {
 }  // namespace
 
 int main() {
+  rng.seed(12345);
   std::vector<Case> cases = {
       {"W2 bf16 scales", 2, 8, 2, 16, 32, kMoeBF16, 2, kMoeBF16},
       {"W4 f16 -> f32 y", 4, 16, 4, 32, 64, kMoeF16, 0, kMoeF32},

@@ -196,6 +196,15 @@ int fd_from_process(int pid, int fd) {
 
 // ---- building blocks shared with the multicast transport ----
 
+// Read/write access to [va, va + size) for `dev`.
+static CUresult set_rw_access(CUdeviceptr va, size_t size, CUdevice dev) {
+  CUmemAccessDesc d{};
+  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  d.location.id = dev;
+  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return api().cuMemSetAccess(va, size, &d, 1);
+}
+
 uint64_t map_handle(CUmemGenericAllocationHandle h, size_t size, size_t align, CUdevice dev) {
   const Api& a = api();
   CUdeviceptr va = 0;
@@ -205,11 +214,7 @@ uint64_t map_handle(CUmemGenericAllocationHandle h, size_t size, size_t align, C
     a.cuMemAddressFree(va, size);
     check_cu(r, "cuMemMap");
   }
-  CUmemAccessDesc d{};
-  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  d.location.id = dev;
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = a.cuMemSetAccess(va, size, &d, 1);
+  r = set_rw_access(va, size, dev);
   if (r != CUDA_SUCCESS) {
     a.cuMemUnmap(va, size);
     a.cuMemAddressFree(va, size);
@@ -226,6 +231,15 @@ void unmap_handle(uint64_t va, size_t size) {
 
 void release_handle(CUmemGenericAllocationHandle h) {
   if (h != 0) api().cuMemRelease(h);
+}
+
+// Unmap *va (on `device`) and release *h; both zeroed (idempotent).
+static void unmap_and_release(int device, uint64_t* va, size_t size, CUmemGenericAllocationHandle* h) {
+  if (*va != 0 || *h != 0) cudaSetDevice(device);
+  unmap_handle(*va, size);
+  *va = 0;
+  release_handle(*h);
+  *h = 0;
 }
 
 int export_handle(CUmemGenericAllocationHandle h) {
@@ -279,21 +293,14 @@ int Allocation::export_fd() {
 void Allocation::grant_access(int device) {
   if (device == device_) return;
   if (ptr_ == 0) throw std::logic_error("jax_nvcomm: VMM allocation already released");
-  CUmemAccessDesc d{};
-  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  d.location.id = cu_device(device);
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUdevice peer = cu_device(device);
   current_device(device_);
-  check_cu(api().cuMemSetAccess(static_cast<CUdeviceptr>(ptr_), size_, &d, 1),
+  check_cu(set_rw_access(static_cast<CUdeviceptr>(ptr_), size_, peer),
            "cuMemSetAccess for a peer device");
 }
 
 void Allocation::release() {
-  if (ptr_ != 0 || handle_ != 0) cudaSetDevice(device_);
-  unmap_handle(ptr_, size_);
-  ptr_ = 0;
-  release_handle(handle_);
-  handle_ = 0;
+  unmap_and_release(device_, &ptr_, size_, &handle_);
   if (fd_ >= 0) close(fd_);
   fd_ = -1;
 }
@@ -315,13 +322,7 @@ Mapping::Mapping(int device, int pid, int fd, size_t size) : device_(device), si
   }
 }
 
-void Mapping::release() {
-  if (ptr_ != 0 || handle_ != 0) cudaSetDevice(device_);
-  unmap_handle(ptr_, size_);
-  ptr_ = 0;
-  release_handle(handle_);
-  handle_ = 0;
-}
+void Mapping::release() { unmap_and_release(device_, &ptr_, size_, &handle_); }
 
 }  // namespace vmm
 }  // namespace cuda

@@ -89,8 +89,9 @@ _BOOTSTRAP = r"""
 import os, runpy, sys
 _nvc_mode, _nvc_target = sys.argv[1], sys.argv[2]
 sys.argv = sys.argv[2:]
-sys.path[0] = (os.path.dirname(os.path.abspath(_nvc_target)) if _nvc_mode == "script"
-               else os.getcwd())
+if not sys.flags.safe_path:  # as python script.py / -m would; under -P / PYTHONSAFEPATH the
+    sys.path[0] = (os.path.dirname(os.path.abspath(_nvc_target))  # -c left no '' entry to
+                   if _nvc_mode == "script" else os.getcwd())      # replace, and adds none
 def _nvc_exit(code):
     for s in (sys.stdout, sys.stderr):
         try:

@@ -36,3 +36,24 @@ def test_timeout_ends_a_hung_job():
     rc, out, dt = launch("-n", "2", "--timeout", "3", SCRIPT, "hang")
     assert rc == 124, out
     assert dt < 60, dt
+
+
+def test_safe_path_keeps_the_pythonpath_order(tmp_path):
+    """Under PYTHONSAFEPATH (python -P) a rank's sys.path starts with PYTHONPATH, as for
+    `python script.py`: the launcher must not overwrite that entry with the script's folder
+    (gpu_check.sh relies on it to put a fresh build ahead of a source checkout)."""
+    first = tmp_path / "first"
+    first.mkdir()
+    script = tmp_path / "show_path.py"
+    script.write_text("import sys\nprint('PATH0', sys.path[0], flush=True)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONSAFEPATH="1",
+               PYTHONPATH=os.pathsep.join([str(first), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "jax_nvcomm.launch", "-n", "2", str(script)],
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    paths = [l.split()[-1] for l in p.stdout.splitlines() if "PATH0" in l]
+    assert paths == [str(first)] * 2, p.stdout
+    env.pop("PYTHONSAFEPATH")  # without it: the script's folder first, as `python script.py`
+    p = subprocess.run([sys.executable, "-m", "jax_nvcomm.launch", "-n", "2", str(script)],
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert [l.split()[-1] for l in p.stdout.splitlines() if "PATH0" in l] == [str(tmp_path)] * 2

@@ -33,19 +33,24 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD, appends its output to all.log, o
   rm -f "$OUT/step.log"
 }
 
+build_pkg() {  # build_pkg LABEL: pip build into /tmp/nvc_site, one summary line with its time
+  local t0=$SECONDS
+  if $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . >"$OUT/build.log" 2>&1; then
+    say "package build on this machine$1: $((SECONDS - t0)) s"
+  else
+    say "package build FAILED (see build.log)"; return 1
+  fi
+}
+
 ensure_built() {
   if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
-    ( t0=$SECONDS; $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . \
-        >"$OUT/build.log" 2>&1 && say "package build on this machine (background): $((SECONDS - t0)) s" ||
-        say "package build FAILED (see build.log)" ) &
+    build_pkg " (background)" &  # timing only: the steps use the importable jax_nvcomm
     BUILD_PID=$!
   elif [ "$BUILD" = 1 ] || ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
-    local t0=$SECONDS
-    $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . \
-      >"$OUT/build.log" 2>&1 && export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH &&
-      say "package build on this machine: $((SECONDS - t0)) s" ||
-      { say "package build FAILED (see all.log)"; cat "$OUT/build.log" >>"$OUT/all.log"; }
-    rm -f "$OUT/build.log"
+    # the build goes first on the path, and PYTHONSAFEPATH keeps every process (launcher
+    # children too) from putting the working directory, whose jax_nvcomm/ lacks the compiled
+    # modules, in front of it
+    build_pkg "" && export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH PYTHONSAFEPATH=1
   fi
   (cd /tmp && $PY -c "import jax_nvcomm as n, jax; print('CUDA built:', n.CUDA_BUILT, n.__file__, jax.devices())") \
     2>&1 | tail -1 | tee -a "$OUT/summary.txt"

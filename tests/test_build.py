@@ -96,3 +96,19 @@ def test_multicast_interlock_precedes_every_multicast_call():
         assert first.startswith("multicast_interlock("), (sig.strip(), first)
     # every call of the creating function sits in such a function
     assert text.count("cuMulticastCreate(") == 1
+
+
+def test_multicast_kernels_are_reached_only_through_a_multicast_base():
+    """The multimem kernels are named only in the launch that takes a multicast base (mc != 0):
+    not in the eager kernel loading, so without multicast they are never even loaded."""
+    with open(os.path.join(ROOT, "csrc/cuda/allreduce.cu")) as f:
+        text = f.read()
+    uses = [l.strip() for l in text.splitlines() if "_mc_kernel<" in l]
+    assert len(uses) == 2, uses
+    assert all(u.startswith(": launch<") for u in uses), uses
+    body = text[text.index("cudaError_t launch_one("):]
+    body = body[:body.index("\n}\n")]
+    assert body.count("mc == nullptr") == 2 and body.count("_mc_kernel<") == 2, body
+    for path, src in _sources():
+        if path != "csrc/cuda/allreduce.cu":
+            assert "_mc_kernel<" not in src, path

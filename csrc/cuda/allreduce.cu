@@ -70,13 +70,13 @@ cudaError_t prepare_kernel() {
   return cudaSuccess;
 }
 
+// The unicast kernels only: the multicast variants are prepared at their first launch, so on
+// a machine where multicast is off (no multicast_base) they are never even loaded.
 template <typename T, bool kFused>
 cudaError_t prepare_all() {
   for (cudaError_t e : {prepare_kernel<dev::local_kernel<T, kFused>>(),
                         prepare_kernel<dev::oneshot_kernel<T, kFused>>(),
-                        prepare_kernel<dev::twoshot_kernel<T, kFused>>(),
-                        prepare_kernel<dev::oneshot_mc_kernel<T, kFused>>(),
-                        prepare_kernel<dev::twoshot_mc_kernel<T, kFused>>()})
+                        prepare_kernel<dev::twoshot_kernel<T, kFused>>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

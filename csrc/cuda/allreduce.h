@@ -63,9 +63,10 @@ const char* all_reduce_check(const CommView& v, const AllReduceArgs& a, Strategy
 int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strategy s, bool fused,
                     int sm_count);
 
-// Load every all-reduce kernel on the current device and set its attributes (dynamic shared
-// memory limit, the package-wide MaxShared carveout). Call once per device at communicator
-// setup, next to all_gather_load_kernels / moe_load_kernels; all_reduce also does it lazily.
+// Load the unicast all-reduce kernels on the current device and set their attributes (dynamic
+// shared memory limit, the package-wide MaxShared carveout). Call once per device at
+// communicator setup, next to all_gather_load_kernels / moe_load_kernels; all_reduce also does
+// it lazily, and is the only path that touches the multicast variants (when given a base).
 cudaError_t all_reduce_load_kernels();
 
 size_t oneshot_max_bytes(const CommView& v);  // largest message one-shot can take (= slot L)

@@ -101,7 +101,9 @@ def rms_norm_reference(r, weight, eps):
     return r * inv * weight.astype(jnp.float32)
 
 
-def _xla_fused(x, residual, weight, axis, eps):
+def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
+    """The "xla" strategy of all_reduce_rms_norm (also reference.all_reduce_rms_norm_xla):
+    lax.psum in x.dtype, then residual add + RMSNorm in float32."""
     r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
     return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
 
@@ -137,7 +139,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
     if strat == "xla" or mixed:
         # Mixed dtypes are not fused (documented): psum + XLA's own add + RMSNorm.
-        return _xla_fused(x, residual, weight, axis, eps)
+        return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
     @jax.custom_jvp
     def fused(v, res, w):

@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from . import _shard
-from .allreduce import rms_norm_reference
+from .allreduce import xla_all_reduce_rms_norm
 
 __all__ = ["moe_dispatch_xla", "moe_combine_xla", "all_reduce_rms_norm_xla",
            "np_moe_dispatch", "np_moe_combine", "np_moe_rows"]
@@ -308,8 +308,7 @@ def all_reduce_rms_norm_xla(x, residual, weight, *, axis_name, eps=1e-6):
     """`nvc.all_reduce_rms_norm` the XLA way: `lax.psum(x)` (in x.dtype, as JAX code and the
     "xla" strategy do it: NCCL sums bf16 in bf16), then residual add + RMSNorm in float32.
     Returns (normed in x.dtype, residual_out in residual.dtype)."""
-    r = lax.psum(x, axis_name).astype(jnp.float32) + residual.astype(jnp.float32)
-    return (rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype))
+    return xla_all_reduce_rms_norm(x, residual, weight, axis_name, eps)
 
 
 # ----------------------------------------------------------------------------- numpy (float64)

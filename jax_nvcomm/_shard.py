@@ -1,10 +1,12 @@
 """Helpers for ops traced inside `jax.shard_map`: checking that the communicator belongs to the
-surrounding mesh, the host backend's slot operand, and result types that carry the right
-varying-manual-axes (vma) so `check_vma=True` types results like the lax collectives."""
+surrounding mesh, the host backend's slot operand, result types that carry the right
+varying-manual-axes (vma) so `check_vma=True` types results like the lax collectives, and the
+one place that picks an op's FFI target for the communicator's backend."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -65,3 +67,15 @@ def result_type(like, shape, dtype, vma):
         return aval.update(shape=tuple(shape), dtype=dtype, weak_type=False,
                            manual_axis_type=mat.update(varying=frozenset(vma)))
     return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
+
+
+def ffi_call(comm, op: str, results, *args, cuda_attrs=None, **attrs):
+    """Call op's FFI target for comm's backend, with comm_id and `attrs`. Host targets
+    ("nvc_<op>") take the rank's registry slot as first operand; CUDA targets
+    ("nvc_cuda_<op>") find the rank by device ordinal and also get `cuda_attrs`."""
+    attrs["comm_id"] = np.int64(comm.comm_id)
+    if comm.backend == "host":
+        slot = varying(host_slot(comm), comm.axis_name)
+        return jax.ffi.ffi_call(f"nvc_{op}", results, has_side_effect=True)(slot, *args, **attrs)
+    return jax.ffi.ffi_call(f"nvc_cuda_{op}", results, has_side_effect=True)(
+        *args, **attrs, **(cuda_attrs or {}))

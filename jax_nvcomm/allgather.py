@@ -17,11 +17,7 @@ def _gather0(x, comm):
     x = _shard.varying(x, axis)
     out_shape = (comm.world_size * x.shape[0],) + tuple(x.shape[1:])
     rt = _shard.result_type(x, out_shape, x.dtype, _shard.vma_of(x))
-    cid = np.int64(comm.comm_id)
-    if comm.backend == "host":
-        slot = _shard.varying(_shard.host_slot(comm), axis)
-        return jax.ffi.ffi_call("nvc_all_gather", rt, has_side_effect=True)(slot, x, comm_id=cid)
-    return jax.ffi.ffi_call("nvc_cuda_all_gather", rt, has_side_effect=True)(x, comm_id=cid)
+    return _shard.ffi_call(comm, "all_gather", rt, x)
 
 
 def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):

@@ -48,12 +48,8 @@ def _kernel_all_reduce(x2, comm, strategy):
     x2 = _shard.varying(x2, axis)
     vma = _shard.vma_of(x2) - {axis}
     rt = _shard.result_type(x2, x2.shape, x2.dtype, vma)
-    cid = np.int64(comm.comm_id)
-    if comm.backend == "host":
-        slot = _shard.varying(_shard.host_slot(comm), axis)
-        return jax.ffi.ffi_call("nvc_all_reduce", rt, has_side_effect=True)(slot, x2, comm_id=cid)
-    return jax.ffi.ffi_call("nvc_cuda_all_reduce", rt, has_side_effect=True)(
-        x2, comm_id=cid, strategy=np.int64(_STRATEGY_CODE[strategy]))
+    return _shard.ffi_call(comm, "all_reduce", rt, x2,
+                           cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
 
 
 def _as_rows(x):
@@ -165,11 +161,6 @@ def _kernel_fused(x, residual, weight, comm, strategy, eps):
     vma_norm = vma_res | _shard.vma_of(weight)
     rt_n = _shard.result_type(x, x.shape, x.dtype, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
-    cid = np.int64(comm.comm_id)
-    if comm.backend == "host":
-        slot = _shard.varying(_shard.host_slot(comm), axis)
-        return tuple(jax.ffi.ffi_call("nvc_all_reduce_rms", (rt_n, rt_r), has_side_effect=True)(
-            slot, x, residual, weight, comm_id=cid, eps=np.float32(eps)))
-    return tuple(jax.ffi.ffi_call("nvc_cuda_all_reduce_rms", (rt_n, rt_r), has_side_effect=True)(
-        x, residual, weight, comm_id=cid, eps=np.float32(eps),
-        strategy=np.int64(_STRATEGY_CODE[strategy])))
+    return tuple(_shard.ffi_call(comm, "all_reduce_rms", (rt_n, rt_r), x, residual, weight,
+                                 eps=np.float32(eps),
+                                 cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])}))

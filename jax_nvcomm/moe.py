@@ -174,13 +174,7 @@ def _dispatch_call(x, topk_ids, moe, nt, x_scale):
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))
     scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
     args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
-    cid = np.int64(moe.comm_id)
-    if moe.backend == "host":
-        slot = _shard.varying(_shard.host_slot(moe), axis)
-        return jax.ffi.ffi_call("nvc_moe_dispatch", results, has_side_effect=True)(
-            slot, *args, comm_id=cid)
-    return jax.ffi.ffi_call("nvc_cuda_moe_dispatch", results, has_side_effect=True)(
-        *args, comm_id=cid)
+    return _shard.ffi_call(moe, "moe_dispatch", results, *args)
 
 
 def _combine_call(expert_y, topk_weights, handle, moe):
@@ -189,12 +183,7 @@ def _combine_call(expert_y, topk_weights, handle, moe):
             (expert_y, topk_weights, handle.token_dest, handle.expert_src, handle.expert_counts)]
     vma = frozenset().union(*[_shard.vma_of(a) for a in args])
     rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), expert_y.dtype, vma)
-    cid = np.int64(moe.comm_id)
-    if moe.backend == "host":
-        slot = _shard.varying(_shard.host_slot(moe), axis)
-        return jax.ffi.ffi_call("nvc_moe_combine", rt, has_side_effect=True)(
-            slot, *args, comm_id=cid)
-    return jax.ffi.ffi_call("nvc_cuda_moe_combine", rt, has_side_effect=True)(*args, comm_id=cid)
+    return _shard.ffi_call(moe, "moe_combine", rt, *args)
 
 
 # ---------------------------------------------------------------------------------------------

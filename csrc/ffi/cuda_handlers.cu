@@ -32,12 +32,14 @@ ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::All
   if (strategy != 0 && strategy != 1)
     return precondition("jax_nvcomm: strategy attribute must be 0 (oneshot) or 1 (twoshot)");
   const auto s = static_cast<cuda::Strategy>(strategy);
-  if (const char* why = cuda::all_reduce_check(ctx.view, a, s))
-    return precondition(std::string("jax_nvcomm: all_reduce: ") + why);
   // ctx.multicast_base is nullptr (unicast) unless the communicator was set up with the opt-in
   // multicast transport (jax_nvcomm/_multicast.py decides, csrc/transport/cuda_multicast.h).
-  return launch_result(cuda::all_reduce(ctx.view, a, s, ctx.multicast_base, stream),
-                       "all_reduce launch");
+  // all_reduce validates the call itself; the reason text is looked up only when it refused.
+  const cudaError_t e = cuda::all_reduce(ctx.view, a, s, ctx.multicast_base, stream);
+  if (e == cudaErrorInvalidValue)
+    if (const char* why = cuda::all_reduce_check(ctx.view, a, s))
+      return precondition(std::string("jax_nvcomm: all_reduce: ") + why);
+  return launch_result(e, "all_reduce launch");
 }
 
 ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,

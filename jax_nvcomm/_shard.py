@@ -69,13 +69,27 @@ def result_type(like, shape, dtype, vma):
     return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
 
 
-def ffi_call(comm, op: str, results, *args, cuda_attrs=None, **attrs):
+def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     """Call op's FFI target for comm's backend, with comm_id and `attrs`. Host targets
     ("nvc_<op>") take the rank's registry slot as first operand; CUDA targets
-    ("nvc_cuda_<op>") find the rank by device ordinal and also get `cuda_attrs`."""
+    ("nvc_cuda_<op>") find the rank by device ordinal and also get `cuda_attrs`.
+
+    `order` is the order token of `_order` (the previous call's); it goes in as the last
+    operand and the call's own token comes back as the last result: returns
+    (results, order_out), results shaped like `results` (one type or a tuple of types).
+    Declared without a side effect (a declared effect costs JAX's fast dispatch path: see
+    docs/step_speed.md); the order token keeps our calls in program order instead."""
     attrs["comm_id"] = np.int64(comm.comm_id)
+    single = not isinstance(results, (tuple, list))
+    rts = (results,) if single else tuple(results)
+    tok_vma = vma_of(order) | {comm.axis_name}
+    rts = rts + (result_type(order, order.shape, order.dtype, tok_vma),)
     if comm.backend == "host":
         slot = varying(host_slot(comm), comm.axis_name)
-        return jax.ffi.ffi_call(f"nvc_{op}", results, has_side_effect=True)(slot, *args, **attrs)
-    return jax.ffi.ffi_call(f"nvc_cuda_{op}", results, has_side_effect=True)(
-        *args, **attrs, **(cuda_attrs or {}))
+        outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=False)(
+            slot, *args, order, **attrs)
+    else:
+        outs = jax.ffi.ffi_call(f"nvc_cuda_{op}", rts, has_side_effect=False)(
+            *args, order, **attrs, **(cuda_attrs or {}))
+    outs, tok = tuple(outs[:-1]), outs[-1]
+    return (outs[0] if single else outs), tok

@@ -8,16 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _shard
+from . import _order, _shard
 
 
-def _gather0(x, comm):
-    """Kernel call: concatenate every rank's x along a new leading block: [W * x.shape[0], ...]."""
+def _gather0(x, tok, comm):
+    """Kernel call: concatenate every rank's x along a new leading block: [W * x.shape[0], ...].
+    Returns (that, the call's order token)."""
     axis = comm.axis_name
     x = _shard.varying(x, axis)
     out_shape = (comm.world_size * x.shape[0],) + tuple(x.shape[1:])
     rt = _shard.result_type(x, out_shape, x.dtype, _shard.vma_of(x))
-    return _shard.ffi_call(comm, "all_gather", rt, x)
+    return _shard.ffi_call(comm, "all_gather", rt, x, order=tok)
 
 
 def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
@@ -40,15 +41,20 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
 
     @jax.custom_jvp
-    def gather(v):
+    def gather(v, tok):
         if tiled:
-            moved = jnp.moveaxis(v, axis, 0)
-            return jnp.moveaxis(_gather0(moved, comm), 0, axis)
-        return jnp.moveaxis(_gather0(v[None], comm), 0, axis)
+            g, tok = _gather0(jnp.moveaxis(v, axis, 0), tok, comm)
+        else:
+            g, tok = _gather0(v[None], tok, comm)
+        return jnp.moveaxis(g, 0, axis), tok
 
     @gather.defjvp
     def gather_jvp(primals, tangents):
-        (v,), (t,) = primals, tangents
-        return gather(v), lax.all_gather(t, comm.axis_name, axis=axis, tiled=tiled)
+        (v, tok), (t, _) = primals, tangents
+        g, tok = gather(v, tok)
+        return ((g, tok), (lax.all_gather(t, comm.axis_name, axis=axis, tiled=tiled),
+                           _order.zero_tangent(tok)))
 
-    return gather(x)
+    g, tok = gather(x, _order.token(comm.axis_name))
+    _order.record(tok)
+    return g

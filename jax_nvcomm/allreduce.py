@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _shard
+from . import _order, _shard
 from .strategy import select_strategy
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -41,14 +41,14 @@ def _resolve(comm, strategy, shape, dtype, what):
     return strategy
 
 
-def _kernel_all_reduce(x2, comm, strategy):
-    """x2: [tokens, hidden] with hidden * itemsize % 16 == 0. Returns the sum, invariant over
-    the axis."""
+def _kernel_all_reduce(x2, tok, comm, strategy):
+    """x2: [tokens, hidden] with hidden * itemsize % 16 == 0; tok: the order token. Returns
+    (the sum, invariant over the axis; the call's order token)."""
     axis = comm.axis_name
     x2 = _shard.varying(x2, axis)
     vma = _shard.vma_of(x2) - {axis}
     rt = _shard.result_type(x2, x2.shape, x2.dtype, vma)
-    return _shard.ffi_call(comm, "all_reduce", rt, x2,
+    return _shard.ffi_call(comm, "all_reduce", rt, x2, order=tok,
                            cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
 
 
@@ -78,16 +78,20 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
         return lax.psum(x, axis)
 
     @jax.custom_jvp
-    def ar(v):
+    def ar(v, tok):
         v2, undo = _as_rows(v)
-        return undo(_kernel_all_reduce(v2, comm, strat))
+        out, tok = _kernel_all_reduce(v2, tok, comm, strat)
+        return undo(out), tok
 
     @ar.defjvp
     def ar_jvp(primals, tangents):
-        (v,), (t,) = primals, tangents
-        return ar(v), lax.psum(t, axis)
+        (v, tok), (t, _) = primals, tangents
+        out, tok = ar(v, tok)
+        return (out, tok), (lax.psum(t, axis), _order.zero_tangent(tok))
 
-    return ar(x)
+    out, tok = ar(x, _order.token(axis))
+    _order.record(tok)
+    return out
 
 
 def rms_norm_reference(r, weight, eps):
@@ -138,22 +142,25 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
         return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
     @jax.custom_jvp
-    def fused(v, res, w):
-        return _kernel_fused(v, res, w, comm, strat, eps)
+    def fused(v, res, w, tok):
+        return _kernel_fused(v, res, w, tok, comm, strat, eps)
 
     @fused.defjvp
     def fused_jvp(primals, tangents):
-        (v, res, w), (dv, dres, dw) = primals, tangents
-        normed, res_out = fused(v, res, w)
+        (v, res, w, tok), (dv, dres, dw, _) = primals, tangents
+        normed, res_out, tok = fused(v, res, w, tok)
         dr = lax.psum(dv, axis).astype(jnp.float32) + dres.astype(jnp.float32)
         r = res_out.astype(jnp.float32)
         _, dn = jax.jvp(lambda rr, ww: rms_norm_reference(rr, ww, eps), (r, w), (dr, dw))
-        return (normed, res_out), (dn.astype(normed.dtype), dr.astype(res_out.dtype))
+        return ((normed, res_out, tok),
+                (dn.astype(normed.dtype), dr.astype(res_out.dtype), _order.zero_tangent(tok)))
 
-    return fused(x, residual, weight)
+    normed, res_out, tok = fused(x, residual, weight, _order.token(axis))
+    _order.record(tok)
+    return normed, res_out
 
 
-def _kernel_fused(x, residual, weight, comm, strategy, eps):
+def _kernel_fused(x, residual, weight, tok, comm, strategy, eps):
     axis = comm.axis_name
     x = _shard.varying(x, axis)
     vma_sum = _shard.vma_of(x) - {axis}
@@ -161,6 +168,7 @@ def _kernel_fused(x, residual, weight, comm, strategy, eps):
     vma_norm = vma_res | _shard.vma_of(weight)
     rt_n = _shard.result_type(x, x.shape, x.dtype, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
-    return tuple(_shard.ffi_call(comm, "all_reduce_rms", (rt_n, rt_r), x, residual, weight,
-                                 eps=np.float32(eps),
-                                 cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])}))
+    (normed, res_out), tok = _shard.ffi_call(
+        comm, "all_reduce_rms", (rt_n, rt_r), x, residual, weight, order=tok,
+        eps=np.float32(eps), cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
+    return normed, res_out, tok

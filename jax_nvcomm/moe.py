@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _ffi, _shard
+from . import _ffi, _order, _shard
 from .communicator import _Base
 
 _PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
@@ -163,7 +163,9 @@ def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale):
 # ---------------------------------------------------------------------------------------------
 # kernel calls
 
-def _dispatch_call(x, topk_ids, moe, nt, x_scale):
+def _dispatch_call(x, topk_ids, moe, nt, x_scale, tok):
+    """The dispatch kernel call: ((expert_x, counts, expert_x_scale, token_dest, expert_src),
+    the call's order token)."""
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
     L, R = moe.num_local_experts, W * T
@@ -174,16 +176,17 @@ def _dispatch_call(x, topk_ids, moe, nt, x_scale):
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))
     scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
     args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
-    return _shard.ffi_call(moe, "moe_dispatch", results, *args)
+    return _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
 
 
-def _combine_call(expert_y, topk_weights, handle, moe):
+def _combine_call(expert_y, topk_weights, handle, moe, tok):
+    """The combine kernel call: (y, the call's order token)."""
     axis = moe.axis_name
     args = [_shard.varying(a, axis) for a in
             (expert_y, topk_weights, handle.token_dest, handle.expert_src, handle.expert_counts)]
     vma = frozenset().union(*[_shard.vma_of(a) for a in args])
     rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), expert_y.dtype, vma)
-    return _shard.ffi_call(moe, "moe_combine", rt, *args)
+    return _shard.ffi_call(moe, "moe_combine", rt, *args, order=tok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,22 +243,24 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
 
     @jax.custom_vjp
-    def dispatch(x, x_scale, ids, nt):
-        return _dispatch_call(x, ids, moe, nt, x_scale)
+    def dispatch(x, x_scale, ids, nt, tok):
+        outs, tok = _dispatch_call(x, ids, moe, nt, x_scale, tok)
+        return (*outs, tok)
 
-    def fwd(x, x_scale, ids, nt):
-        out = dispatch(x, x_scale, ids, nt)
-        _, cnt, _, td, es = out
+    def fwd(x, x_scale, ids, nt, tok):
+        out = dispatch(x, x_scale, ids, nt, tok)
+        _, cnt, _, td, es, _ = out
         return out, MoEHandle(td, es, cnt)
 
     def bwd(handle, cts):
         dx = (_rows_to_tokens(cts[0], handle, moe).astype(x.dtype) if float_x
               else jnp.zeros(x.shape, x.dtype))
         ds = None if x_scale is None else _rows_to_tokens(cts[2], handle, moe)
-        return dx, ds, None, None
+        return dx, ds, None, None, None
 
     dispatch.defvjp(fwd, bwd)
-    ex, cnt, exs, td, es = dispatch(x, x_scale, topk_ids, nt)
+    ex, cnt, exs, td, es, tok = dispatch(x, x_scale, topk_ids, nt, _order.token(moe.axis_name))
+    _order.record(tok)
     return Dispatched(ex, cnt, exs if moe.scale_cols > 0 else None, MoEHandle(td, es, cnt))
 
 
@@ -285,13 +290,14 @@ def moe_combine(expert_y, topk_weights, handle, moe):
                          f"{topk_weights.shape}")
 
     @jax.custom_vjp
-    def combine(ey, w, handle):
-        return _combine_call(ey, w, handle, moe)
+    def combine(ey, w, handle, tok):
+        return _combine_call(ey, w, handle, moe, tok)
 
-    def fwd(ey, w, handle):
-        return combine(ey, w, handle), (ey, w, handle)
+    def fwd(ey, w, handle, tok):
+        return combine(ey, w, handle, tok), (ey, w, handle)
 
-    def bwd(res, ct_y):
+    def bwd(res, cts):
+        ct_y = cts[0]
         ey, w, handle = res
         # expert row (e,i) for (src,t,k) gets w[src][t,k] * ct_y[src][t]
         d_ey = _tokens_to_rows(ct_y, w, handle, moe).astype(ey.dtype)
@@ -306,7 +312,9 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         dw = lax.psum_scatter(acc.reshape(W, T * K), moe.axis_name, scatter_dimension=0,
                               tiled=True).reshape(T, K)
         none = jax.tree.map(lambda _: None, handle)
-        return d_ey, dw, none
+        return d_ey, dw, none, None
 
     combine.defvjp(fwd, bwd)
-    return combine(expert_y, topk_weights, handle)
+    y, tok = combine(expert_y, topk_weights, handle, _order.token(moe.axis_name))
+    _order.record(tok)
+    return y

@@ -12,8 +12,8 @@
 namespace nvc {
 namespace {
 
-ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+ffi::Error AllGatherCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, OrderIn,
+                             ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   const size_t n = x.size_bytes();
@@ -42,8 +42,9 @@ ffi::Error run_all_reduce(RankContext& ctx, cudaStream_t stream, const cuda::All
   return launch_result(e, "all_reduce launch");
 }
 
-ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t strategy) {
+ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, OrderIn,
+                             ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id,
+                             int64_t strategy) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   auto dims = x.dimensions();
@@ -54,9 +55,9 @@ ffi::Error AllReduceCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 }
 
 ffi::Error AllReduceRmsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                                ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
                                 ffi::Result<ffi::AnyBuffer> normed,
-                                ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
+                                ffi::Result<ffi::AnyBuffer> residual_out, OrderOut, int64_t comm_id,
                                 float eps, int64_t strategy) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
@@ -77,7 +78,9 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceCuda, AllReduceCudaImpl,
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
                            .Attr<int64_t>("strategy"),
                        {ffi::Traits::kCmdBufferCompatible});
@@ -88,8 +91,10 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsCuda, AllReduceRmsCudaImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
                            .Attr<float>("eps")
                            .Attr<int64_t>("strategy"),
@@ -102,7 +107,9 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherCuda, AllGatherCudaImpl,
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"),
                        {ffi::Traits::kCmdBufferCompatible});
 

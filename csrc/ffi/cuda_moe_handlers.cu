@@ -13,12 +13,12 @@ namespace {
 
 ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
-                               ffi::Buffer<ffi::S32> num_tokens,
+                               ffi::Buffer<ffi::S32> num_tokens, OrderIn,
                                ffi::Result<ffi::AnyBuffer> expert_x,
                                ffi::Result<ffi::AnyBuffer> counts,
                                ffi::Result<ffi::AnyBuffer> expert_x_scale,
                                ffi::Result<ffi::AnyBuffer> token_dest,
-                               ffi::Result<ffi::AnyBuffer> expert_src, int64_t comm_id) {
+                               ffi::Result<ffi::AnyBuffer> expert_src, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
@@ -38,8 +38,8 @@ ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
 
 ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer expert_y,
                               ffi::AnyBuffer w, ffi::AnyBuffer token_dest,
-                              ffi::AnyBuffer expert_src, ffi::AnyBuffer counts,
-                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+                              ffi::AnyBuffer expert_src, ffi::AnyBuffer counts, OrderIn,
+                              ffi::Result<ffi::AnyBuffer> y, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
@@ -67,11 +67,13 @@ XLA_FFI_DEFINE_HANDLER(kMoeDispatchCuda, MoeDispatchCudaImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"),
                        {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kMoeCombineCuda, MoeCombineCudaImpl,
@@ -83,7 +85,9 @@ XLA_FFI_DEFINE_HANDLER(kMoeCombineCuda, MoeCombineCudaImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"),
                        {ffi::Traits::kCmdBufferCompatible});
 NVC_REGISTER_FFI("nvc_cuda_moe_dispatch", kMoeDispatchCuda);

@@ -9,6 +9,14 @@
 namespace nvc {
 namespace ffi = ::xla::ffi;
 
+// Every handler takes one operand and returns one result that carry no data: the program-order
+// token of jax_nvcomm/_order.py. Call n+1 reads the buffer call n "wrote", so XLA's executors
+// (XLA:CPU's concurrent thunk executor, CUDA-graph dependencies from buffer uses) run our calls
+// in the order they were traced, on every rank alike. Never read or written here (writing it
+// would cost a graph node per call).
+using OrderIn = ffi::AnyBuffer;
+using OrderOut = ffi::Result<ffi::AnyBuffer>;
+
 inline ffi::Error precondition(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, msg);
 }

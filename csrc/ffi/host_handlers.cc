@@ -7,8 +7,8 @@
 namespace nvc {
 namespace {
 
-ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, OrderIn,
+                             ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   if (out->size_bytes() != x.size_bytes() * size_t(ctx->view.world))
@@ -18,8 +18,8 @@ ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   return from_text(err);
 }
 
-ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t comm_id) {
+ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, OrderIn,
+                             ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   auto dims = x.dimensions();
@@ -32,9 +32,9 @@ ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
 }
 
 ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
-                                ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                                ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
                                 ffi::Result<ffi::AnyBuffer> normed,
-                                ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
+                                ffi::Result<ffi::AnyBuffer> residual_out, OrderOut, int64_t comm_id,
                                 float eps) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
@@ -54,13 +54,17 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherHost, AllGatherHostImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"));
 XLA_FFI_DEFINE_HANDLER(kAllReduceHost, AllReduceHostImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::S32>>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"));
 XLA_FFI_DEFINE_HANDLER(kAllReduceRmsHost, AllReduceRmsHostImpl,
                        ffi::Ffi::Bind()
@@ -68,8 +72,10 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsHost, AllReduceRmsHostImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
                            .Attr<float>("eps"));
 

@@ -7,14 +7,13 @@
 namespace nvc {
 namespace {
 
-ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
-                               ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
-                               ffi::Buffer<ffi::S32> num_tokens,
+ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                               ffi::AnyBuffer ids, ffi::Buffer<ffi::S32> num_tokens, OrderIn,
                                ffi::Result<ffi::AnyBuffer> expert_x,
                                ffi::Result<ffi::AnyBuffer> counts,
                                ffi::Result<ffi::AnyBuffer> expert_x_scale,
                                ffi::Result<ffi::AnyBuffer> token_dest,
-                               ffi::Result<ffi::AnyBuffer> expert_src, int64_t comm_id) {
+                               ffi::Result<ffi::AnyBuffer> expert_src, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
@@ -31,10 +30,10 @@ ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   return from_text(err);
 }
 
-ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_y,
-                              ffi::AnyBuffer w, ffi::AnyBuffer token_dest,
-                              ffi::AnyBuffer expert_src, ffi::AnyBuffer counts,
-                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_y, ffi::AnyBuffer w,
+                              ffi::AnyBuffer token_dest, ffi::AnyBuffer expert_src,
+                              ffi::AnyBuffer counts, OrderIn, ffi::Result<ffi::AnyBuffer> y,
+                              OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
@@ -59,11 +58,13 @@ XLA_FFI_DEFINE_HANDLER(kMoeDispatchHost, MoeDispatchHostImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::Buffer<ffi::S32>>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"));
 XLA_FFI_DEFINE_HANDLER(kMoeCombineHost, MoeCombineHostImpl,
                        ffi::Ffi::Bind()
@@ -73,7 +74,9 @@ XLA_FFI_DEFINE_HANDLER(kMoeCombineHost, MoeCombineHostImpl,
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
                            .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id"));
 NVC_REGISTER_FFI("nvc_moe_dispatch", kMoeDispatchHost);
 NVC_REGISTER_FFI("nvc_moe_combine", kMoeCombineHost);

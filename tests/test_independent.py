@@ -1,0 +1,150 @@
+"""Programs with many independent jax_nvcomm collectives (no data between them): XLA may run
+them in any order on each device, or at once (XLA:CPU's thunk executor does), and they must
+still pair across ranks (API.md, "Errors"). Every result is checked exactly against numpy on
+every rank, 100 runs of each program with fresh data.
+
+The programs mix all_reduce (one-shot / two-shot strategy codes), all_reduce_rms_norm,
+all_gather and MoE dispatch + combine over two communicators, in one shard_map body and inside
+a loop body."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_nvcomm as nvc
+from helpers import f64, mesh1d, rms_ref
+
+W = 8
+RUNS = 100
+# (rows, cols, dtype) of the all_reduce / all_gather operands: different sizes and dtypes so a
+# mispairing cannot go unnoticed (the sums differ in shape, value and dtype)
+# (sizes above XLA:CPU's threshold for running a program's thunks one after another, 512 bytes
+# per buffer, so its executor really runs independent calls concurrently)
+AR_SHAPES = [(1, 256, jnp.float32), (2, 160, jnp.float32), (3, 256, jnp.bfloat16),
+             (4, 320, jnp.float32), (5, 136, jnp.float16), (6, 160, jnp.float32)]
+AG_SHAPES = [(1, 160, jnp.float32), (2, 256, jnp.float32), (3, 200, jnp.int32),
+             (4, 136, jnp.bfloat16)]
+RMS_SHAPES = [(2, 256, jnp.float32), (4, 160, jnp.float32), (1, 512, jnp.bfloat16)]
+MOE = dict(num_experts=16, top_k=2, max_tokens=4, hidden=64, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def comms():
+    mesh = mesh1d(W)
+    c = nvc.Communicator(mesh, "x", max_message_bytes=1 << 17)
+    c2 = nvc.Communicator(mesh, "x", max_message_bytes=1 << 15)
+    m = nvc.MoECommunicator(mesh, "x", **MOE)
+    yield mesh, c, c2, m
+    m.close()
+    c2.close()
+    c.close()
+
+
+def _draw(rng, shape, dtype):
+    if jnp.dtype(dtype) == jnp.int32:
+        return rng.integers(-1000, 1000, size=shape).astype(np.int32)
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _inputs(rng):
+    ar = [_draw(rng, (W * r, c), d) for r, c, d in AR_SHAPES]
+    ag = [_draw(rng, (W * r, c), d) for r, c, d in AG_SHAPES]
+    rms = [(_draw(rng, (W * r, c), d), _draw(rng, (r, c), d), _draw(rng, (c,), d))
+           for r, c, d in RMS_SHAPES]
+    T, K, E, H = MOE["max_tokens"], MOE["top_k"], MOE["num_experts"], MOE["hidden"]
+    x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(W * T)]).astype(np.int32)
+    w = jnp.asarray(rng.random((W * T, K)), jnp.float32)
+    return ar, ag, rms, (x, jnp.asarray(ids), w)
+
+
+def _body(c, c2, m, in_loop):
+    """16 independent collectives: 6 all_reduce, 3 fused, 4 all_gather, 1 dispatch+combine,
+    the odd ones on the second communicator."""
+    def body(ar, ag, rms, moe_in):
+        out_ar = [nvc.all_reduce(a, c if i % 2 == 0 else c2,
+                                 strategy="oneshot" if i % 3 else "twoshot")
+                  for i, a in enumerate(ar)]
+        out_ag = [nvc.all_gather(a, c2 if i % 2 == 0 else c) for i, a in enumerate(ag)]
+        out_rms = [nvc.all_reduce_rms_norm(x, r, w, c if i % 2 else c2, eps=1e-6)
+                   for i, (x, r, w) in enumerate(rms)]
+        x, ids, w = moe_in
+        d = nvc.moe_dispatch(x, ids, m)
+        y = nvc.moe_combine(d.expert_x * 2.0, w, d.handle, m)
+        return out_ar, out_ag, out_rms, y
+
+    if not in_loop:
+        return body
+
+    def looped(ar, ag, rms, moe_in):
+        # two iterations of the same independent calls; results of the second returned
+        def step(i, carry):
+            return body(ar, ag, rms, moe_in)
+        init = jax.eval_shape(body, ar, ag, rms, moe_in)
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), init)
+        return jax.lax.fori_loop(0, 2, step, init)
+    return looped
+
+
+def _program(mesh, c, c2, m, in_loop):
+    rep = P()
+    ar_spec = [P("x")] * len(AR_SHAPES)
+    ag_spec = [P("x")] * len(AG_SHAPES)
+    rms_spec = [(P("x"), rep, rep)] * len(RMS_SHAPES)
+    moe_spec = (P("x"), P("x"), P("x"))
+    # per-rank outputs (leading axis over ranks) so every rank's copy is compared
+    out_specs = ([P("x")] * len(AR_SHAPES), [P("x")] * len(AG_SHAPES),
+                 [(P("x"), P("x"))] * len(RMS_SHAPES), P("x"))
+    body = _body(c, c2, m, in_loop)
+
+    def per_rank(*args):
+        ar, ag, rms, y = body(*args)
+        ar = [a[None] for a in ar]
+        ag = [a[None] for a in ag]
+        rms = [(n[None], r[None]) for n, r in rms]
+        return ar, ag, rms, y
+
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh,
+                                 in_specs=(ar_spec, ag_spec, rms_spec, moe_spec),
+                                 out_specs=out_specs, check_vma=False))
+
+
+def _check(outs, inputs):
+    ar_in, ag_in, rms_in, (x, ids, w) = inputs
+    out_ar, out_ag, out_rms, y = outs
+    for (r, c, d), a, o in zip(AR_SHAPES, ar_in, out_ar):
+        parts = f64(a).reshape(W, r, c)
+        ref = np.zeros((r, c))
+        for p in parts:  # float32 rank-order sum, rounded once to the dtype
+            ref = (ref.astype(np.float32) + p.astype(np.float32)).astype(np.float64)
+        ref = f64(jnp.asarray(ref, jnp.float32).astype(d))
+        got = f64(o)
+        assert got.shape == (W, r, c)
+        for rank in range(W):
+            np.testing.assert_array_equal(got[rank], ref)
+    for (r, c, d), a, o in zip(AG_SHAPES, ag_in, out_ag):
+        got = np.asarray(jnp.asarray(o).astype(jnp.float32)) if d != jnp.int32 else np.asarray(o)
+        want = np.asarray(jnp.asarray(a).astype(jnp.float32)) if d != jnp.int32 else np.asarray(a)
+        for rank in range(W):
+            np.testing.assert_array_equal(got[rank], want)
+    for (r, c, d), (xa, res, wt), (n, ro) in zip(RMS_SHAPES, rms_in, out_rms):
+        s = f64(xa).reshape(W, r, c).sum(0) + f64(res)
+        ref_n = rms_ref(s, f64(wt), 1e-6)
+        tol = 1e-5 if d == jnp.float32 else 2e-2
+        for rank in range(W):
+            np.testing.assert_allclose(f64(n)[rank], ref_n, rtol=tol, atol=tol)
+            np.testing.assert_allclose(f64(ro)[rank], s, rtol=tol, atol=tol)
+    # every slot valid and every expert row is 2 * its token: y[t] = 2 x[t] sum_k w[t, k]
+    y_ref = 2.0 * np.asarray(x, np.float64) * np.asarray(w, np.float64).sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["flat", "loop"])
+def test_independent_collectives_100_runs(comms, rng, in_loop):
+    mesh, c, c2, m = comms
+    f = _program(mesh, c, c2, m, in_loop)
+    for _ in range(RUNS if not in_loop else RUNS // 2):
+        inputs = _inputs(rng)
+        _check(f(*inputs), inputs)
+    assert not c.errors() and not c2.errors() and not m.errors()

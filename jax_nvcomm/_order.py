@@ -6,7 +6,7 @@ once: XLA:CPU's thunk executor runs independent ops concurrently on its thread p
 graph built from a command buffer may hold independent nodes as parallel branches. Ranks would
 then pair different calls (a disagreement error) or wait on each other forever.
 
-How: every FFI target takes one more operand and returns one more result, a 1-byte order token
+How: every FFI target takes one more operand and returns one more result, a 4-byte order token
 that carries no data (never read nor written by the handlers). Each call takes the token of the
 call traced before it in the same trace. Both executors order work by the buffers it reads and
 writes (XLA:CPU's thunk executor, and the CUDA-graph edges XLA derives for a command buffer), so
@@ -39,7 +39,6 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 try:  # the current trace; internal API, looked up once
     from jax._src.core import trace_ctx as _trace_ctx
@@ -71,12 +70,12 @@ def _latest_alive(trace):
 
 def token(axis_name):
     """The order token for the next call traced in the current trace: the latest call's, or a
-    fresh one (uint8[1], varying over `axis_name`) for the trace's first call."""
+    fresh one (float32[1], varying over `axis_name`) for the trace's first call."""
     from . import _shard
     trace = _current_trace()
     tok = None if trace is None else _latest_alive(trace)
     if tok is None or not _is_tracer_of(tok, trace):
-        tok = jnp.zeros((1,), jnp.uint8)
+        tok = jnp.zeros((1,), jnp.float32)
     return _shard.varying(tok, axis_name)
 
 
@@ -95,5 +94,8 @@ def record(tok):
 
 
 def zero_tangent(tok):
-    """The (symbolic zero) tangent of an order token, for custom_jvp rules."""
-    return np.zeros(np.shape(tok), jax.dtypes.float0)
+    """The zero tangent of an order token (typed like the token, varying axes included), for
+    custom_jvp rules. The token is float32 rather than an integer type so that this is an
+    ordinary zero array: JAX types integer tangents as float0, which under check_vma=False
+    loses the varying axes the primal has."""
+    return jnp.zeros_like(tok)

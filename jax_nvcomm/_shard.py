@@ -4,6 +4,8 @@ varying-manual-axes (vma) so `check_vma=True` types results like the lax collect
 one place that picks an op's FFI target for the communicator's backend."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,11 @@ def result_type(like, shape, dtype, vma):
     return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
 
 
+# JAX_NVCOMM_DECLARE_EFFECT=1 declares every call side-effecting again, as before the order
+# token existed: only to measure what that declaration costs a step (docs/step_speed.md).
+_DECLARE_EFFECT = os.environ.get("JAX_NVCOMM_DECLARE_EFFECT", "0") == "1"
+
+
 def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     """Call op's FFI target for comm's backend, with comm_id and `attrs`. Host targets
     ("nvc_<op>") take the rank's registry slot as first operand; CUDA targets
@@ -80,16 +87,17 @@ def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     Declared without a side effect (a declared effect costs JAX's fast dispatch path: see
     docs/step_speed.md); the order token keeps our calls in program order instead."""
     attrs["comm_id"] = np.int64(comm.comm_id)
+    effect = _DECLARE_EFFECT
     single = not isinstance(results, (tuple, list))
     rts = (results,) if single else tuple(results)
-    tok_vma = vma_of(order) | {comm.axis_name}
+    tok_vma = vma_of(order)  # varying over the axis when check_vma tracks it (token())
     rts = rts + (result_type(order, order.shape, order.dtype, tok_vma),)
     if comm.backend == "host":
         slot = varying(host_slot(comm), comm.axis_name)
-        outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=False)(
+        outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=effect)(
             slot, *args, order, **attrs)
     else:
-        outs = jax.ffi.ffi_call(f"nvc_cuda_{op}", rts, has_side_effect=False)(
+        outs = jax.ffi.ffi_call(f"nvc_cuda_{op}", rts, has_side_effect=effect)(
             *args, order, **attrs, **(cuda_attrs or {}))
     outs, tok = tuple(outs[:-1]), outs[-1]
     return (outs[0] if single else outs), tok

@@ -1,5 +1,7 @@
-"""Benchmarks: `python -m jax_nvcomm.bench allreduce [--tune] [--out DIR] [--quick]`
-and `python -m jax_nvcomm.bench moe [--out DIR] [--quick]`.
+"""Benchmarks: `python -m jax_nvcomm.bench allreduce [--tune] [--out DIR] [--quick]`,
+`python -m jax_nvcomm.bench moe [--out DIR] [--quick]` (loop benchmarks: many calls inside one
+jitted program, per-call time; described below) and `python -m jax_nvcomm.bench step` (whole
+jitted model steps against XLA: jax_nvcomm/bench_step.py).
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).
@@ -878,11 +880,17 @@ def _parser():
             s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank")
             s.add_argument("--moe-hidden", type=int, default=None)
             s.add_argument("--experts", type=int, default=None)
+    from . import bench_step
+    bench_step.add_arguments(sub.add_parser(
+        "step", help="whole jitted model steps, jax_nvcomm vs XLA (jax_nvcomm/bench_step.py)"))
     return p
 
 
 def main(argv=None):
     a = _parser().parse_args(argv)
+    if a.what == "step":
+        from .bench_step import run_step
+        return run_step(a)
     _setup_env()
     cpu_like = os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
     a.reps = a.reps or (3 if cpu_like else 7 if a.quick else 15)

@@ -121,6 +121,7 @@ class Config:
     save_ref: str | None = None     # store final hidden states here
     plot: str | None = None
     quiet: bool = False             # no progress lines
+    trace_dir: str | None = None    # profile a few steps of each row here (bench step)
 
     def model_dict(self):
         keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "tokens",
@@ -684,6 +685,19 @@ def _time_step(fn, args, warmup, iters):
     return out, statistics.median(ts)
 
 
+def _trace_row(fn, args, trace_dir, name, main_proc):
+    """Profile 4 steps (every process runs them; process 0 records) and summarise them
+    (jax_nvcomm/_trace.py); None on the other processes."""
+    import jax
+    from . import _trace
+    if not main_proc:
+        for _ in range(4):
+            jax.block_until_ready(fn(*args))
+        return None
+    path = _trace.record(fn, args, os.path.join(trace_dir, name), steps=4)
+    return _trace.summarise(path) if path else None
+
+
 def run(cfg: Config, *, devices=None):
     """Run every requested (layout, phase, impl) step, time it, and compare the results.
 
@@ -774,6 +788,10 @@ def run(cfg: Config, *, devices=None):
                     (h, ids), sec = _time_step(compiled, (x, params, cs, ()), cfg.warmup,
                                                cfg.iters)
                     row["ms"][impl] = sec * 1e3
+                    if cfg.trace_dir:
+                        row.setdefault("trace", {})[impl] = _trace_row(
+                            compiled, (x, params, cs, ()), cfg.trace_dir,
+                            f"{layout}_{phase}_{impl}", main_proc)
                     res[impl] = dict(ids=ids, rows=h.shape[0], h_np=to_host0(h),
                                      ids_np=to_host0(ids, "int32"))
                     prog.line(f"{what}: {sec * 1e3:.3f} ms/step", n)
@@ -992,11 +1010,26 @@ def _gpu_present() -> bool:
         return False
 
 
+RAGGED_NCCL_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
+
+
+def allow_ragged_nccl_fallback() -> None:
+    """One process per GPU: XLA runs `lax.ragged_all_to_all` through its own one-process
+    kernel only when one process drives every GPU; across processes it refuses ("RaggedAllToAll
+    fallback to NCCL is not allowed") unless this flag lets it use NCCL send/recv, which is
+    what a multi-host user of XLA's path must set too. Set before the backend starts, unless
+    the user's XLA_FLAGS already say otherwise."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "ragged_all_to_all_nccl_send_recv_fallback" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + RAGGED_NCCL_FLAG).strip()
+
+
 def setup_platform(cpu_devices: int = 8) -> None:
     """Before any JAX backend starts: join the launcher's job if started by it; otherwise,
     without a GPU, use `cpu_devices` CPU host devices."""
     from . import _dist
     if _dist.is_launched():
+        allow_ragged_nccl_fallback()
         _dist.distributed_initialize()
         return
     from jax._src import xla_bridge

@@ -122,7 +122,27 @@ multibench)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench]..." >&2; exit 2 ;;
+order)  # independent collectives (issue 12): default XLA flags, then the most concurrency
+  step ind_sp 150 $PY tests/mp/independent_mp.py --runs=30
+  step ind_sp_conc 150 $PY tests/mp/independent_mp.py --runs=30 --concurrent=1
+  [ "$NG" -ge 2 ] && step ind_mpN 150 $L -n "$NG" --timeout 145 tests/mp/independent_mp.py --runs=30 --concurrent=1
+  step ind_sh2 150 $L -n 2 --share-gpu --timeout 145 tests/mp/independent_mp.py --runs=5
+  grep -h "PASS independent" "$OUT/all.log" | cut -c1-200 | tee -a "$OUT/summary.txt"
+  ;;
+step)  # whole jitted steps vs XLA (issue 11): the package as it is, then what each variant costs
+  step step_A 300 $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepA" --iters 30
+  step step_B 240 env JAX_NVCOMM_DECLARE_EFFECT=1 $PY -m jax_nvcomm.bench step --presets example \
+    --out "$OUT/stepB" --iters 30
+  step step_C 200 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+    $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepC" --iters 30 --no-trace
+  for v in A B C; do echo "== step variant $v"; tail -6 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+stepfull)  # the step benchmark with both presets, one process; then one process per GPU
+  step step_full 420 $PY -m jax_nvcomm.bench step --out "$OUT/step" --iters 30
+  [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
+  tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|order|step|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -31,14 +31,18 @@ MOE = dict(num_experts=16, top_k=2, max_tokens=4, hidden=64, dtype=jnp.float32)
 
 @pytest.fixture(scope="module")
 def comms():
-    mesh = mesh1d(W)
+    c = make_comms(mesh1d(W))
+    yield c
+    for x in c[1:][::-1]:
+        x.close()
+
+
+def make_comms(mesh):
+    """(mesh, communicator, second communicator, MoE communicator) of the programs."""
     c = nvc.Communicator(mesh, "x", max_message_bytes=1 << 17)
     c2 = nvc.Communicator(mesh, "x", max_message_bytes=1 << 15)
     m = nvc.MoECommunicator(mesh, "x", **MOE)
-    yield mesh, c, c2, m
-    m.close()
-    c2.close()
-    c.close()
+    return mesh, c, c2, m
 
 
 def _draw(rng, shape, dtype):
@@ -47,7 +51,7 @@ def _draw(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-def _inputs(rng):
+def make_inputs(rng):
     ar = [_draw(rng, (W * r, c), d) for r, c, d in AR_SHAPES]
     ag = [_draw(rng, (W * r, c), d) for r, c, d in AG_SHAPES]
     rms = [(_draw(rng, (W * r, c), d), _draw(rng, (r, c), d), _draw(rng, (c,), d))
@@ -87,7 +91,7 @@ def _body(c, c2, m, in_loop):
     return looped
 
 
-def _program(mesh, c, c2, m, in_loop):
+def program(mesh, c, c2, m, in_loop):
     rep = P()
     ar_spec = [P("x")] * len(AR_SHAPES)
     ag_spec = [P("x")] * len(AG_SHAPES)
@@ -110,41 +114,71 @@ def _program(mesh, c, c2, m, in_loop):
                                  out_specs=out_specs, check_vma=False))
 
 
-def _check(outs, inputs):
+def _expected(inputs):
+    """numpy results, in the outputs' structure and per-rank layout (leading axis: rank)."""
     ar_in, ag_in, rms_in, (x, ids, w) = inputs
-    out_ar, out_ag, out_rms, y = outs
-    for (r, c, d), a, o in zip(AR_SHAPES, ar_in, out_ar):
-        parts = f64(a).reshape(W, r, c)
-        ref = np.zeros((r, c))
-        for p in parts:  # float32 rank-order sum, rounded once to the dtype
-            ref = (ref.astype(np.float32) + p.astype(np.float32)).astype(np.float64)
-        ref = f64(jnp.asarray(ref, jnp.float32).astype(d))
-        got = f64(o)
-        assert got.shape == (W, r, c)
-        for rank in range(W):
-            np.testing.assert_array_equal(got[rank], ref)
-    for (r, c, d), a, o in zip(AG_SHAPES, ag_in, out_ag):
-        got = np.asarray(jnp.asarray(o).astype(jnp.float32)) if d != jnp.int32 else np.asarray(o)
-        want = np.asarray(jnp.asarray(a).astype(jnp.float32)) if d != jnp.int32 else np.asarray(a)
-        for rank in range(W):
-            np.testing.assert_array_equal(got[rank], want)
-    for (r, c, d), (xa, res, wt), (n, ro) in zip(RMS_SHAPES, rms_in, out_rms):
+    out_ar, out_ag, out_rms = [], [], []
+    for (r, c, d), a in zip(AR_SHAPES, ar_in):
+        acc = np.zeros((r, c), np.float32)
+        for p in f64(a).reshape(W, r, c):  # float32 rank-order sum, rounded once to the dtype
+            acc = acc + p.astype(np.float32)
+        out_ar.append(np.broadcast_to(f64(jnp.asarray(acc).astype(d)), (W, r, c)))
+    for (r, c, d), a in zip(AG_SHAPES, ag_in):
+        full = np.asarray(a) if d == jnp.int32 else f64(a)
+        out_ag.append(np.broadcast_to(full, (W,) + full.shape))
+    for (r, c, d), (xa, res, wt) in zip(RMS_SHAPES, rms_in):
         s = f64(xa).reshape(W, r, c).sum(0) + f64(res)
-        ref_n = rms_ref(s, f64(wt), 1e-6)
-        tol = 1e-5 if d == jnp.float32 else 2e-2
-        for rank in range(W):
-            np.testing.assert_allclose(f64(n)[rank], ref_n, rtol=tol, atol=tol)
-            np.testing.assert_allclose(f64(ro)[rank], s, rtol=tol, atol=tol)
+        out_rms.append((np.broadcast_to(rms_ref(s, f64(wt), 1e-6), (W, r, c)),
+                        np.broadcast_to(s, (W, r, c))))
     # every slot valid and every expert row is 2 * its token: y[t] = 2 x[t] sum_k w[t, k]
-    y_ref = 2.0 * np.asarray(x, np.float64) * np.asarray(w, np.float64).sum(1, keepdims=True)
-    np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, rtol=1e-6, atol=1e-6)
+    y = 2.0 * np.asarray(x, np.float64) * np.asarray(w, np.float64).sum(1, keepdims=True)
+    return out_ar, out_ag, out_rms, y
+
+
+def _tolerances():
+    """Per-leaf (rtol, atol), in the outputs' structure: all_reduce and all_gather exact,
+    the fused op to its dtype's rounding, the MoE output to float32 rounding."""
+    exact = (0.0, 0.0)
+    rms = [((1e-5, 1e-5) if d == jnp.float32 else (2e-2, 2e-2),) * 2 for _, _, d in RMS_SHAPES]
+    return [exact] * len(AR_SHAPES), [exact] * len(AG_SHAPES), rms, (1e-6, 1e-6)
+
+
+def check(outs, inputs):
+    """Compare every shard this process holds (every rank, in one process) with numpy."""
+    want = _expected(inputs)
+    flat_out = jax.tree.leaves(outs)
+    flat_want = jax.tree.leaves(want)
+    flat_tol = jax.tree.leaves(_tolerances(), is_leaf=lambda t: isinstance(t, tuple)
+                               and len(t) == 2 and isinstance(t[0], float))
+    assert len(flat_out) == len(flat_want) == len(flat_tol)
+    for o, e, (rtol, atol) in zip(flat_out, flat_want, flat_tol):
+        assert o.shape == e.shape, (o.shape, e.shape)
+        for sh in o.addressable_shards:
+            got = np.asarray(sh.data)
+            got = got if got.dtype == np.int32 else f64(got)
+            np.testing.assert_allclose(got, e[sh.index], rtol=rtol, atol=atol)
+
+
+def global_inputs(mesh, inputs):
+    """The inputs as global arrays sharded like the program's in_specs (for multi-process
+    jobs, where every process holds the same numpy inputs)."""
+    from jax.sharding import NamedSharding
+    ar, ag, rms, moe_in = inputs
+
+    def put(a, spec):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                            lambda idx: a[idx])
+    return ([put(a, P("x")) for a in ar], [put(a, P("x")) for a in ag],
+            [(put(x, P("x")), put(r, P()), put(w, P())) for x, r, w in rms],
+            tuple(put(a, P("x")) for a in moe_in))
 
 
 @pytest.mark.parametrize("in_loop", [False, True], ids=["flat", "loop"])
 def test_independent_collectives_100_runs(comms, rng, in_loop):
     mesh, c, c2, m = comms
-    f = _program(mesh, c, c2, m, in_loop)
+    f = program(mesh, c, c2, m, in_loop)
     for _ in range(RUNS if not in_loop else RUNS // 2):
-        inputs = _inputs(rng)
-        _check(f(*inputs), inputs)
+        inputs = make_inputs(rng)
+        check(f(*inputs), inputs)
     assert not c.errors() and not c2.errors() and not m.errors()

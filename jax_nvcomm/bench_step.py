@@ -1,0 +1,210 @@
+"""`python -m jax_nvcomm.bench step`: the whole jitted model step, jax_nvcomm against XLA's
+collectives, in one run: what a user of the package feels.
+
+Runs the example's steps (jax_nvcomm/moe_transformer.py: low-latency TP layout with the fused
+all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine; decode
+and prefill) for one or more presets:
+  - example: the example's own dimensions (GPU defaults: hidden 2048, 128 experts top-8);
+  - moe-slice: a slice of a published large MoE model's dimensions (hidden 7168, 256 experts
+    top-8, expert ffn 2048, 56 heads of 128), with as many layers (1-4) as fit in about 60 GB
+    of expert weights per GPU.
+For every (preset, layout, phase) row and each implementation:
+  - ms: the median wall time of a step (`block_until_ready` after each step; the same compiled
+    program and arguments every step), host dispatch included;
+  - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
+    first_kernel_us (when device 0's first kernel starts after the host starts the execution)
+    and busy_us (device 0's summed kernel time per step);
+  - agreement of the two implementations' outputs (as the example checks it).
+Writes OUT/bench_<machine>_step.json ({"rows": [...], "meta": {...}}), a text table and a PNG.
+On CPU devices the numbers only show that the code runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PRESETS = {
+    "example": {},
+    "moe-slice": dict(hidden=7168, heads=56, experts=256, top_k=8, ffn=2048, tokens=128,
+                      decode_tokens=4, context=256),
+}
+_SLICE_EXPERT_BYTES_PER_LAYER = 256 * 3 * 7168 * 2048 * 2  # bf16 expert weights, whole model
+_WEIGHT_BUDGET_PER_GPU = 60e9
+
+
+def machine_name(devs) -> str:
+    """'h200x2' from the devices' kind and count (cpu8 on 8 CPU devices)."""
+    kind = devs[0].device_kind if devs[0].platform != "cpu" else "cpu"
+    short = kind.replace("NVIDIA", "").strip().split()[0].lower() if kind != "cpu" else "cpu"
+    return f"{short}x{len(devs)}"
+
+
+def preset_config(name, world, platform, base):
+    """The moe_transformer Config of a preset (base: the command line's run options)."""
+    import dataclasses
+    vals = dict(PRESETS[name])
+    if name == "moe-slice":
+        if platform == "cpu":  # same shape of model, CPU-sized
+            vals = dict(hidden=512, heads=8, experts=64, top_k=8, ffn=128, tokens=32,
+                        decode_tokens=4, context=64)
+            vals["layers"] = 2
+        else:
+            fit = int(_WEIGHT_BUDGET_PER_GPU * world // _SLICE_EXPERT_BYTES_PER_LAYER)
+            vals["layers"] = max(1, min(4, fit))
+    return dataclasses.replace(base, **vals)
+
+
+def _row(preset, r):
+    """One JSON row from a moe_transformer result row."""
+    ms = r["ms"]
+    tr = r.get("trace") or {}
+    out = dict(preset=preset, layout=r["layout"], phase=r["phase"], tokens=r["tokens"],
+               op=r["op"], nvcomm_ms=ms.get("jax_nvcomm"), xla_ms=ms.get("xla"),
+               ratio=(ms["xla"] / ms["jax_nvcomm"] if ms.get("xla") and ms.get("jax_nvcomm")
+                      else None),
+               agree=r["agree"], rel_err=r["err"])
+    for impl, key in (("jax_nvcomm", "nvcomm"), ("xla", "xla")):
+        s = tr.get(impl)
+        if s:
+            out[f"{key}_first_kernel_us"] = s.get("first_kernel_us")
+            out[f"{key}_busy_us"] = s.get("busy_us")
+            out[f"{key}_host_us"] = s.get("host_us")
+            out[f"{key}_kernels"] = s.get("kernels")
+            out[f"{key}_trace"] = {k: s[k] for k in ("top", "host_top", "span_us") if k in s}
+    return out
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(rows) -> str:
+    head = (f"{'preset':10} {'layout':16} {'phase':8} {'tok':>5} {'ms nvcomm':>10} "
+            f"{'ms XLA':>9} {'XLA/nvc':>8} {'1st kernel us nvc/XLA':>22} "
+            f"{'busy us nvc/XLA':>18} {'agree':>6}")
+    lines = [head]
+    for r in rows:
+        fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
+             f"{_fmt(r.get('xla_first_kernel_us'), '.0f')}"
+        busy = f"{_fmt(r.get('nvcomm_busy_us'), '.0f')}/{_fmt(r.get('xla_busy_us'), '.0f')}"
+        lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {r['tokens']:>5} "
+                     f"{_fmt(r['nvcomm_ms'], '.3f'):>10} {_fmt(r['xla_ms'], '.3f'):>9} "
+                     f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} {fk:>22} "
+                     f"{busy:>18} {str(r['agree']):>6}")
+    return "\n".join(lines)
+
+
+def plot(rows, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['preset']}\n{r['layout']}\n{r['phase']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))
+    xs = range(len(rows))
+    w = 0.4
+    ax.bar([x - w / 2 for x in xs], [r["nvcomm_ms"] or 0 for r in rows], w, label="jax_nvcomm")
+    ax.bar([x + w / 2 for x in xs], [r["xla_ms"] or 0 for r in rows], w, label="XLA collectives")
+    for x, r in zip(xs, rows):
+        if r["ratio"]:
+            ax.annotate(f"{r['ratio']:.2f}x", (x, max(r["nvcomm_ms"], r["xla_ms"])),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("ms per step (median wall time)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def run_step(a) -> int:
+    from . import moe_transformer as mt
+    mt.setup_platform(8)
+    import jax
+    devs = jax.devices()
+    world = len(devs)
+    platform = devs[0].platform
+    main_proc = jax.process_index() == 0
+    if main_proc:
+        print(f"bench step: {world} x {platform} ({devs[0].device_kind}), "
+              f"{jax.process_count()} process(es), jax {jax.__version__}; "
+              f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    machine = a.machine or machine_name(devs)
+    os.makedirs(a.out, exist_ok=True)
+    trace_root = None if a.no_trace else os.path.join(a.trace_dir or a.out, "traces")
+    presets = a.presets or (["example"] if platform == "cpu" else ["example", "moe-slice"])
+    base = mt.Config(iters=a.iters, warmup=a.warmup, quiet=a.quiet, trace_dir=trace_root,
+                     layouts=tuple(a.layouts), phases=tuple(a.phases))
+    rows, ok = [], True
+    for name in presets:
+        cfg = preset_config(name, world, platform, base)
+        if trace_root:
+            cfg.trace_dir = os.path.join(trace_root, name)
+        try:
+            res = mt.run(cfg)
+        except (mt.Unavailable, mt.ConfigError) as e:
+            print(f"error: preset {name}: {e}", file=sys.stderr)
+            return 2
+        ok &= res["ok"]
+        rows += [_row(name, r) for r in res["rows"]]
+        if main_proc:
+            rc = res["config"]
+            print(f"preset {name}: {rc.layers} layers, hidden {rc.hidden}, {rc.experts} experts "
+                  f"top-{rc.top_k}, ffn {rc.ffn}, {rc.dtype}", flush=True)
+    if not main_proc:
+        return 0 if ok else 1
+    meta = dict(machine=machine, devices=world, platform=platform,
+                device_kind=devs[0].device_kind, processes=jax.process_count(),
+                jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                what="wall ms per jitted step (median); first kernel and busy time from a "
+                     "profiler trace of 4 steps (median of the last 3), device 0")
+    path = os.path.join(a.out, f"bench_{machine}_step.json")
+    with open(path, "w") as f:
+        json.dump({"rows": rows, "meta": meta}, f, indent=1)
+    table = format_table(rows)
+    with open(os.path.join(a.out, f"bench_{machine}_step.txt"), "w") as f:
+        f.write(table + "\n")
+    png = os.path.join(a.out, f"bench_{machine}_step.png")
+    plot(rows, png, f"jitted step, {world} x {devs[0].device_kind}")
+    if trace_root:
+        from . import _trace
+        for r in rows:
+            for key in ("nvcomm", "xla"):
+                tr = r.get(f"{key}_trace")
+                if tr:
+                    print(f"{r['preset']} {r['layout']} {r['phase']} {key}: first kernel "
+                          f"+{r.get(key + '_first_kernel_us')} us, busy "
+                          f"{r.get(key + '_busy_us')} us, host {r.get(key + '_host_us')} us")
+                    print(_trace.format_summary(dict(
+                        program="step", executions=3, kernels=r.get(key + "_kernels"),
+                        host_us=r.get(key + "_host_us"),
+                        first_kernel_us=r.get(key + "_first_kernel_us"),
+                        busy_us=r.get(key + "_busy_us"), span_us=tr.get("span_us"),
+                        top=tr.get("top", []), host_top=tr.get("host_top", []))))
+    print(f"wrote {path}")
+    print(table, flush=True)
+    if not ok:
+        print("FAILED: jax_nvcomm and XLA disagree in some row (see 'agree')", flush=True)
+    return 0 if ok else 1
+
+
+def add_arguments(s):
+    s.add_argument("--out", default="bench_out", help="directory for JSON, table, PNG")
+    s.add_argument("--presets", nargs="*", choices=sorted(PRESETS),
+                   help="default: example and moe-slice on GPUs, example on CPU")
+    s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput"])
+    s.add_argument("--phases", nargs="*", default=["decode", "prefill"])
+    s.add_argument("--iters", type=int, default=None, help="timed steps per row")
+    s.add_argument("--warmup", type=int, default=3)
+    s.add_argument("--no-trace", action="store_true", help="skip the profiler traces")
+    s.add_argument("--trace-dir", default=None, help="where traces go (default OUT/traces)")
+    s.add_argument("--machine", default=None, help="name in the JSON file name (default: "
+                   "from the devices, e.g. h200x2)")
+    s.add_argument("--quiet", action="store_true")

@@ -2,7 +2,10 @@
 import hashlib
 import os
 
-if os.environ.get("JAX_NVCOMM_TEST_GPU") != "1":
+if os.environ.get("JAX_NVCOMM_TEST_GPU") == "1":
+    # the GPU tests start launcher jobs next to this process: leave them GPU memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:

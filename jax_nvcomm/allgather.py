@@ -37,7 +37,14 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
                          f"[{-nd}, {nd}) for x of shape {x.shape}, got {axis!r}")
     axis = int(axis) % (nd + (0 if tiled else 1))
     nbytes = x.size * x.dtype.itemsize
-    if comm.world_size == 1 or nbytes == 0 or nbytes * comm.world_size > comm.max_message_bytes:
+    if nbytes == 0:  # nothing to move; XLA refuses to lower an all-gather of a zero-size axis
+        shape = list(x.shape)
+        if tiled:
+            shape[axis] *= comm.world_size
+        else:
+            shape.insert(axis, comm.world_size)
+        return jnp.zeros(shape, x.dtype)
+    if comm.world_size == 1 or nbytes * comm.world_size > comm.max_message_bytes:
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
 
     @jax.custom_jvp

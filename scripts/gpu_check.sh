@@ -7,6 +7,10 @@
 #                                      MoE, CUDA-graph loop, fault cases, example (--nvcomm-only)
 #   bash scripts/gpu_check.sh multi    all GPUs: one process driving all, one process per GPU,
 #                                      example on all GPUs, full benchmarks with --tune
+#   bash scripts/gpu_check.sh pytest   the pytest GPU suite (`pytest -m gpu`, tests/gpu/: kernels
+#                                      in-process on every local GPU, one process per GPU when
+#                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
+#                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -107,6 +111,15 @@ print('PASS multicast', c.multicast, '|', c.multicast_reason, '| nbytes', c.nbyt
   [ "$NG" -ge 2 ] && step vmm_mp2 120 env JAX_NVCOMM_ALLOC=vmm $L -n 2 --timeout 115 tests/mp/collectives_mp.py --calls=200
   step vmm_sh2 120 env JAX_NVCOMM_ALLOC=vmm $L -n 2 --share-gpu --timeout 115 tests/mp/collectives_mp.py --calls=200
   ;;
+pytest)
+  t0=$SECONDS
+  JAX_NVCOMM_TEST_GPU=1 timeout 580 $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests \
+    >"$OUT/pytest_gpu.log" 2>&1
+  rc=$?
+  cat "$OUT/pytest_gpu.log" >>"$OUT/all.log"
+  say "pytest -m gpu: rc=$rc $((SECONDS - t0))s: $(tail -1 "$OUT/pytest_gpu.log")"
+  grep -E '^(FAILED|ERROR|SKIPPED)' "$OUT/pytest_gpu.log" | head -20 | tee -a "$OUT/summary.txt"
+  ;;
 bench1) step bench_1gpu 200 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
     $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
 multi) run_part multitest; run_part multibench ;;
@@ -142,7 +155,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|order|step|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|pytest|order|step|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

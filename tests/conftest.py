@@ -1,7 +1,11 @@
 """Test setup: 8 CPU host devices unless the run targets GPUs (JAX_NVCOMM_TEST_GPU=1)."""
+import hashlib
 import os
 
-if os.environ.get("JAX_NVCOMM_TEST_GPU") != "1":
+if os.environ.get("JAX_NVCOMM_TEST_GPU") == "1":
+    # the GPU tests start launcher jobs next to this process: leave them GPU memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -22,8 +26,25 @@ def make_mesh(shape, names):
     return jax.sharding.Mesh(np.array(devs[:n]).reshape(shape), names)
 
 
+def seed_of(nodeid: str) -> int:
+    """Stable across processes and runs (unlike hash(), which Python salts per process)."""
+    return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:4], "little")
+
+
 @pytest.fixture
 def rng(request):
-    # fresh random data per test, reproducible from the test id
-    seed = abs(hash(request.node.nodeid)) % (2**32)
+    # fresh random data per test (each test id its own seed), the same on every run: a failure
+    # reports its seed, and rerunning the test id reproduces the data
+    seed = seed_of(request.node.nodeid)
+    request.node.user_properties.append(("rng_seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    if rep.failed:
+        for k, v in item.user_properties:
+            if k == "rng_seed":
+                rep.sections.append(("rng seed", f"rng = np.random.default_rng({v})  # {item.nodeid}"))
+    return rep

@@ -87,3 +87,31 @@ def test_many_communicators_open_and_close():
                                         in_specs=P("x"), out_specs=P("x")))(x + i)
             np.testing.assert_array_equal(np.asarray(out).reshape(8, -1),
                                           np.tile(np.asarray(x + i), (8, 1)))
+
+
+def test_closed_after_compilation_and_closed_moe(rng):
+    """A program compiled while the communicator was open fails with a named error once it is
+    closed (never touches freed buffers); tracing with a closed MoECommunicator is refused."""
+    import pytest
+    from jax_nvcomm import moe as _moe  # noqa: F401
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    c = nvc.Communicator(mesh, "x", max_message_bytes=1 << 16)
+    f = jax.jit(jax.shard_map(lambda v: nvc.all_reduce(v, c, strategy="oneshot")[None],
+                              mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    for r in range(2):
+        np.testing.assert_allclose(np.asarray(f(x))[r].ravel(), x.sum(0).ravel(), rtol=1e-6)
+    c.close()
+    with pytest.raises(Exception, match=r"has no rank at slot .* \(closed, or used with another "
+                                        r"mesh\)"):
+        jax.block_until_ready(f(x))
+    from helpers import clear_error_tokens
+    clear_error_tokens()
+    moe = nvc.MoECommunicator(mesh, "x", num_experts=2, top_k=1, max_tokens=2, hidden=8,
+                              dtype=jnp.float32)
+    moe.close()
+    assert moe.closed and moe.errors() == []
+    with pytest.raises(RuntimeError, match="moe_dispatch: the MoECommunicator was closed"):
+        jax.jit(jax.shard_map(lambda v, i: nvc.moe_dispatch(v, i, moe).expert_x[None],
+                              mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))).lower(
+            np.zeros((4, 8), np.float32), np.zeros((4, 1), np.int32))

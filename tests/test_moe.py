@@ -220,6 +220,37 @@ def test_bad_expert_id_is_an_error(rng):
     with pytest.raises(Exception, match=r"topk_ids\[1, 0\] = 7 outside|rank 1 failed this call"):
         jax.block_until_ready(f(x, ids))
     clear_error_tokens()
+    # The records: rank 1 (rows 3..5, the bad id at its token 1, slot 0) names token, slot and
+    # id; rank 0 names the rank that failed the call. (The record once printed the token index
+    # as the expert id: "expert id 1".)
+    errs = moe.errors()
+    bad = [e for e in errs if "rank 1: token" in e]
+    assert bad == ["jax_nvcomm: moe_dispatch call #1: rank 1: token 1 slot 0 holds expert id 7, "
+                   "outside [-1, num_experts)"], errs
+    assert any("rank 0: rank 1 failed this call" in e for e in errs), errs
+    # the next call is refused with the recorded text, before any data moves
+    with pytest.raises(Exception, match=r"(token 1 slot 0 holds expert id 7|rank 1 failed this "
+                                        r"call).* \(communicator is unusable after this error\)"):
+        jax.block_until_ready(f(x, routing(rng, world * T, E, K)))
+    clear_error_tokens()
+    moe.close()
+
+
+def test_repeated_expert_id_record_names_token_slot_and_id(rng):
+    world, E, K, T, H = 2, 8, 3, 4, 16
+    moe = nvc.MoECommunicator(mesh1d(world), "x", num_experts=E, top_k=K, max_tokens=T,
+                              hidden=H, dtype=jnp.float32, timeout_s=5)
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    ids[2, 2] = ids[2, 0]  # rank 0, token 2: slot 2 repeats slot 0's expert
+    f = jax.jit(jax.shard_map(lambda x, i: nvc.moe_dispatch(x, i, moe).expert_x[None],
+                              mesh=moe.mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    with pytest.raises(Exception, match=r"repeats expert|rank 0 failed this call"):
+        jax.block_until_ready(f(x, ids))
+    clear_error_tokens()
+    want = (f"jax_nvcomm: moe_dispatch call #1: rank 0: token 2 slot 2 of topk_ids repeats "
+            f"expert id {ids[2, 0]} of an earlier slot of that token")
+    assert want in moe.errors(), moe.errors()
     moe.close()
 
 

@@ -214,7 +214,11 @@ def test_cxx_interlock_refuses_when_multicast_is_not_enabled(setting):
     p = subprocess.run([sys.executable, "-c", INTERLOCK_CHILD], env=env, capture_output=True,
                        text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split().count("REFUSED") == 3, p.stdout
+    lines = p.stdout.splitlines()
+    # exactly the three "REFUSED <name>" lines: a "NOT REFUSED <name>" line fails the test
+    assert sorted(ln for ln in lines if ln.startswith("REFUSED ")) == [
+        "REFUSED create", "REFUSED granularity", "REFUSED import"], p.stdout
+    assert not [ln for ln in lines if ln.startswith("NOT REFUSED")], p.stdout
 
 
 FD_CHILD = textwrap.dedent("""
@@ -235,9 +239,16 @@ def test_fd_from_process_takes_a_file_descriptor_of_another_process():
         pid, fd = map(int, child.stdout.readline().split())
         try:
             mine = _ffi._cuda.fd_from_process(pid, fd)
-        except RuntimeError as e:  # e.g. a sandbox without pidfd_getfd: the error must say why
-            assert "pidfd" in str(e)
-            pytest.skip(f"pidfd_getfd unavailable here: {e}")
+        except RuntimeError as e:
+            # Skip only for what the host forbids (no ptrace access: EPERM; a kernel or seccomp
+            # profile without the syscall: ENOSYS), named by the error's own hint; any other
+            # failure of fd_from_process is a regression and fails here.
+            msg = str(e)
+            host_limit = ("Operation not permitted" in msg and "ptrace" in msg) or \
+                "Linux >= 5.6" in msg or "Function not implemented" in msg
+            if not host_limit:
+                raise
+            pytest.skip(f"pidfd_getfd forbidden on this host: {msg}")
         try:
             assert os.read(mine, 100) == b"through pidfd_getfd"
         finally:

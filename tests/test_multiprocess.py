@@ -71,3 +71,18 @@ def test_faults_end_with_errors(case, who, pattern):
     assert all(re.search(pattern, l) for l in got), got
     for l in got:  # bounded: the deadline is 3 s
         assert float(re.search(r"GOT after ([0-9.]+)s", l).group(1)) < 30, l
+
+
+@pytest.mark.multiprocess
+def test_bad_expert_id_record_across_processes():
+    """Process 1 routes its token 1, slot 0 to expert 7 of 4: its record names token, slot and
+    id, process 0's names the rank that failed, and each process's next call is refused."""
+    rc, out = launch(2, "faults_mp.py", "--case=expert", timeout=120)
+    assert rc == 0, out[-4000:]
+    rec = [l for l in out.splitlines() if "recorded:" in l]
+    assert any("rank 1: token 1 slot 0 holds expert id 7, outside [-1, num_experts)" in l
+               for l in rec), out[-4000:]
+    assert any("rank 0: rank 1 failed this call" in l for l in rec), out[-4000:]
+    nxt = [l for l in out.splitlines() if "NEXT" in l]
+    assert len(nxt) == 2 and all("NEXT refused" in l and "unusable after this error" in l
+                                 for l in nxt), nxt

@@ -1,7 +1,14 @@
 """jax_nvcomm.reference (pure-JAX baselines) against the float64 numpy references on 8 CPU
 devices (or the GPUs with JAX_NVCOMM_TEST_GPU=1, where impl="ragged" runs XLA's real
 ragged_all_to_all): MoE dispatch/combine (impl "ragged" and "dense"),
-all_reduce_rms_norm_xla."""
+all_reduce_rms_norm_xla.
+
+Issue 17, not done here yet (open): the oracle below is still the package's own
+np_moe_dispatch / np_moe_combine; an oracle written in this file from API.md's definition is
+the fix (tests/gpu/test_gpu_ops.py::moe_oracle is one such, for the GPU suite). XLA's real
+ragged_all_to_all never runs on CPU (impl "ragged" is emulated there from lax.all_to_all); it
+runs only with JAX_NVCOMM_TEST_GPU=1 on a GPU, which the GPU suite (tests/gpu/) does not cover
+yet."""
 import jax
 import jax.numpy as jnp
 import numpy as np

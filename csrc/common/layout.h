@@ -60,8 +60,20 @@ struct ErrorInfo {
   int32_t rank;       // the rank that detected it
   int32_t peer;       // the peer it waited for / the offending value
   uint64_t seq;       // the call's sequence number
-  uint64_t observed;  // the flag value observed (mismatch) or other detail
+  uint64_t observed;  // the flag value observed (mismatch) or other detail (kErrBadExpert:
+                      // bad_expert_detail; kErrCapacity: the size)
 };
+
+// kErrBadExpert: `peer` holds the bad expert id, `observed` packs where it was found: token in
+// bits 0..31, top-k slot in bits 32..47, bit 48 set when the id repeats an earlier slot of the
+// same row (in range, but a duplicate).
+NVC_HD uint64_t bad_expert_detail(int token, int slot, bool repeat) {
+  return uint64_t(uint32_t(token)) | (uint64_t(uint32_t(slot) & 0xFFFFu) << 32) |
+         (repeat ? (uint64_t(1) << 48) : 0);
+}
+NVC_HD int bad_expert_token(uint64_t d) { return int(uint32_t(d)); }
+NVC_HD int bad_expert_slot(uint64_t d) { return int((d >> 32) & 0xFFFFu); }
+NVC_HD bool bad_expert_repeat(uint64_t d) { return (d >> 48) & 1u; }
 
 enum OpKind : uint32_t {
   kOpAllGather = 1,

@@ -60,10 +60,18 @@ std::string describe_error(const ErrorInfo& e) {
                     (unsigned long long)flag_seq(e.observed));
       break;
     case kErrBadExpert:
-      std::snprintf(buf, sizeof buf,
-                    "jax_nvcomm: %s call #%llu: rank %d: topk_ids holds expert id %lld, outside "
-                    "[-1, num_experts)", op_name(e.op), (unsigned long long)e.seq, e.rank,
-                    (long long)(int64_t)e.observed);
+      if (bad_expert_repeat(e.observed)) {
+        std::snprintf(buf, sizeof buf,
+                      "jax_nvcomm: %s call #%llu: rank %d: token %d slot %d of topk_ids repeats "
+                      "expert id %d of an earlier slot of that token", op_name(e.op),
+                      (unsigned long long)e.seq, e.rank, bad_expert_token(e.observed),
+                      bad_expert_slot(e.observed), e.peer);
+      } else {
+        std::snprintf(buf, sizeof buf,
+                      "jax_nvcomm: %s call #%llu: rank %d: token %d slot %d holds expert id %d, "
+                      "outside [-1, num_experts)", op_name(e.op), (unsigned long long)e.seq,
+                      e.rank, bad_expert_token(e.observed), bad_expert_slot(e.observed), e.peer);
+      }
       break;
     case kErrCapacity:
       std::snprintf(buf, sizeof buf,

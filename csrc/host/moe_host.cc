@@ -125,11 +125,11 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
     for (int k = 0; k < K; ++k) {
       const int e = ids[size_t(t) * K + k];
       if (e < -1 || e >= E)
-        return poison(v, s, kErrBadExpert, desc, e, uint64_t(t),
+        return poison(v, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, false),
                       fmt("topk_ids[%d, %d] = %d outside [-1, num_experts=%d)", t, k, e, E));
       for (int k2 = 0; e >= 0 && k2 < k; ++k2)
         if (ids[size_t(t) * K + k2] == e)
-          return poison(v, s, kErrBadExpert, desc, e, uint64_t(t),
+          return poison(v, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, true),
                         fmt("topk_ids[%d] repeats expert %d (slots %d and %d)", t, e, k2, k));
     }
 
@@ -284,7 +284,7 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
     for (int k = 0; k < K; ++k) {
       const int e = token_dest[size_t(t) * K + k];
       if (e < -1 || e >= E)
-        return report(v, kErrBadExpert, desc, e, s, uint64_t(t),
+        return report(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, k, false),
                       fmt("handle token_dest[%d, %d] = %d is not an expert id", t, k, e));
       if (e < 0) continue;
       const float w = topk_weights[size_t(t) * K + k];

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   const int nvec = int(yrow / 16);
   for (int t = b * kWarps + warp; t < T; t += G * kWarps) {
     const int e = lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
-    if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, uint64_t(t));
+    if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   int32_t* cntD = cntE + E;                             // [16] tokens before the cursor, per dest rank
   int32_t* sub_pos = cntD + 16;                         // [kMoeSubTokens][16] slot in dest, -1 = none
   int32_t* sub_idx = sub_pos + kMoeSubTokens * 16;      // [kMoeSubTokens][K] idx within (me, expert)
-  __shared__ int s_bad, s_badval, s_badtok;
+  __shared__ int s_bad, s_badval, s_badtok, s_badslot, s_badrep;
   __shared__ char* s_dst[kWarps][kMaxWorld];
   __shared__ int s_drank[kWarps][kMaxWorld];
 
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     for (int k = 0; k < K; ++k) {
       int e = act ? __ldg(a.ids + size_t(t) * K + k) : -1;
       if (e < -1 || e >= E) {
-        if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; }
+        if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 0; }
         e = -1;
       }
       const bool use = before && e >= 0;
@@ -141,7 +141,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   }
   __syncthreads();
   if (s_bad) {
-    if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval, uint64_t(s_badtok));
+    if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval,
+                                    bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
     return;
   }
 
@@ -162,7 +163,9 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
         const bool valid = e >= 0;
         const int d = valid ? e / L : 0;
         const uint32_t pdup = __match_any_sync(0xFFFFFFFFu, valid ? lt_in * kMoeMaxExperts + e : -2 - lane);
-        if (valid && __popc(pdup) > 1 && atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; }
+        if (valid && __popc(pdup) > 1 && atomicExch(&s_bad, 1) == 0) {
+          s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 1;
+        }
         const uint32_t pe = __match_any_sync(0xFFFFFFFFu, valid ? e : -2 - lane);
         const uint32_t pd = __match_any_sync(0xFFFFFFFFu, valid ? lt_in * 16 + d : -2 - lane);
         const bool first = valid && lane == __ffs(pd) - 1;  // first slot of this token for rank d
@@ -177,7 +180,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval, uint64_t(s_badtok));
+      if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval,
+                                    bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return;
     }
     for (int t = sb + warp; t < se; t += kWarps) {

@@ -3,12 +3,16 @@ that names what happened, within the communicator's deadline, never hang.
   --case=dead       rank 1 never calls (exits): rank 0 gets a timeout naming rank 1
   --case=sizes      ranks call all_reduce with different shapes: a disagreement is reported
   --case=order      rank 0 calls all_gather while rank 1 calls all_reduce: reported
+  --case=expert     rank 1's topk_ids hold expert id 7 (of 4) at its token 1, slot 0: rank 1's
+                    record names token 1, slot 0 and id 7, rank 0's names rank 1; then every
+                    rank's next call on that communicator must be refused ("NEXT ..." lines)
 Prints "GOT <message>" on the rank(s) that must see the error; exits 0 when the case behaved.
 """
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -44,6 +48,26 @@ try:
         call(ar, (4, 64) if me == 0 else (8, 64))
     elif case == "order":
         call(ag if me == 0 else ar, (4, 64))
+    elif case == "expert":
+        comm = nvc.MoECommunicator(mesh, "x", num_experts=4, top_k=2, max_tokens=3, hidden=16,
+                                   dtype=jnp.float32, timeout_s=3)
+        W = mesh.shape["x"]
+        ids = np.tile(np.array([[0, 1], [2, 3], [1, 2]], np.int32), (W, 1))
+        moe_fn = jax.jit(jax.shard_map(lambda v, i: nvc.moe_dispatch(v, i, comm).expert_x[None],
+                                       mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+        xs = global_array(mesh, P("x"), np.ones((3 * W, 16), np.float32))
+        good = global_array(mesh, P("x"), ids)
+        jax.block_until_ready(moe_fn(xs, good))  # one good round first
+        bad = ids.copy()
+        bad[3 + 1, 0] = 7  # rank 1 (rows 3..5), its token 1, slot 0
+        try:
+            jax.block_until_ready(moe_fn(xs, global_array(mesh, P("x"), bad)))
+        finally:
+            try:
+                jax.block_until_ready(moe_fn(xs, good))
+                rank_print("NEXT call ran (not refused)")
+            except Exception as e2:  # noqa: BLE001 - reported below
+                rank_print(f"NEXT refused: {str(e2).splitlines()[0]}")
     else:
         raise SystemExit(f"unknown case {case}")
 except Exception as e:  # JaxRuntimeError from the FFI handler

@@ -32,10 +32,10 @@ with nvc.Communicator(mesh, "x", max_message_bytes=1 << 20) as comm:
     def body(v):
         def step(i, carry):
             a, b = carry
-            a = nvc.all_reduce(a, comm, strategy="oneshot") * (1.0 / W)   # stays a
+            a = nvc.all_reduce(a, comm, strategy="oneshot") * (1.0 / W) + 1.0
             n, b = nvc.all_reduce_rms_norm(a * 0.0 + b, b * 0.0, jnp.ones((H,), a.dtype), comm,
-                                           strategy="twoshot")           # b <- W * b
-            b = b * (1.0 / W)
+                                           strategy="twoshot")           # b <- sum_r b_r
+            b = b * (1.0 / W) + 2.0
             return lax.pcast(a, "x", to="varying"), b
         a, b = lax.fori_loop(0, iters, step, (v, v))
         g = nvc.all_gather(a, comm)
@@ -51,13 +51,17 @@ with nvc.Communicator(mesh, "x", max_message_bytes=1 << 20) as comm:
         jax.block_until_ready((a, b, g))
     calls = sum(comm.host_calls().values()) - before
     kernel_calls = execs * (2 * iters + 1) * len(comm.host_calls())
-    # Every iteration: a <- sum_r a_r / W. Rank r starts with x_r; after the first step every
-    # rank holds mean_r(x_r); it stays there. b <- sum_r b_r / W likewise.
-    mean = host.reshape(W, T, H).mean(0)
-    exp = np.tile(mean[None], (W, 1, 1))
-    check_shards(a, exp, rtol=1e-6, atol=1e-6, what="fori_loop all_reduce")
-    check_shards(b, exp, rtol=1e-6, atol=1e-6, what="fori_loop fused residual_out")
-    check_shards(g, np.tile(np.tile(mean, (W, 1))[None], (W, 1, 1)), rtol=1e-6, atol=1e-6,
+    # Every iteration: a <- sum_r a_r / W + 1 and b <- sum_r b_r / W + 2. Rank r starts with
+    # x_r; after step i (1-based) every rank holds mean_r(x_r) + i (a) and + 2i (b): each
+    # iteration's value differs from every earlier one, so a kernel that read a stale or
+    # replayed buffer (the previous iteration's data) ends off by at least 1 (atol 1e-3 leaves room
+    # for the rounding of 1/W when W is not a power of two).
+    mean = host.reshape(W, T, H).astype(np.float64).mean(0)
+    exp_a = np.tile((mean + iters)[None], (W, 1, 1))
+    exp_b = np.tile((mean + 2 * iters)[None], (W, 1, 1))
+    check_shards(a, exp_a, rtol=0, atol=1e-3, what="fori_loop all_reduce")
+    check_shards(b, exp_b, rtol=0, atol=1e-3, what="fori_loop fused residual_out")
+    check_shards(g, np.tile(np.tile(mean + iters, (W, 1))[None], (W, 1, 1)), rtol=0, atol=1e-3,
                  what="all_gather after loop")
     rank_print(f"graph check: {kernel_calls} kernel calls, FFI handler ran {calls} times "
                f"({'CUDA graph replay' if calls < kernel_calls else 'no replay (handler per call)'})")

@@ -150,12 +150,25 @@ step)  # whole jitted steps vs XLA (issue 11): the package as it is, then what e
     $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepC" --iters 30 --no-trace
   for v in A B C; do echo "== step variant $v"; tail -6 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
   ;;
+stepD)  # custom calls out of command buffers (XLA cuts its graphs at our calls, as at NCCL's)
+  step step_D 240 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,WHILE,CONDITIONAL" \
+    $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepD" --iters 30
+  tail -5 "$OUT"/stepD/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+stepmp)  # one process per GPU, the way multi-host jobs run
+  [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
+  tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+stepslice)  # the moe-slice preset (hidden 7168, 256 experts top-8), one process
+  step step_slice 400 $PY -m jax_nvcomm.bench step --presets moe-slice --out "$OUT/stepslice" --iters 20 --no-trace
+  tail -5 "$OUT"/stepslice/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
 stepfull)  # the step benchmark with both presets, one process; then one process per GPU
   step step_full 420 $PY -m jax_nvcomm.bench step --out "$OUT/step" --iters 30
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|pytest|order|step|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|pytest|order|step|stepD|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -86,3 +86,12 @@ def test_bad_expert_id_record_across_processes():
     nxt = [l for l in out.splitlines() if "NEXT" in l]
     assert len(nxt) == 2 and all("NEXT refused" in l and "unusable after this error" in l
                                  for l in nxt), nxt
+
+
+@pytest.mark.multiprocess
+def test_independent_collectives_across_processes():
+    """The 16-independent-collective programs of test_independent.py, 4 processes of one CPU
+    device each, 100 runs each (flat and in a loop), every shard against numpy."""
+    rc, out = launch(4, "independent_mp.py", "--runs=100", timeout=400)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS independent collectives") == 8, out[-4000:]

@@ -36,6 +36,9 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
         raise ValueError(f"jax_nvcomm: all_gather: axis must be an int in "
                          f"[{-nd}, {nd}) for x of shape {x.shape}, got {axis!r}")
     axis = int(axis) % (nd + (0 if tiled else 1))
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_gather(x, comm, axis, tiled)
     nbytes = x.size * x.dtype.itemsize
     if comm.world_size == 1 or nbytes == 0 or nbytes * comm.world_size > comm.max_message_bytes:
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)

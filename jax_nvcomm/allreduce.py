@@ -73,6 +73,9 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     x = jnp.asarray(x)
     _check_dtype(x, "x", what)
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_reduce(x, comm)
     axis = comm.axis_name
     if strat == "xla" or comm.world_size == 1 and x.size == 0:
         return lax.psum(x, axis)
@@ -135,6 +138,9 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     if not eps >= 0:
         raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
     mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
     if strat == "xla" or mixed:

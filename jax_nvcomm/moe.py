@@ -238,6 +238,9 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     x, topk_ids = jnp.asarray(x), jnp.asarray(topk_ids)
     x_scale = None if x_scale is None else jnp.asarray(x_scale)
     _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale)
+    if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.moe_dispatch(x, topk_ids, moe, num_tokens, x_scale)
     float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
@@ -288,6 +291,9 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         raise ValueError(f"jax_nvcomm: {what}: topk_weights must be float32 of shape "
                          f"(max_tokens, top_k) = ({T}, {K}), got {topk_weights.dtype}"
                          f"{topk_weights.shape}")
+    if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
 
     @jax.custom_vjp
     def combine(ey, w, handle, tok):

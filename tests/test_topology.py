@@ -147,3 +147,34 @@ def test_driver_queries_need_cuda_python_and_say_how_to_install(monkeypatch):
         assert "cuda-python" in rep["error"] and rep["devices"] == []
     finally:
         topology._driver.cache_clear()
+
+
+# ---- the platform line of the example and the bench (jax_nvcomm/_platform.py) ----
+class _Device:
+    def __init__(self, platform, kind):
+        self.platform, self.device_kind = platform, kind
+
+
+def test_platform_line_names_the_platform():
+    from jax_nvcomm._platform import platform_lines
+    assert platform_lines([_Device("gpu", "NVIDIA H200")] * 2, env={}, gpus=["GPU 0: x"]) == [
+        "platform: gpu (2 x NVIDIA H200)"]
+    assert platform_lines([_Device("cpu", "cpu")] * 8, env={}, gpus=[]) == [
+        "platform: cpu (8 x cpu)"]
+
+
+def test_gpus_present_but_jax_on_cpu_says_so_and_how_to_fix(tmp_path, monkeypatch):
+    from jax_nvcomm._platform import nvidia_gpus, platform_lines
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\n"
+                   "echo 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert len(nvidia_gpus()) == 2
+    cpu = [_Device("cpu", "cpu")]
+    lines = platform_lines(cpu, env={})
+    assert lines[0] == "platform: cpu (1 x cpu)"
+    assert "2 NVIDIA GPU(s)" in lines[1] and "no CUDA plugin" in lines[1]
+    assert "jax[cuda13]" in lines[1] and "dev.sh deps" in lines[1]
+    lines = platform_lines(cpu, env={"JAX_PLATFORMS": "cpu"})
+    assert "JAX_PLATFORMS=cpu" in lines[1] and "unset" in lines[1]

@@ -1,5 +1,6 @@
 """`Communicator`: the symmetric communication buffers of one mesh axis, set up collectively
-outside jit and held until close(). See API.md for the contract."""
+outside jit and held until close(). Contract: docs/API.md of the repository and the
+docstrings here."""
 from __future__ import annotations
 
 import dataclasses
@@ -275,7 +276,27 @@ class Communicator(_Base):
     allocation / multicast granularity that the driver reports.)
 
     Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
-    when `multicast` is True (opt-in, see that property and README "Multicast").
+    when `multicast` is True (opt-in, see that property and README "Multicast"). Groups whose
+    ranks span several hosts (or GPUs without peer access) get no buffers: with backend="auto"
+    every op runs XLA's collectives (`xla_fallback`), an explicit backend is refused.
+
+    Create it outside jit, collectively: every process of the job, same arguments, same order.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`.
+      axis_name: the mesh axis to reduce / gather over; the other axes give one independent
+        group per coordinate.
+      max_message_bytes: largest message (bytes per rank) through the buffers, >= 4096; larger
+        ones use XLA's collective.
+      backend: "auto" (CUDA on GPU devices, host memory on CPU devices), "cuda" or "host".
+      timeout_s: bound on every wait for a peer, > 0 (default JAX_NVCOMM_TIMEOUT_S or 30 s).
+
+    Raises:
+      TypeError / ValueError: an argument outside the above (named, with expected and actual
+        value), processes passing different arguments, an explicit backend that cannot serve
+        the groups (naming the hosts).
+      RuntimeError: created inside a trace; a process that never arrives (after
+        JAX_NVCOMM_SETUP_TIMEOUT_S).
     """
 
     _kind = "communicator"

@@ -20,6 +20,12 @@ from jax.sharding import PartitionSpec as P
 from common import arg, backend_name, global_array, init, mesh1d, rank_print
 
 per_host = arg("ranks_per_host", 1)
+# one process per GPU: XLA runs lax.ragged_all_to_all (the MoE fallback) across processes only
+# through NCCL send/recv, which this flag allows (set before the backend starts; a multi-host
+# user of the fallback sets it too: docs/API.md)
+_flag = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
+if "ragged_all_to_all_nccl_send_recv_fallback" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ["JAX_NVCOMM_TEST_HOSTNAME"] = f"fakehost{int(os.environ['JAX_PROCESS_ID']) // per_host}"
 nvc = init()
 from jax_nvcomm import reference  # noqa: E402

@@ -44,7 +44,6 @@ NB_MODULE(_cuda, m) {
   m.def("ipc_close", [](int device, uint64_t addr) {
     cuda::ipc_close(device, reinterpret_cast<void*>(addr));
   });
-  m.def("can_access_peer", &cuda::can_access_peer);
   m.def("enable_peer_access", &cuda::enable_peer_access);
   m.def("synchronize", &cuda::synchronize);
   // Load every kernel of the package on `device` now, with one shared-memory carveout, so no
@@ -85,8 +84,8 @@ NB_MODULE(_cuda, m) {
       .def_prop_ro("size", &Mapping::size)
       .def("release", &Mapping::release);
   m.def("fd_from_process", &cuda::vmm::fd_from_process, nb::arg("pid"), nb::arg("fd"));
-  m.def("device_uuid", &cuda::vmm::device_uuid);
-  m.def("multicast_supported", &cuda::vmm::multicast_supported);
+  // Device facts (UUID, multicast support, peer access) reach Python through cuda-python
+  // (jax_nvcomm/topology.py); C++ keeps only the checks its transports make themselves.
 
   // ---- multicast (cuda_multicast.h): every creating/joining call re-checks the environment ----
   m.def("multicast_env_allows",

@@ -1,5 +1,5 @@
 """jax_nvcomm: NVLink all-reduce (fused with residual-add + RMSNorm) and MoE dispatch/combine
-as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. See API.md / README.md."""
+as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. Reference: docs/API.md of the repository and the functions' docstrings."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
 from .allgather import all_gather

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -118,6 +117,7 @@ def alloc_mode(env: Mapping[str, str]) -> str:
 
 
 def _node() -> str:
+    from .topology import host_id  # the host identity (tests may override it)
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()[:8]
@@ -127,11 +127,13 @@ def _node() -> str:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pidns = "?"
-    return f"{socket.gethostname()}/{boot}/{pidns}"
+    return f"{host_id()}/{boot}/{pidns}"
 
 
 def local_facts(mod, groups) -> list[RankFacts]:
-    """Facts of this process's ranks (queries only: UUID and the multicast attribute)."""
+    """Facts of this process's ranks (queries only: UUID and the multicast attribute). `mod`
+    answers device_uuid(ordinal) and multicast_supported(ordinal): topology.DriverQueries
+    (cuda-python), or a fake in tests."""
     me = jax.process_index()
     node = _node()
     out = []

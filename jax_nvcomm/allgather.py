@@ -22,7 +22,28 @@ def _gather0(x, tok, comm):
 
 
 def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
-    """Gather `x` from every rank of `comm`'s axis; see API.md."""
+    """Gather `x` from every rank of `comm`'s axis (= `lax.all_gather(x, comm.axis_name,
+    axis=axis, tiled=tiled)`), through the communicator's buffers.
+
+    Gathered sizes above `comm.max_message_bytes`, groups of one rank and empty arrays use
+    `lax.all_gather`. Gradients: the tangent is `lax.all_gather` of the input tangent.
+    On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
+    it runs `lax.all_gather` instead, with the same results.
+
+    Args:
+      x: the local shard, any dtype; rank >= 1 when tiled.
+      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      axis: where the ranks' pieces go, in [-x.ndim, x.ndim) (tiled) or [-x.ndim - 1, x.ndim]
+        (not tiled).
+      tiled: concatenate along `axis` (True) or stack on a new axis there (False).
+
+    Returns:
+      The gathered array, rank order along `axis`; varies across the axis (typed as
+      `lax.all_gather`'s result).
+
+    Raises:
+      ValueError: a scalar with tiled=True, or `axis` out of range.
+    """
     what = "all_gather"
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
@@ -36,6 +57,9 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
         raise ValueError(f"jax_nvcomm: all_gather: axis must be an int in "
                          f"[{-nd}, {nd}) for x of shape {x.shape}, got {axis!r}")
     axis = int(axis) % (nd + (0 if tiled else 1))
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_gather(x, comm, axis, tiled)
     nbytes = x.size * x.dtype.itemsize
     if nbytes == 0:  # nothing to move; XLA refuses to lower an all-gather of a zero-size axis
         shape = list(x.shape)

@@ -1,4 +1,4 @@
-"""`all_reduce` and `all_reduce_rms_norm` (API.md): sum over the communicator's axis through
+"""`all_reduce` and `all_reduce_rms_norm` (docs/API.md): sum over the communicator's axis through
 the symmetric buffers, optionally fused with the residual add and RMSNorm that follow it.
 
 Gradients: `jax.custom_jvp` whose tangent rule uses `lax.psum` (linear, and JAX transposes it
@@ -67,12 +67,38 @@ def _as_rows(x):
 
 
 def all_reduce(x, comm, *, strategy: str = "auto"):
-    """Sum of x over the communicator's axis (= lax.psum), bitwise identical on every rank."""
+    """Sum of `x` over the communicator's axis (= `lax.psum(x, comm.axis_name)`).
+
+    Call inside `jax.shard_map` over `comm`'s mesh, one call per device on its local shard.
+    Accumulates in float32 in rank order, so the result is bitwise identical on every rank and
+    for every strategy. Gradients: the tangent is `lax.psum` of the input tangent.
+    On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
+    it runs `lax.psum` instead, with the same results.
+
+    Args:
+      x: the local shard, bfloat16, float16 or float32, any shape.
+      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      strategy: "auto" (`select_strategy`, from the static shape, dtype and world size),
+        "oneshot", "twoshot" or "xla" (`lax.psum`). Messages larger than
+        `comm.max_message_bytes` use "xla".
+
+    Returns:
+      An array of x's shape and dtype, invariant across the axis (typed as after `lax.psum`).
+
+    Raises:
+      TypeError: x's dtype is not one of the three float types.
+      ValueError: a bad strategy, a oneshot message above `comm.lamport_slot_bytes`, a call
+        outside shard_map over the communicator's axis, or a communicator of another mesh.
+      RuntimeError: the communicator was closed.
+    """
     what = "all_reduce"
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     _check_dtype(x, "x", what)
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_reduce(x, comm)
     axis = comm.axis_name
     if strat == "xla" or comm.world_size == 1 and x.size == 0:
         return lax.psum(x, axis)
@@ -110,9 +136,32 @@ def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
 
 def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
                         strategy: str = "auto"):
-    """(normed, residual_out) with r = sum_over_ranks(x) + residual (float32),
-    residual_out = r cast to residual.dtype, normed = r * rsqrt(mean(r^2) + eps) * weight cast
-    to x.dtype; one fused pass on the device."""
+    """All-reduce fused with the residual add and RMSNorm that follow it, in one device pass.
+
+    r = sum_over_ranks(x) + residual (float32); residual_out = r cast to residual.dtype;
+    normed = r * rsqrt(mean(r**2, axis=-1) + eps) * weight, cast to x.dtype. (The CUDA kernels
+    round the sum to x.dtype before the add, as `lax.psum` + add does: README "Decisions".)
+    On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
+    it runs `lax.psum` + XLA's add + RMSNorm instead, with the same results.
+
+    Args:
+      x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a
+        multiple of 16 bytes (8 elements of 16 bits, 4 of float32).
+      residual: [tokens, hidden], same float types.
+      weight: [hidden] RMSNorm weight, same float types. Mixed dtypes are not fused: they run
+        `lax.psum` + XLA's add + RMSNorm.
+      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      eps: >= 0, added to the mean square.
+      strategy: as in `all_reduce`.
+
+    Returns:
+      (normed, residual_out): normed in x.dtype, residual_out in residual.dtype, both
+      [tokens, hidden] and invariant across the axis.
+
+    Raises:
+      TypeError / ValueError: a dtype, shape, hidden width, eps or strategy outside the above
+        (the message names the argument, the expected and the actual value).
+    """
     what = "all_reduce_rms_norm"
     _shard.check_context(comm, what)
     x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
@@ -135,6 +184,9 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     if not eps >= 0:
         raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
     mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
     if strat == "xla" or mixed:

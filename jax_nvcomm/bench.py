@@ -82,6 +82,18 @@ class Env:
         except Exception:
             pass
 
+    def topology(self) -> dict:
+        """This process's GPUs (names, PCI ids, SMs) and the link of each pair, through
+        cuda-python (topology.report), recorded with the results; {"host": ...} on CPU."""
+        if not hasattr(self, "_topology"):
+            from . import topology
+            if self.platform == "cpu":
+                self._topology = {"host": topology.host_id()}
+            else:
+                ords = sorted({int(d.local_hardware_id) for d in self.jax.local_devices()})
+                self._topology = topology.report(ords)
+        return self._topology
+
     def mesh(self, n=None, axis="x"):
         import numpy as np
         devs = self.devices if n is None else self.devices[:n]
@@ -95,6 +107,13 @@ class Env:
         import jax
         self.log(f"# jax_nvcomm bench {what}: {self.world} x {self.devices[0].device_kind} "
                  f"({self.platform}), {self.nprocs} process(es), jax {jax.__version__}")
+        from ._platform import platform_lines
+        for line in platform_lines(self.devices):
+            self.log(f"# {line}")
+        for d in self.topology().get("devices", []):
+            self.log(f"# GPU {d['ordinal']}: {d['name']} ({d['pci_bus_id']}, {d['sm_count']} SMs)")
+        if self.topology().get("links"):
+            self.log(f"# links: {self.topology()['links']}")
         self.log(f"# timing: {args.unroll} unrolled x {args.steps} loop steps per program, "
                  f"{args.reps} programs; us per call: median (p10-p90) over the programs")
         if self.platform == "cpu":
@@ -571,7 +590,8 @@ def run_allreduce(a):
     max_bytes = a.max_bytes or ((64 << 10) if a.quick else (128 << 20))
     min_bytes = 4 << 10
     shapes = _ar_shapes(hiddens, min_bytes, max_bytes)
-    result = dict(meta=dict(platform=env.platform, world=env.world, processes=env.nprocs,
+    result = dict(meta=dict(platform=env.platform, topology=env.topology(), world=env.world,
+                            processes=env.nprocs,
                             device_kind=env.devices[0].device_kind, unroll=a.unroll,
                             steps=a.steps, reps=a.reps, dtype="bfloat16"), rows=[])
     mesh = env.mesh()
@@ -844,7 +864,8 @@ def run_moe(a):
                 "per (token, k); combine reads those rows and writes y: the local pack/unpack "
                 "passes' achieved HBM bandwidth")
     _write_json(env, a.out, "moe.json", dict(
-        meta=dict(platform=env.platform, world=env.world, processes=env.nprocs,
+        meta=dict(platform=env.platform, topology=env.topology(), world=env.world,
+                  processes=env.nprocs,
                   device_kind=env.devices[0].device_kind, unroll=a.unroll, steps=a.steps,
                   reps=a.reps, **{k: v for k, v in cfg.items()}), rows=rows))
     series = {}

@@ -1,7 +1,9 @@
 """`Communicator`: the symmetric communication buffers of one mesh axis, set up collectively
-outside jit and held until close(). See API.md for the contract."""
+outside jit and held until close(). Contract: docs/API.md of the repository and the
+docstrings here."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 
@@ -9,7 +11,7 @@ import jax
 import numpy as np
 from jax._src import core as _core
 
-from . import _exchange, _ffi, _multicast
+from . import _exchange, _ffi, _multicast, topology
 from ._symmetric import SymmetricBuffers
 
 _ids = itertools.count(1)
@@ -53,12 +55,27 @@ def resolve_backend(mesh, backend, what):
     return backend
 
 
+class _NoBuffers:
+    """The buffers of a communicator in XLA fallback mode: none."""
+    slots: list = []
+    mod = None
+
+    def local_devices(self) -> list[int]:
+        return []
+
+    def close(self, sync=True) -> None:
+        pass
+
+
 class _Base:
     """Shared lifecycle of the communicators: id, collective setup, close(), context manager."""
 
     _kind = "base"
     _multicast = False
     _multicast_reason = "not set up"
+    _xla_fallback = False
+    _transport_reason = "not set up"
+    _topology = ((), {})
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
                lamport_range=(0, 0), zero_bytes=None, multicast_capable=False):
@@ -91,11 +108,13 @@ class _Base:
                     mesh_axes=[str(a) for a in mesh.axis_names], backend=self._backend,
                     devices=[int(d.id) for d in np.asarray(mesh.devices).flat],
                     cuda_alloc=alloc if self._backend == "cuda" else None,
-                    multicast_requested=mc_req)
+                    multicast_requested=mc_req, requested_backend=backend)
         _exchange.agree(prefix, full, DEFAULT_SETUP_TIMEOUT_S)
         self._groups = groups_of(mesh, axis_name)
+        if self._setup_topology(prefix, backend, what):
+            return  # XLA fallback: no buffers
         if mc_req:
-            facts = _multicast.gather_facts(prefix, _ffi.module(self._backend), self._groups,
+            facts = _multicast.gather_facts(prefix, topology.DriverQueries, self._groups,
                                             DEFAULT_SETUP_TIMEOUT_S)
             mc_req, mc_why = _multicast.decide(os.environ, self._backend, self._world, facts)
         self._multicast, self._multicast_reason = mc_req, mc_why
@@ -104,6 +123,29 @@ class _Base:
                                      DEFAULT_SETUP_TIMEOUT_S, lamport_range, zero_bytes,
                                      alloc=alloc, multicast=mc_req)
         self._closed = False
+
+    def _setup_topology(self, prefix, requested, what) -> bool:
+        """Gather every rank's host and device facts and decide the transport (topology.py).
+        True when the groups cannot use our buffers and the communicator falls back to XLA's
+        collectives (backend="auto"); an explicit backend is refused instead."""
+        facts, links = topology.gather(prefix, self._groups, self._backend,
+                                       DEFAULT_SETUP_TIMEOUT_S)
+        self._topology = (tuple(facts), dict(links))
+        transport, why = topology.decide(self._backend, facts, links)
+        self._transport_reason = why
+        if transport == topology.SYMMETRIC:
+            return False
+        if requested != "auto":
+            raise ValueError(f"jax_nvcomm: {what}: backend={requested!r} cannot serve axis "
+                             f"{self._axis_name!r}: {why}; backend='auto' runs it with XLA's "
+                             "collectives (lax.psum, lax.all_gather, ragged_all_to_all)")
+        self._xla_fallback = True
+        self._multicast_reason = "XLA fallback (no buffers)"
+        self._sym = _NoBuffers()
+        self._closed = False
+        topology._say_once(f"jax_nvcomm: {what} over axis {self._axis_name!r} uses XLA's "
+                           f"collectives for every op: {why}")
+        return True
 
     # ---- properties (API.md) ----
     @property
@@ -148,6 +190,29 @@ class _Base:
     def multicast_reason(self) -> str:
         """Why `multicast` is on or off (the first condition that failed)."""
         return self._multicast_reason
+
+    @property
+    def xla_fallback(self) -> bool:
+        """True when this communicator holds no buffers and every op runs XLA's collectives
+        (lax.psum, lax.all_gather, reference's ragged_all_to_all path): its groups span
+        several hosts or GPUs without peer access (jax_nvcomm/topology.py). Only with
+        backend="auto"; decided alike in every process at setup."""
+        return self._xla_fallback
+
+    @property
+    def transport_reason(self) -> str:
+        """Why the communicator uses its own buffers or falls back to XLA (`xla_fallback`)."""
+        return self._transport_reason
+
+    @property
+    def topology(self) -> dict:
+        """The facts the transport was chosen from: per rank (group, rank, process, host and,
+        on CUDA with cuda-python, the GPU's name / UUID / PCI bus id / SMs / multicast) and
+        the link of every GPU pair one process sees ("nvlink", "pcie", "none")."""
+        facts, links = self._topology
+        return {"ranks": [dataclasses.asdict(f) for f in facts],
+                "links": {f"{a}-{b}": v for (a, b), v in links.items()},
+                "link_summary": topology.describe_links(facts, links)}
 
     def check_usable(self, what: str) -> None:
         if self._closed:
@@ -211,7 +276,27 @@ class Communicator(_Base):
     allocation / multicast granularity that the driver reports.)
 
     Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
-    when `multicast` is True (opt-in, see that property and README "Multicast").
+    when `multicast` is True (opt-in, see that property and README "Multicast"). Groups whose
+    ranks span several hosts (or GPUs without peer access) get no buffers: with backend="auto"
+    every op runs XLA's collectives (`xla_fallback`), an explicit backend is refused.
+
+    Create it outside jit, collectively: every process of the job, same arguments, same order.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`.
+      axis_name: the mesh axis to reduce / gather over; the other axes give one independent
+        group per coordinate.
+      max_message_bytes: largest message (bytes per rank) through the buffers, >= 4096; larger
+        ones use XLA's collective.
+      backend: "auto" (CUDA on GPU devices, host memory on CPU devices), "cuda" or "host".
+      timeout_s: bound on every wait for a peer, > 0 (default JAX_NVCOMM_TIMEOUT_S or 30 s).
+
+    Raises:
+      TypeError / ValueError: an argument outside the above (named, with expected and actual
+        value), processes passing different arguments, an explicit backend that cannot serve
+        the groups (naming the hosts).
+      RuntimeError: created inside a trace; a process that never arrives (after
+        JAX_NVCOMM_SETUP_TIMEOUT_S).
     """
 
     _kind = "communicator"

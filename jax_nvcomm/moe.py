@@ -1,4 +1,4 @@
-"""MoE expert-parallel dispatch / combine (API.md): `MoECommunicator`, `moe_dispatch`,
+"""MoE expert-parallel dispatch / combine (docs/API.md): `MoECommunicator`, `moe_dispatch`,
 `moe_combine`, and the `Dispatched` / `MoEHandle` pytrees.
 
 Protocol, buffer layout and handle: csrc/common/moe_layout.h. Per-rank buffer (`nbytes`):
@@ -37,7 +37,24 @@ def _int(v, name, what, lo=None):
 
 class MoECommunicator(_Base):
     """Symmetric buffers for moe_dispatch / moe_combine over `axis_name`; rank r owns experts
-    [r * num_local_experts, (r + 1) * num_local_experts)."""
+    [r * num_local_experts, (r + 1) * num_local_experts).
+
+    Created outside jit, collectively, like `Communicator` (same transport decision and XLA
+    fallback: `xla_fallback`). Per-rank buffer bytes: `nbytes` (module docstring).
+
+    Args:
+      mesh, axis_name, backend, timeout_s: as for `Communicator`.
+      num_experts: >= 1, divisible by the axis size.
+      top_k: experts per token, 1 <= top_k <= min(num_experts, 32).
+      max_tokens: static per-rank token capacity (>= 1).
+      hidden: token width, a multiple of 8 elements and of 16 bytes.
+      dtype: payload dtype: bfloat16, float16, float32 or float8_e4m3fn.
+      scale_cols: float32 scales carried with each token (0: none).
+
+    Raises:
+      TypeError / ValueError: an argument outside the above (named, with expected and actual
+        value); as for `Communicator` otherwise.
+    """
 
     _kind = "moe"
 
@@ -229,7 +246,37 @@ def _tokens_to_rows(tok, w, handle, moe):
 # public functions
 
 def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatched:
-    """Send each token once to every rank owning one of its top_k experts; see API.md."""
+    """Send each token once to every rank that owns one of its top_k experts.
+
+    Rank r owns experts [r * L, (r + 1) * L), L = moe.num_local_experts. A token goes once to
+    each destination rank however many of its experts live there.
+    On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
+    it runs `reference.moe_dispatch_xla` (`lax.ragged_all_to_all`) instead, with the same results.
+    Its handle is then an `XlaMoEHandle` (expert_src not filled).
+
+    Args:
+      x: [max_tokens, hidden] of moe.dtype.
+      topk_ids: int32 [max_tokens, top_k]: expert ids in [0, num_experts), distinct in a row;
+        -1 marks an unused slot (sent nowhere).
+      moe: a `MoECommunicator` over one axis of the surrounding shard_map's mesh.
+      num_tokens: optional int32 scalar (may be traced) in [0, max_tokens]: only rows
+        < num_tokens are sent. Default: all.
+      x_scale: float32 [max_tokens, scale_cols], required when moe.scale_cols > 0 (e.g. FP8
+        block scales), dispatched with the token.
+
+    Returns:
+      `Dispatched(expert_x, expert_counts, expert_x_scale, handle)`: expert_x
+      [L, world_size * max_tokens, hidden] of moe.dtype, where rows 0 .. expert_counts[e] - 1
+      of local expert e hold its tokens in (source rank, source token) order and later rows are
+      unspecified; expert_counts int32 [L]; expert_x_scale float32
+      [L, world_size * max_tokens, scale_cols] or None; handle, the `MoEHandle` that
+      `moe_combine` needs (arrays only: several dispatches may be in flight).
+
+    Raises:
+      TypeError / ValueError: shapes or dtypes other than the above, x_scale missing or
+        unexpected, a constant num_tokens out of range. Bad ids found on the device fail the
+        call on that rank (and its peers at once) with a named error.
+    """
     what = "moe_dispatch"
     if not isinstance(moe, MoECommunicator):
         raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
@@ -238,6 +285,9 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     x, topk_ids = jnp.asarray(x), jnp.asarray(topk_ids)
     x_scale = None if x_scale is None else jnp.asarray(x_scale)
     _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale)
+    if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.moe_dispatch(x, topk_ids, moe, num_tokens, x_scale)
     float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
@@ -265,7 +315,27 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
 
 
 def moe_combine(expert_y, topk_weights, handle, moe):
-    """y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)] (float32, k order)."""
+    """Send the expert outputs back to their tokens and sum them with the router weights.
+
+    y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)], accumulated in float32 in k
+    order and cast to expert_y.dtype; rows >= num_tokens are zero, -1 slots add nothing.
+    On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
+    it runs `reference.moe_combine_xla` instead, with the same results.
+
+    Args:
+      expert_y: [L, world_size * max_tokens, hidden] in expert_x's layout; bfloat16, float16 or
+        float32.
+      topk_weights: float32 [max_tokens, top_k].
+      handle: `d.handle` of the `moe_dispatch` whose rows expert_y holds.
+      moe: the `MoECommunicator` of that dispatch.
+
+    Returns:
+      y: [max_tokens, hidden] in expert_y.dtype, varying across the axis.
+
+    Raises:
+      TypeError / ValueError: shapes or dtypes other than the above, a handle that is not a
+        `MoEHandle`.
+    """
     what = "moe_combine"
     if not isinstance(moe, MoECommunicator):
         raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
@@ -288,6 +358,9 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         raise ValueError(f"jax_nvcomm: {what}: topk_weights must be float32 of shape "
                          f"(max_tokens, top_k) = ({T}, {K}), got {topk_weights.dtype}"
                          f"{topk_weights.shape}")
+    if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
+        from . import _fallback
+        return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
 
     @jax.custom_vjp
     def combine(ey, w, handle, tok):

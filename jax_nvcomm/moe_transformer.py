@@ -1113,6 +1113,10 @@ def main(argv=None, prog=None) -> int:
     cfg = parse_args(argv, prog)
     setup_platform(max(8, cfg.devices or 0))
     import jax
+
+    from ._platform import platform_lines
+    if jax.process_index() == 0:
+        print("\n".join(platform_lines(jax.devices())), flush=True)
     try:
         res = run(cfg)
     except (Unavailable, ConfigError) as e:

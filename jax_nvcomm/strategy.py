@@ -64,7 +64,22 @@ def thresholds(world: int, *, oneshot_max_bytes: int | None = None,
 
 def select_strategy(comm, shape, dtype, *, oneshot_max_bytes: int | None = None,
                     twoshot_max_bytes: int | None = None) -> str:
-    """"oneshot" | "twoshot" | "xla" for an all-reduce of `shape`/`dtype` on `comm`."""
+    """The strategy "auto" picks for an all-reduce of `shape`/`dtype` on `comm`.
+
+    A pure function of the static shape, dtype and world size: one-shot up to the first
+    threshold (and `comm.lamport_slot_bytes`), two-shot up to the second, "xla" above it, for
+    empty messages and above `comm.max_message_bytes`.
+
+    Args:
+      comm: a `Communicator`.
+      shape: the per-rank shape of x.
+      dtype: x's dtype.
+      oneshot_max_bytes, twoshot_max_bytes: override the thresholds (default: the world size's
+        table, or JAX_NVCOMM_ONESHOT_MAX_BYTES / JAX_NVCOMM_TWOSHOT_MAX_BYTES).
+
+    Returns:
+      "oneshot", "twoshot" or "xla".
+    """
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     one, two = thresholds(comm.world_size, oneshot_max_bytes=oneshot_max_bytes,
                           twoshot_max_bytes=twoshot_max_bytes)

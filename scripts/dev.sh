@@ -3,7 +3,12 @@
 #   bash scripts/dev.sh demo [args]   create .venv (Python >= 3.12), install, run the main example
 #   bash scripts/dev.sh test [args]   create .venv, install, run the test suite
 #   bash scripts/dev.sh install       create .venv and install only
+#   bash scripts/dev.sh deps          print the pip requirements `install` would install here,
+#                                     one per line (installs nothing)
 # The CUDA backend is compiled when nvcc is found (JAX_NVCOMM_CUDA=AUTO|ON|OFF overrides).
+# jax comes with its CUDA plugin when `nvidia-smi -L` lists a GPU: jax[cuda13] when the driver
+# supports CUDA >= 13 (the "CUDA Version" of plain `nvidia-smi`), else jax[cuda12]; plain jax
+# otherwise (CI, CPU-only machines). The same choice as pyproject.toml's extras cuda13 / cuda12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -25,15 +30,47 @@ find_python() {
   return 1
 }
 
+# CUDA major version the driver supports ("" when no GPU is listed or nvidia-smi is missing).
+driver_cuda_major() {
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  local listing header v
+  # whole outputs first: `grep -q` / `head` ending a pipe early would SIGPIPE nvidia-smi, and
+  # pipefail would read that as "no GPU"
+  listing=$(nvidia-smi -L 2>/dev/null) || true
+  grep -q '^GPU [0-9]' <<<"$listing" || return 0
+  header=$(nvidia-smi 2>/dev/null) || true
+  v=$(sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' <<<"$header")
+  v=${v%%$'\n'*}
+  echo "${v:-12}"  # a GPU whose driver does not print its CUDA version: the older plugin
+}
+
+requirements() {
+  local major
+  major=$(driver_cuda_major)
+  if [ -z "$major" ]; then
+    echo "jax>=0.11"
+    echo "jaxlib>=0.11"
+  elif [ "$major" -ge 13 ]; then
+    echo "jax[cuda13]>=0.11"
+    echo "cuda-python>=13,<14"
+  else
+    echo "jax[cuda12]>=0.11"
+    echo "cuda-python>=12.8,<13"
+  fi
+  printf '%s\n' "nanobind>=2.4" "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy "pytest>=8" \
+    "hypothesis>=6" matplotlib
+}
+
 install() {
+  local reqs
+  mapfile -t reqs < <(requirements)
   if [ ! -x "$VENV/bin/python" ]; then
     PY=$(find_python)
     "$PY" -m venv "$VENV"
   fi
   local pip="$VENV/bin/python -m pip"
   $pip install -q --upgrade pip
-  $pip install -q "jax>=0.11" "jaxlib>=0.11" "nanobind>=2.4" "scikit-build-core>=0.10" \
-    "cmake>=3.26" ninja numpy "pytest>=8" "hypothesis>=6" matplotlib
+  $pip install -q "${reqs[@]}"
   if [ -z "${JAX_NVCOMM_CUDA:-}" ] && command -v nvcc >/dev/null 2>&1; then
     export JAX_NVCOMM_CUDA=ON
   fi
@@ -46,9 +83,10 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   install) install ;;
+  deps) requirements ;;
   # run from examples/ so the source folder jax_nvcomm/ (no compiled modules) does not shadow
   # the installed package
   demo) install; cd examples && exec "../$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
   test) install; cd tests && exec "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
-  *) echo "usage: $0 demo|test|install [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 demo|test|install|deps [args]" >&2; exit 2 ;;
 esac

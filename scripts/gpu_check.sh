@@ -5,6 +5,8 @@
 #   bash scripts/gpu_check.sh shared   package build timing, kernel harnesses (+ compute-sanitizer),
 #                                      2/4/8 processes sharing GPU 0: collectives (1,000 calls),
 #                                      MoE, CUDA-graph loop, fault cases, example (--nvcomm-only)
+#   bash scripts/gpu_check.sh topology device facts (cuda-python), the transport decision on all
+#                                      GPUs, 2 processes marked as different hosts (XLA fallback)
 #   bash scripts/gpu_check.sh multi    all GPUs: one process driving all, one process per GPU,
 #                                      example on all GPUs, full benchmarks with --tune
 #   bash scripts/gpu_check.sh pytest   the pytest GPU suite (`pytest -m gpu`, tests/gpu/: kernels
@@ -122,6 +124,15 @@ pytest)
   ;;
 bench1) step bench_1gpu 200 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
     $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench1" ;;
+topology)  # device facts through cuda-python, the transport decision, the multi-host fallback
+  step topo_facts 60 $PY -m jax_nvcomm.topology
+  step topo_comm 90 $PY -c "import jax, jax_nvcomm as n
+c = n.Communicator(jax.make_mesh((len(jax.devices()),), ('x',)), 'x')
+t = c.topology
+print('PASS fallback', c.xla_fallback, '|', c.transport_reason, '| links', t['link_summary'])
+print([(r['rank'], r['host'], r['device'] and r['device']['name']) for r in t['ranks']]); c.close()"
+  [ "$NG" -ge 2 ] && step fallback_mp2 150 $L -n 2 --timeout 145 tests/mp/fallback_mp.py
+  ;;
 multi) run_part multitest; run_part multibench ;;
 multitest)
   step sp_coll 120 $PY tests/mp/collectives_mp.py --calls=1000
@@ -168,7 +179,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|multi|multitest|multibench|pytest|order|step|stepD|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -138,18 +138,6 @@ size_t allocation_granularity(int device, bool exportable) {
   return g;
 }
 
-std::string device_uuid(int device) {
-  cudaDeviceProp p{};
-  check_rt(cudaGetDeviceProperties(&p, device), "cudaGetDeviceProperties");
-  std::string out;
-  char hex[3];
-  for (int i = 0; i < 16; ++i) {
-    std::snprintf(hex, sizeof hex, "%02x", static_cast<unsigned char>(p.uuid.bytes[i]));
-    out += hex;
-  }
-  return out;
-}
-
 bool multicast_supported(int device) {
   int v = 0;
   check_cu(api().cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED,

@@ -42,8 +42,6 @@ CUdevice cu_device(int device);
 CUdevice current_device(int device);
 // Allocation granularity (recommended) of pinned device memory on `device`.
 size_t allocation_granularity(int device, bool exportable);
-// Physical identity of a device: its UUID as 32 hex digits.
-std::string device_uuid(int device);
 // CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (a query only; creates nothing).
 bool multicast_supported(int device);
 

@@ -1,0 +1,109 @@
+"""`bash scripts/dev.sh deps`: the pip requirements `install` would install, chosen from what a
+(fake) `nvidia-smi` on PATH reports; and pyproject.toml's CUDA extras making the same choice."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEV = ROOT / "scripts" / "dev.sh"
+SYSTEM_PATH = "/usr/bin:/bin"
+
+SMI_HEADER = """\
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 580.159.04             Driver Version: 580.159.04     CUDA Version: {cuda}     |
+|-----------------------------------------+------------------------+----------------------+
+"""
+
+
+def _fake_smi(tmp_path: Path, gpus: int, cuda: str | None, fail_list: bool = False) -> Path:
+    """A directory holding an `nvidia-smi` that lists `gpus` GPUs for -L and prints a header
+    with `cuda` as the driver's CUDA version (no version line when None)."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    listing = "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i:08x}-fake)'\n"
+                      for i in range(gpus))
+    header = SMI_HEADER.format(cuda=cuda) if cuda else "NVIDIA-SMI has no version line\n"
+    if fail_list:
+        listing = "echo 'No devices were found' >&2; exit 6\n"
+    script = ("#!/bin/bash\n"
+              'if [ "${1:-}" = "-L" ]; then\n' + listing + "exit 0\nfi\n"
+              f"cat <<'HDR'\n{header}HDR\n")
+    smi = d / "nvidia-smi"
+    smi.write_text(script)
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return d
+
+
+def _deps(path: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VENV",)}
+    env["PATH"] = path
+    env["VENV"] = "/nonexistent/venv-must-not-be-created"
+    out = subprocess.run(["bash", str(DEV), "deps"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not Path("/nonexistent/venv-must-not-be-created").exists()
+    return out.stdout.split()
+
+
+def _jax_lines(reqs):
+    """The requirements naming jax, jaxlib or cuda-python, in order."""
+    name = lambda r: r.split("[")[0].split(">")[0].split("<")[0].split("=")[0]
+    return [r for r in reqs if name(r) in ("jax", "jaxlib", "cuda-python")]
+
+
+@pytest.mark.parametrize("cuda, extra, bindings", [
+    ("13.0", "cuda13", "cuda-python>=13,<14"),
+    ("13.2", "cuda13", "cuda-python>=13,<14"),
+    ("14.1", "cuda13", "cuda-python>=13,<14"),
+    ("12.8", "cuda12", "cuda-python>=12.8,<13"),
+    ("12.4", "cuda12", "cuda-python>=12.8,<13"),
+])
+def test_gpu_listed_picks_the_cuda_plugin_by_driver_version(tmp_path, cuda, extra, bindings):
+    reqs = _deps(f"{_fake_smi(tmp_path, 2, cuda)}:{SYSTEM_PATH}")
+    # the plugin extra brings the matching jaxlib: no separate jaxlib line
+    assert _jax_lines(reqs) == [f"jax[{extra}]>=0.11", bindings]
+
+
+def test_gpu_without_version_line_takes_cuda12(tmp_path):
+    reqs = _deps(f"{_fake_smi(tmp_path, 1, None)}:{SYSTEM_PATH}")
+    assert _jax_lines(reqs) == ["jax[cuda12]>=0.11", "cuda-python>=12.8,<13"]
+
+
+def test_nvidia_smi_listing_no_gpu_gives_plain_jax(tmp_path):
+    reqs = _deps(f"{_fake_smi(tmp_path, 0, '13.0', fail_list=True)}:{SYSTEM_PATH}")
+    assert _jax_lines(reqs) == ["jax>=0.11", "jaxlib>=0.11"]
+
+
+def test_no_nvidia_smi_gives_plain_jax():
+    if shutil.which("nvidia-smi", path=SYSTEM_PATH):
+        pytest.skip(f"this machine has nvidia-smi in {SYSTEM_PATH}")
+    reqs = _deps(SYSTEM_PATH)
+    assert _jax_lines(reqs) == ["jax>=0.11", "jaxlib>=0.11"]
+    for tool in ("nanobind>=2.4", "scikit-build-core>=0.10", "numpy", "pytest>=8"):
+        assert tool in reqs
+
+
+def test_install_uses_the_deps_list():
+    text = DEV.read_text()
+    body = text[text.index("install() {"):]
+    body = body[:body.index("\n}\n")]
+    assert "mapfile -t reqs < <(requirements)" in body
+    assert '"${reqs[@]}"' in body
+    assert "jax>=" not in body and "numpy" not in body  # no second, hand-kept list
+
+
+def test_pyproject_extras_match_the_gpu_choice(tmp_path):
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for cuda, name in (("13.0", "cuda13"), ("12.8", "cuda12")):
+        sub = tmp_path / name
+        sub.mkdir()
+        reqs = _deps(f"{_fake_smi(sub, 1, cuda)}:{SYSTEM_PATH}")
+        assert sorted(extras[name]) == sorted(_jax_lines(reqs))

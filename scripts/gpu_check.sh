@@ -166,6 +166,14 @@ stepD)  # custom calls out of command buffers (XLA cuts its graphs at our calls,
     $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepD" --iters 30
   tail -5 "$OUT"/stepD/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
+stepAD)  # the package as it is (A) against custom calls outside command buffers (D), alternating
+  for i in 1 2; do
+    step step_A$i 150 $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepA$i" --iters 40 --no-trace
+    step step_D$i 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,WHILE,CONDITIONAL" \
+      $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepD$i" --iters 40 --no-trace
+  done
+  for v in A1 D1 A2 D2; do echo "== $v"; tail -4 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
   tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
@@ -179,7 +187,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

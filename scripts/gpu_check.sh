@@ -41,7 +41,7 @@ step() {  # step NAME TIMEOUT CMD...: runs CMD, appends its output to all.log, o
 
 build_pkg() {  # build_pkg LABEL: pip build into /tmp/nvc_site, one summary line with its time
   local t0=$SECONDS
-  if $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . >"$OUT/build.log" 2>&1; then
+  if rm -rf /tmp/nvc_site; $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/nvc_site . >"$OUT/build.log" 2>&1; then
     say "package build on this machine$1: $((SECONDS - t0)) s"
   else
     say "package build FAILED (see build.log)"; return 1

@@ -15,6 +15,7 @@
 #include "cuda/allgather.h"
 #include "cuda/allreduce.h"
 #include "cuda/moe.h"
+#include "cuda/varlen.h"
 #include "transport/cuda_mem.h"
 #include "transport/cuda_multicast.h"
 #include "transport/cuda_vmm.h"
@@ -51,7 +52,7 @@ NB_MODULE(_cuda, m) {
   m.def("load_kernels", [](int device) {
     if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
     for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::all_reduce_load_kernels(),
-                          cuda::moe_load_kernels()})
+                          cuda::moe_load_kernels(), cuda::varlen_load_kernels()})
       if (e != cudaSuccess)
         throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
                                  cudaGetErrorString(e));

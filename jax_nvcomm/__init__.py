@@ -7,6 +7,7 @@ from .allreduce import all_reduce, all_reduce_rms_norm
 from .communicator import Communicator
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .strategy import select_strategy
+from .varlen import all_gather_v, reduce_scatter_v
 
 __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
@@ -14,5 +15,5 @@ CUDA_BUILT = _ffi.CUDA_BUILT
 __all__ = [
     "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
-    "distributed_initialize", "CUDA_BUILT",
+    "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
 ]

@@ -50,6 +50,10 @@ enum ErrCode : uint32_t {
   kErrAhead = 3,         // a peer published a later sequence number than ours
   kErrBadExpert = 4,     // an expert id outside [-1, num_experts)
   kErrCapacity = 5,      // a count exceeds a static capacity
+  kErrRowCount = 6,      // all_gather_v / reduce_scatter_v: a row count outside [0, max_rows]
+                         // (peer = the rank it belongs to, observed = count | max_rows << 32)
+  kErrOffsetsDiffer = 7, // reduce_scatter_v: a peer's offsets give this rank another row count
+                         // (peer = that rank, observed = its count | this rank's count << 32)
 };
 
 // Written once (first error wins) by a failing kernel or host protocol. For CUDA it lives in
@@ -81,6 +85,8 @@ enum OpKind : uint32_t {
   kOpAllReduceRms = 3,
   kOpMoeDispatch = 4,
   kOpMoeCombine = 5,
+  kOpAllGatherV = 6,
+  kOpReduceScatterV = 7,
 };
 
 // 24-bit call descriptor: op kind in bits 0..3, a hash of the sizes in bits 4..23.

@@ -25,6 +25,8 @@ static const char* op_name(uint32_t desc) {
     case kOpAllReduceRms: return "all_reduce_rms_norm";
     case kOpMoeDispatch: return "moe_dispatch";
     case kOpMoeCombine: return "moe_combine";
+    case kOpAllGatherV: return "all_gather_v";
+    case kOpReduceScatterV: return "reduce_scatter_v";
     default: return "unknown op";
   }
 }
@@ -78,6 +80,20 @@ std::string describe_error(const ErrorInfo& e) {
                     "jax_nvcomm: %s call #%llu: rank %d: size %llu exceeds the capacity of the "
                     "communication buffer", op_name(e.op), (unsigned long long)e.seq, e.rank,
                     (unsigned long long)e.observed);
+      break;
+    case kErrRowCount:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: rank %d's row count is %d, outside "
+                    "[0, max_rows=%u] (num_rows or offsets out of range)", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer, int32_t(uint32_t(e.observed)),
+                    unsigned(e.observed >> 32));
+      break;
+    case kErrOffsetsDiffer:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: rank %d's offsets give this rank %d "
+                    "rows, this rank's give %d: ranks passed different offsets", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer, int32_t(uint32_t(e.observed)),
+                    int32_t(uint32_t(e.observed >> 32)));
       break;
     default:
       std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);

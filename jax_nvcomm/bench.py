@@ -1,7 +1,9 @@
 """Benchmarks: `python -m jax_nvcomm.bench allreduce [--tune] [--out DIR] [--quick]`,
 `python -m jax_nvcomm.bench moe [--out DIR] [--quick]` (loop benchmarks: many calls inside one
-jitted program, per-call time; described below) and `python -m jax_nvcomm.bench step` (whole
-jitted model steps against XLA: jax_nvcomm/bench_step.py).
+jitted program, per-call time; described below), `python -m jax_nvcomm.bench varlen`
+(all_gather_v / reduce_scatter_v against padded all_gather and zero-filled psum:
+jax_nvcomm/bench_varlen.py) and `python -m jax_nvcomm.bench step` (whole jitted model steps
+against XLA: jax_nvcomm/bench_step.py).
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).
@@ -901,6 +903,10 @@ def _parser():
             s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank")
             s.add_argument("--moe-hidden", type=int, default=None)
             s.add_argument("--experts", type=int, default=None)
+    from . import bench_varlen
+    bench_varlen.add_arguments(sub.add_parser(
+        "varlen", help="all_gather_v / reduce_scatter_v vs padded all_gather and zero-filled "
+                       "psum (jax_nvcomm/bench_varlen.py)"))
     from . import bench_step
     bench_step.add_arguments(sub.add_parser(
         "step", help="whole jitted model steps, jax_nvcomm vs XLA (jax_nvcomm/bench_step.py)"))
@@ -919,6 +925,9 @@ def main(argv=None):
     a.steps = a.steps or (2 if cpu_like else 8)
     if a.what == "allreduce":
         return run_allreduce(a)
+    if a.what == "varlen":
+        from .bench_varlen import run_varlen
+        return run_varlen(a)
     return run_moe(a)
 
 

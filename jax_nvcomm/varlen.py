@@ -114,7 +114,7 @@ def xla_reduce_scatter_v(y, offsets, axis, world):
 # ---------------------------------------------------------------------------------------------
 # kernel calls
 
-def _gather_call(x, nr, tok, comm):
+def _gather_call(x, nr, tok, comm, zero_tail=True):
     axis, W = comm.axis_name, comm.world_size
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
@@ -122,7 +122,8 @@ def _gather_call(x, nr, tok, comm):
     rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype, vma),
            _shard.result_type(x, (W + 1,), jnp.int32, vma),
            _shard.result_type(x, (), jnp.int32, vma))
-    return _shard.ffi_call(comm, "all_gather_v", rts, x, nr, order=tok)
+    return _shard.ffi_call(comm, "all_gather_v", rts, x, nr, order=tok,
+                           zero_tail=np.int64(1 if zero_tail else 0))
 
 
 def _scatter_call(y, offsets, tok, comm):
@@ -146,7 +147,7 @@ def _my_rows(ct, offsets, nr, axis):
 # ---------------------------------------------------------------------------------------------
 # public functions
 
-def all_gather_v(x, num_rows, comm):
+def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     """Gather the first `num_rows` rows of every rank, concatenated in rank order.
 
     Call inside `jax.shard_map` over `comm`'s mesh. Each rank moves only its own rows (no
@@ -161,11 +162,15 @@ def all_gather_v(x, num_rows, comm):
         of x to send. A traced value out of range fails the call on the device with a named
         error (kernel path) or is clipped (XLA path).
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      zero_tail: zero the rows of gathered from total on (default). False leaves them
+        unspecified (API.md) and saves a local memset of (world * max_rows - total) rows, which
+        dominates a decode step gathered into a prefill-sized buffer; only safe when nothing
+        reads those rows (garbage, e.g. NaN, times a zero cotangent is still NaN).
 
     Returns:
       (gathered, offsets, total): gathered [world_size * max_rows, ...], rank r's rows at
-      offsets[r] .. offsets[r+1] - 1, rows from total on zero (API.md: unspecified; zeros
-      keep garbage, e.g. NaN * 0, out of gradients computed over the whole buffer); offsets int32
+      offsets[r] .. offsets[r+1] - 1, rows from total on zero (with zero_tail; API.md:
+      unspecified); offsets int32
       [world_size + 1] (offsets[0] = 0, offsets[-1] = total); total int32 scalar. All
       invariant across the axis. Gradient: module docstring (reduce_scatter_v is its
       transpose).
@@ -192,7 +197,7 @@ def all_gather_v(x, num_rows, comm):
 
     @jax.custom_vjp
     def gather(v, n, tok):
-        (g, off, tot), tok = _gather_call(v, n, tok, comm)
+        (g, off, tot), tok = _gather_call(v, n, tok, comm, zero_tail)
         return g, off, tot, tok
 
     def fwd(v, n, tok):

@@ -61,6 +61,37 @@ def test_all_gather_v_random_counts(comm8, rng, dtype, row_shape, check_vma):
     check_gather(out, x.astype(np.float64) if dtype != jnp.int8 else x, counts, max_rows)
 
 
+def test_all_gather_v_without_zero_tail(comm8, rng):
+    """zero_tail=False: the same rows, offsets and total (rows past the total unspecified)."""
+    max_rows = 6
+    counts = rng.integers(0, max_rows + 1, W).astype(np.int32)
+    x = rng.standard_normal((W * max_rows, 8)).astype(np.float32)
+
+    def f(v, n):
+        g, off, tot = nvc.all_gather_v(v, n[0], comm8, zero_tail=False)
+        return g[None], off[None], tot[None]
+    out = jax.jit(jax.shard_map(f, mesh=comm8.mesh, in_specs=(P("x"), P("x")),
+                                out_specs=(P("x"),) * 3))(x, counts)
+    check_gather(out, x, counts, max_rows)
+
+
+def test_bench_varlen_runs(tmp_path):
+    """`python -m jax_nvcomm.bench varlen --quick` on 8 CPU devices: every method of every
+    load has a time, the JSON and the table are written."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    p = subprocess.run([sys.executable, "-m", "jax_nvcomm.bench", "varlen", "--quick",
+                        "--reps", "1", "--unroll", "1", "--steps", "1", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "varlen.json").read_text())["rows"]
+    assert len(rows) == 4 * 7 and all("median_us" in r for r in rows), rows
+    assert "## all_gather_v" in p.stdout and "## reduce_scatter_v" in p.stdout
+
+
 @pytest.mark.parametrize("case", ["all_on_one", "none", "full"])
 def test_all_gather_v_extremes(comm8, rng, case):
     max_rows = 9

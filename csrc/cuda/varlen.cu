@@ -32,13 +32,13 @@ const char* varlen_check(const CommView& v, int64_t max_rows, size_t row_bytes, 
 
 cudaError_t all_gather_v(const CommView& v, const void* in, const int32_t* num_rows, void* out,
                          int32_t* offsets_out, int32_t* total_out, int64_t max_rows,
-                         size_t row_bytes, cudaStream_t s) {
+                         size_t row_bytes, bool zero_tail, cudaStream_t s) {
   if (varlen_check(v, max_rows, row_bytes, -1) != nullptr) return cudaErrorInvalidValue;
   const int g = varlen_grid(max_rows, row_bytes);
   const uint32_t desc = make_desc(kOpAllGatherV, uint64_t(max_rows), row_bytes);
   dev::all_gather_v_kernel<<<unsigned(g), dev::kVarlenThreads, 0, s>>>(
       v, static_cast<const char*>(in), num_rows, static_cast<char*>(out), offsets_out, total_out,
-      max_rows, row_bytes, varlen_slot_bytes(max_rows, row_bytes), desc);
+      max_rows, row_bytes, varlen_slot_bytes(max_rows, row_bytes), desc, zero_tail);
   return cudaGetLastError();
 }
 

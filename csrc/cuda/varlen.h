@@ -15,10 +15,11 @@
 namespace nvc {
 namespace cuda {
 // in [max_rows, row_bytes]; num_rows: device int32 scalar; out [W * max_rows, row_bytes];
-// offsets_out: device int32 [W + 1]; total_out: device int32 scalar.
+// offsets_out: device int32 [W + 1]; total_out: device int32 scalar. zero_tail: zero the rows
+// of out past the total.
 cudaError_t all_gather_v(const CommView& v, const void* in, const int32_t* num_rows, void* out,
                          int32_t* offsets_out, int32_t* total_out, int64_t max_rows,
-                         size_t row_bytes, cudaStream_t s);
+                         size_t row_bytes, bool zero_tail, cudaStream_t s);
 // y [W * max_rows, row_bytes] (gathered layout); offsets: device int32 [W + 1];
 // out [max_rows, row_bytes].
 cudaError_t reduce_scatter_v(const CommView& v, const void* y, const int32_t* offsets, void* out,

@@ -16,7 +16,7 @@ ffi::Error AllGatherVCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> offsets,
                               ffi::Result<ffi::Buffer<ffi::S32>> total, OrderOut,
-                              int64_t comm_id) {
+                              int64_t comm_id, int64_t zero_tail) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   auto dims = x.dimensions();
@@ -32,7 +32,7 @@ ffi::Error AllGatherVCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return launch_result(
       cuda::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data(),
                          out->untyped_data(), offsets->typed_data(), total->typed_data(),
-                         max_rows, row, stream),
+                         max_rows, row, zero_tail != 0, stream),
       "all_gather_v launch");
 }
 
@@ -71,7 +71,8 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherVCuda, AllGatherVCudaImpl,
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"),
+                           .Attr<int64_t>("comm_id")
+                           .Attr<int64_t>("zero_tail"),
                        {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER(kReduceScatterVCuda, ReduceScatterVCudaImpl,
                        ffi::Ffi::Bind()

@@ -12,7 +12,7 @@ ffi::Error AllGatherVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::S32>> offsets,
                               ffi::Result<ffi::Buffer<ffi::S32>> total, OrderOut,
-                              int64_t comm_id) {
+                              int64_t comm_id, int64_t zero_tail) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   auto dims = x.dimensions();
@@ -25,7 +25,7 @@ ffi::Error AllGatherVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   return from_text(host::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data()[0],
                                       out->untyped_data(), offsets->typed_data(),
                                       total->typed_data(), max_rows,
-                                      x.size_bytes() / size_t(max_rows)));
+                                      x.size_bytes() / size_t(max_rows), zero_tail != 0));
 }
 
 ffi::Error ReduceScatterVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer y,
@@ -61,7 +61,8 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherVHost, AllGatherVHostImpl,
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                           .Attr<int64_t>("comm_id")
+                           .Attr<int64_t>("zero_tail"));
 XLA_FFI_DEFINE_HANDLER(kReduceScatterVHost, ReduceScatterVHostImpl,
                        ffi::Ffi::Bind()
                            .Arg<ffi::Buffer<ffi::S32>>()

@@ -31,7 +31,8 @@ int32_t read_i32(const int32_t* p) {
 }  // namespace
 
 std::string all_gather_v(const CommView& v, const void* in, int32_t num_rows, void* out,
-                         int32_t* offsets, int32_t* total, int64_t max_rows, size_t row_bytes) {
+                         int32_t* offsets, int32_t* total, int64_t max_rows, size_t row_bytes,
+                         bool zero_tail) {
   const uint32_t desc = make_desc(kOpAllGatherV, uint64_t(max_rows), row_bytes);
   const uint64_t seq = begin_call(v);
   if (!varlen_fits(v.max_message_bytes, v.world, max_rows, row_bytes))
@@ -59,7 +60,8 @@ std::string all_gather_v(const CommView& v, const void* in, int32_t num_rows, vo
   }
   offsets[v.world] = int32_t(off);
   *total = int32_t(off);
-  std::memset(static_cast<char*>(out) + size_t(off) * row_bytes, 0,
+  if (zero_tail)
+    std::memset(static_cast<char*>(out) + size_t(off) * row_bytes, 0,
               size_t(int64_t(v.world) * max_rows - off) * row_bytes);  // rows past the total
   end_call(v, seq);
   return "";

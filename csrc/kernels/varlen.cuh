@@ -19,9 +19,10 @@
 //      thread 0 waits for flags[p][0][src][b] (bounded) and reads header[src] (the count src
 //      published with that very flag); the block copies src's rows [c*b/G, c*(b+1)/G) from
 //      slot[src] of my half p to out[offset(src) + ...].
-//   3. block 0 writes offsets[0..W] and total; every block zeroes its share of the rows past the
-//      total (API.md leaves them unspecified; zeros keep NaN garbage out of gradients that a
-//      caller computes over the whole buffer); finish_call advances Ctrl::seq.
+//   3. block 0 writes offsets[0..W] and total; with zero_tail (the default of the Python op)
+//      every block zeroes its share of the rows past the total (API.md leaves them unspecified;
+//      zeros keep NaN garbage out of gradients that a caller computes over the whole buffer);
+//      finish_call advances Ctrl::seq.
 // reduce_scatter_v, call s on rank `me`, block b (offsets read from device memory; validated:
 // offsets[0] == 0, every count in [0, max_rows], else every flag of this rank is poisoned and
 // the call fails naming the rank and count):
@@ -93,7 +94,8 @@ __device__ __forceinline__ uint64_t count_detail(int64_t count, int64_t max_rows
 
 __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
     CommView v, const char* in, const int32_t* num_rows, char* out, int32_t* offsets_out,
-    int32_t* total_out, int64_t max_rows, size_t row_bytes, size_t slot_bytes, uint32_t desc) {
+    int32_t* total_out, int64_t max_rows, size_t row_bytes, size_t slot_bytes, uint32_t desc,
+    bool zero_tail) {
   __shared__ int32_t s_cnt[kMaxWorld];
   const uint64_t seq = call_seq(v);
   const uint64_t p = seq & 1;
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
   const int64_t cap = int64_t(v.world) * max_rows;
   const size_t za = size_t(off + varlen_split(cap - off, G, b)) * row_bytes;
   const size_t ze = size_t(off + varlen_split(cap - off, G, b + 1)) * row_bytes;
-  varlen_zero(out, za, ze);
+  if (zero_tail) varlen_zero(out, za, ze);
   finish_call(v, seq);
 }
 

@@ -1,6 +1,9 @@
 """Multi-process correctness of all_gather / all_reduce / all_reduce_rms_norm (one device per
 process: CPU, one GPU each, or every process sharing GPU 0). Usage:
   python -m jax_nvcomm.launch -n 4 [--share-gpu] tests/mp/collectives_mp.py [--calls=1000]
+On CPU devices the strategies run one host protocol (the strategy is a CUDA-only attribute;
+host_handlers.cc ignores it): "bitwise equal across strategies" proves the kernels agree only
+on GPUs.
 """
 import jax
 import jax.numpy as jnp

@@ -32,6 +32,23 @@ NB_MODULE(_host, m) {
     c->view = make_view(rank, world, bufs, timeout_ns, max_message_bytes, c->err_host);
     registry().add(std::move(c));
   });
+  // close() while calls may still run (XLA:CPU executes asynchronously): the mappings are
+  // unmapped when the last context of comm_id is released, i.e. after unregister() and after
+  // any handler still holding one returns (its peers' later calls fail the lookup instead).
+  m.def("unmap_after_last_use", [](int64_t comm_id, std::vector<uint64_t> addrs,
+                                   std::vector<uint64_t> sizes) {
+    struct Mappings {
+      std::vector<uint64_t> addrs, sizes;
+      ~Mappings() {
+        for (size_t i = 0; i < addrs.size(); ++i)
+          host::shm_unmap(reinterpret_cast<void*>(addrs[i]), sizes[i]);
+      }
+    };
+    auto keep = std::make_shared<Mappings>();  // built in place: a temporary would unmap
+    keep->addrs = std::move(addrs);
+    keep->sizes = std::move(sizes);
+    registry().for_each(comm_id, [&](RankContext& c) { c.resources = keep; });
+  });
   m.def("read_seq", [](uint64_t buf_addr) {
     return reinterpret_cast<const Ctrl*>(buf_addr)->seq;
   });

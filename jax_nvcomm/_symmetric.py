@@ -248,6 +248,11 @@ class SymmetricBuffers:
                     mod.synchronize(dev)
                 except RuntimeError:
                     pass
+        if self.backend != "cuda" and self._shm:
+            # XLA:CPU may still be running a call of this communicator (asynchronous
+            # dispatch): the last context released unmaps (module_host.cc)
+            mod.unmap_after_last_use(self.comm_id, [a for a, _ in self._shm],
+                                     [n for _, n in self._shm])
         mod.unregister(self.comm_id)
         if self.backend == "cuda":
             for mc in reversed(self._mc):        # unmap, unbind, release, close the fd
@@ -260,8 +265,5 @@ class SymmetricBuffers:
                 mod.ipc_close(dev, a)
             for dev, p in self._owned:
                 mod.free_buffer(dev, p)
-        else:
-            for a, n in self._shm:
-                mod.shm_unmap(a, n)
         self._owned, self._imported, self._shm, self.slots = [], [], [], []
         self._vmm, self._vmm_mapped, self._mc, self._mc_base = [], [], [], {}

@@ -20,7 +20,9 @@ Devices:
     (with a note) when the machine has no GPU or ``JAX_PLATFORMS=cpu``.
   * no GPU, or ``JAX_PLATFORMS=cpu`` in the launcher's environment: each rank
     gets one CPU device (``JAX_PLATFORMS=cpu``; any
-    ``--xla_force_host_platform_device_count`` is removed from ``XLA_FLAGS``).
+    ``--xla_force_host_platform_device_count`` is removed from ``XLA_FLAGS``),
+    or K CPU devices with ``JAX_NVCOMM_CPU_DEVICES=K`` in the launcher's
+    environment (set as ``JAX_NUM_CPU_DEVICES=K`` for each rank).
   * otherwise rank i gets GPU i (``CUDA_VISIBLE_DEVICES=i``, counted within the
     launcher's own ``CUDA_VISIBLE_DEVICES`` if set); N must not exceed the
     number of GPUs.
@@ -239,6 +241,11 @@ def _child_envs(n: int, share_gpu: bool, base: dict, log) -> list[dict]:
         common["JAX_PLATFORMS"] = "cpu"
         common.pop("JAX_PLATFORM_NAME", None)
         common.pop("JAX_NUM_CPU_DEVICES", None)
+        per = base.get("JAX_NVCOMM_CPU_DEVICES", "").strip()
+        if per:  # several CPU devices per rank (jax's jax_num_cpu_devices)
+            if not per.isdigit() or int(per) < 1:
+                raise _LaunchError(f"JAX_NVCOMM_CPU_DEVICES must be an integer >= 1, got {per!r}")
+            common["JAX_NUM_CPU_DEVICES"] = per
         if "XLA_FLAGS" in common:
             flags = _strip_force_device_count(common["XLA_FLAGS"])
             if flags:

@@ -61,6 +61,45 @@ def np_moe_reference(x, ids, nt, num_experts, world, weights=None, expert_y=None
     return out
 
 
+def oracle_dispatch(x_all, ids_all, nt, E):
+    """API.md "MoE dispatch": for destination rank d and its local expert e (global id
+    d * L + e), the rows routed to it ordered by (source rank, source token index); rows
+    t >= num_tokens[s] and -1 slots are sent nowhere. x_all [W, T, cols] -> per rank d
+    (list over e of float64 [count, cols], counts int [L])."""
+    Wn, T, K = ids_all.shape
+    L = E // Wn
+    rows = [[[] for _ in range(L)] for _ in range(Wn)]
+    for s in range(Wn):                  # source rank, then token index: the order of the rows
+        for t in range(int(nt[s])):
+            for k in range(K):
+                e = int(ids_all[s, t, k])
+                if e >= 0:
+                    rows[e // L][e % L].append(np.asarray(x_all[s, t], np.float64))
+    cols = x_all.shape[-1]
+    return [([np.array(r).reshape(-1, cols) for r in rows[d]],
+             np.array([len(r) for r in rows[d]])) for d in range(Wn)]
+
+
+def oracle_combine(ey_all, w_all, ids_all, nt, E):
+    """API.md "MoE combine": y[s, t] = sum_k w[s, t, k] * expert_y[row of (s, t, k)] over the
+    slots that were sent (rows t >= num_tokens[s] and -1 slots give nothing), where the row of
+    (s, t, k) is its position in expert ids[s, t, k]'s (source rank, token) order on its
+    owner. ey_all [W, L, W*T, H] -> float64 [W, T, H]."""
+    Wn, T, K = ids_all.shape
+    L = E // Wn
+    seen = np.zeros(E, int)              # rows handed out so far per expert, in (s, t) order
+    y = np.zeros((Wn, T, ey_all.shape[-1]))
+    for s in range(Wn):
+        for t in range(int(nt[s])):
+            for k in range(K):
+                e = int(ids_all[s, t, k])
+                if e >= 0:
+                    y[s, t] += np.float64(w_all[s, t, k]) * np.asarray(
+                        ey_all[e // L, e % L, seen[e]], np.float64)
+                    seen[e] += 1
+    return y
+
+
 def clear_error_tokens():
     """After an expected runtime error of a side-effecting call, drop JAX's failed runtime
     tokens so the next effects barrier (and interpreter exit) does not re-raise it."""

@@ -92,3 +92,31 @@ def test_gradient_matches_lax(comm8, rng):
     g1 = jax.jit(jax.grad(lambda v: loss(v, True)))(x)
     g2 = jax.jit(jax.grad(lambda v: loss(v, False)))(x)
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiled,axis", [(False, 0), (False, 1), (True, 1), (False, 2)])
+def test_gradient_untiled_and_other_axis(comm8, rng, tiled, axis):
+    """jax.grad through all_gather with tiled=False and along another axis, against float64
+    numpy: loss = sum_r <G_r, all_gather(x)_r> -> dx_r = (sum_q G_q)'s block of rank r (the
+    slice at index r of the new axis, or rank r's block of the tiled axis)."""
+    W, shape = 8, (3, 4)
+    x = jnp.asarray(rng.standard_normal((W * shape[0],) + shape[1:]), jnp.float32)
+    parts = np.split(np.asarray(x), W, axis=0)
+    gshape = (np.concatenate(parts, axis=axis) if tiled else np.stack(parts, axis=axis)).shape
+    G = rng.standard_normal((W,) + gshape).astype(np.float32)
+
+    def loss(v):
+        body = lambda v, g: jnp.sum(jnp.sin(nvc.all_gather(v, comm8, axis=axis, tiled=tiled))
+                                    * g[0])[None]
+        return jnp.sum(jax.shard_map(body, mesh=comm8.mesh, in_specs=(P("x"), P("x")),
+                                     out_specs=P("x"))(v, G))
+
+    dx = np.asarray(jax.jit(jax.grad(loss))(x), np.float64)
+    full = np.concatenate(parts, axis=axis) if tiled else np.stack(parts, axis=axis)
+    ct = (G.astype(np.float64) * np.cos(full.astype(np.float64))[None]).sum(0)
+    n = shape[axis] if tiled else 1
+    for r in range(W):
+        blk = np.take(ct, np.arange(r * n, (r + 1) * n), axis=axis)
+        want = blk if tiled else np.squeeze(blk, axis)
+        np.testing.assert_allclose(dx[r * shape[0]:(r + 1) * shape[0]], want, rtol=1e-5,
+                                   atol=1e-5)

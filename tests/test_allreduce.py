@@ -323,6 +323,54 @@ def test_gradients_match_psum(comms, rng, check_vma, strategy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["oneshot", "twoshot"])
+def test_gradients_bfloat16_against_numpy(comms, rng, strategy):
+    """jax.grad with bfloat16 inputs, against float64 numpy from the definitions.
+    all_reduce: loss = sum_r <G_r, all_reduce(x)> -> dx_r = sum_q G_q (bfloat16; G_q arrives
+    as the bfloat16 cotangent of a bfloat16 output). Fused: loss = <g1, normed> +
+    <g2, residual_out> -> with r = sum x + residual, inv = (mean(r^2) + eps)^-1/2:
+    dr = inv (g1 w - r inv^2 mean(g1 w r)) + g2 = dresidual = dx_r (every rank),
+    dw = sum_t g1 r inv."""
+    W, T, H, eps = 4, 3, 64, 1e-6
+    c = comms[W]
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa
+    x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.2 * rng.standard_normal(H), jnp.bfloat16)
+    G = rng.standard_normal((W * T, H)).astype(np.float32)
+    g1, g2 = (rng.standard_normal((T, H)).astype(np.float32) for _ in range(2))
+
+    def loss_ar(x):
+        body = lambda v, g: jnp.sum(nvc.all_reduce(v, c, strategy=strategy).astype(
+            jnp.float32) * g)[None]
+        return jnp.sum(jax.shard_map(body, mesh=c.mesh, in_specs=(P("x"), P("x")),
+                                     out_specs=P("x"))(x, G))
+
+    def loss_fused(x, res, w):
+        def body(v, r, ww):
+            n, ro = nvc.all_reduce_rms_norm(v, r, ww, c, eps=eps, strategy=strategy)
+            return jnp.sum(n.astype(jnp.float32) * g1) + jnp.sum(ro.astype(jnp.float32) * g2)
+        return jax.shard_map(body, mesh=c.mesh, in_specs=(P("x"), P(), P()), out_specs=P())(
+            x, res, w)
+
+    dx = jax.jit(jax.grad(loss_ar))(x)
+    assert dx.dtype == jnp.bfloat16
+    want = np.tile(bf(G).reshape(W, T, H).sum(0), (W, 1))
+    np.testing.assert_allclose(bf(dx), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+    dx, dres, dw = jax.jit(jax.grad(loss_fused, argnums=(0, 1, 2)))(x, res, w)
+    assert dx.dtype == dres.dtype == dw.dtype == jnp.bfloat16
+    r = bf(x).reshape(W, T, H).sum(0) + bf(res)
+    inv = 1 / np.sqrt(np.mean(r * r, -1, keepdims=True) + eps)
+    gn, gr, wv = bf(g1), bf(g2), bf(w)
+    dr = inv * (gn * wv - r * inv ** 2 * np.mean(gn * wv * r, -1, keepdims=True)) + gr
+    dw64 = np.sum(gn * r * inv, 0)
+    tol = lambda a: dict(rtol=2e-2, atol=2e-2 * np.abs(a).max())  # noqa: E731
+    np.testing.assert_allclose(bf(dres), dr, **tol(dr))
+    np.testing.assert_allclose(bf(dx), np.tile(dr, (W, 1)), **tol(dr))
+    np.testing.assert_allclose(bf(dw), dw64, **tol(dw64))
+
+
 def test_validation_errors(comms):
     c = comms[2]
     mesh = c.mesh

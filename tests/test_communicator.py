@@ -1,4 +1,7 @@
 """Communicator setup, properties and misuse errors (API.md "Setup")."""
+import re
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +118,53 @@ def test_closed_after_compilation_and_closed_moe(rng):
         jax.jit(jax.shard_map(lambda v, i: nvc.moe_dispatch(v, i, moe).expert_x[None],
                               mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))).lower(
             np.zeros((4, 8), np.float32), np.zeros((4, 1), np.int32))
+
+
+def test_close_while_a_call_still_runs(rng):
+    """close() while a jitted program using the communicator still runs (XLA:CPU dispatches
+    asynchronously): the behaviour is defined as follows, and it is never a crash.
+    - host backend: close() does not wait. The shared memory stays mapped until the last call
+      still inside the protocol returns (module_host.cc unmap_after_last_use; it used to be
+      unmapped at once: SIGSEGV in the running handler). Ranks whose next call starts after
+      close() fail with the named error "has no rank at slot ... (closed ...)", their peers
+      inside the protocol with it or the peer timeout, within timeout_s; so the program's
+      result is that error, or, if every call had finished before close(), the right sum.
+    - CUDA backend: close() synchronises every local device first, so it waits for
+      outstanding work (communicator.py close())."""
+    from helpers import clear_error_tokens
+    W, n = 4, 200
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:W]), ("x",))
+    c = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20, timeout_s=2)
+
+    def body(v):
+        step = lambda i, a: jax.lax.pcast(nvc.all_reduce(a, c, strategy="twoshot") * (1 / W),
+                                          "x", to="varying")
+        return jax.lax.fori_loop(0, n, step, v)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = rng.standard_normal((W * 8, 256)).astype(np.float32)
+    want = x.reshape(W, 8, 256).mean(0)  # every iteration averages over the ranks: a fixed point
+    np.testing.assert_allclose(np.asarray(f(x)).reshape(W, 8, 256), np.tile(want, (W, 1, 1)),
+                               rtol=1e-4, atol=1e-5)
+    out = f(x)           # returns at once; the loop of n all-reduces runs in XLA's threads
+    t0 = time.monotonic()
+    c.close()
+    assert c.closed and time.monotonic() - t0 < 1.0  # close() does not wait on the host
+    try:
+        got = np.asarray(out)
+    except Exception as e:  # noqa: BLE001 - the named error is the check
+        assert re.search(r"has no rank at slot \d+ in this process \(closed|timed out", str(e)), e
+        assert time.monotonic() - t0 < 2 + 10, "bounded by the communicator's timeout"
+    else:
+        np.testing.assert_allclose(got.reshape(W, 8, 256), np.tile(want, (W, 1, 1)),
+                                   rtol=1e-4, atol=1e-5)
+    clear_error_tokens()
+    with pytest.raises(Exception, match="has no rank at slot"):  # later calls: named error
+        jax.block_until_ready(f(x))
+    clear_error_tokens()
+    with nvc.Communicator(mesh, "x", max_message_bytes=1 << 16) as c2:  # the process is fine
+        g = jax.jit(jax.shard_map(lambda v: nvc.all_reduce(v, c2)[None], mesh=mesh,
+                                  in_specs=P("x"), out_specs=P("x")))
+        np.testing.assert_allclose(np.asarray(g(x)).reshape(W, 8, 256),
+                                   np.tile(x.reshape(W, 8, 256).sum(0), (W, 1, 1)), rtol=1e-5,
+                                   atol=1e-5)

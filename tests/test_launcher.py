@@ -9,8 +9,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mp", "launcher_mp.py")
 
 
-def launch(*args, timeout=120):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def launch(*args, timeout=120, env_extra=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "jax_nvcomm.launch", *args], env=env,
                        capture_output=True, text=True, timeout=timeout)
@@ -57,3 +57,8 @@ def test_safe_path_keeps_the_pythonpath_order(tmp_path):
     p = subprocess.run([sys.executable, "-m", "jax_nvcomm.launch", "-n", "2", str(script)],
                        env=env, capture_output=True, text=True, timeout=120, check=False)
     assert [l.split()[-1] for l in p.stdout.splitlines() if "PATH0" in l] == [str(tmp_path)] * 2
+
+
+def test_cpu_devices_per_rank_is_checked():
+    rc, out, dt = launch("-n", "2", SCRIPT, "ok", env_extra={"JAX_NVCOMM_CPU_DEVICES": "two"})
+    assert rc == 2 and "JAX_NVCOMM_CPU_DEVICES must be an integer >= 1" in out, out

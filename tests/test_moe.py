@@ -306,3 +306,113 @@ def test_host_protocol_harness(tmp_path):
                    check=True, capture_output=True, timeout=300)
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0 and "PASS: 0 failure(s)" in p.stdout, p.stdout[-3000:]
+
+
+def _rows_of(ids, nt, W, T, E):
+    """API.md order: pair (s, t, k) -> its row in expert ids[s*T+t, k]'s block, counting the
+    pairs sent to that expert in (source rank, token) order; -1 slots and t >= nt[s]: none."""
+    seen, where = np.zeros(E, int), {}
+    for s in range(W):
+        for t in range(int(nt[s])):
+            for k in range(ids.shape[1]):
+                e = int(ids[s * T + t, k])
+                if e >= 0:
+                    where[(s, t, k)] = (e, seen[e])
+                    seen[e] += 1
+    return where, seen
+
+
+def test_gradients_bf16_and_x_scale(rng):
+    """jax.grad in bfloat16 through dispatch (to x and to the FP8-style x_scale) and combine
+    (to expert_y and topk_weights), against float64 numpy written from the definitions:
+    loss = sum(Gx * expert_x) + sum(Gs * expert_x_scale) (rows below the counts) +
+    sum(Gy * y): dx[s,t] = sum_k Gx[row(s,t,k)], dscale likewise, dexpert_y[row(s,t,k)] =
+    w[s,t,k] Gy[s,t], dw[s,t,k] = <expert_y[row(s,t,k)], Gy[s,t]>."""
+    W, E, K, T, H, S = 4, 8, 2, 5, 16, 2
+    L = E // W
+    moe = get_moe(W, E, K, T, H, jnp.bfloat16, S)
+    ids = routing(rng, W * T, E, K)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    nt = np.array([5, 3, 0, 5], np.int32)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa
+    x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.bfloat16)
+    sc = jnp.asarray(rng.random((W * T, S)) + 0.5, jnp.float32)
+    w = jnp.asarray(rng.random((W * T, K)), jnp.float32)
+    ey = jnp.asarray(rng.standard_normal((W * L, W * T, H)), jnp.bfloat16)
+    gx = rng.standard_normal((W * L, W * T, H)).astype(np.float32)
+    gs = rng.standard_normal((W * L, W * T, S)).astype(np.float32)
+    gy = rng.standard_normal((W * T, H)).astype(np.float32)
+
+    def loss(x, sc, ey, w):
+        def body(x, sc, ey, w, ids, nt, gx, gs, gy):
+            d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0], x_scale=sc)
+            m = (jnp.arange(W * T)[None, :] < d.expert_counts[:, None])[..., None]
+            y = nvc.moe_combine(ey, w, d.handle, moe)
+            out = (jnp.sum(jnp.where(m, d.expert_x.astype(jnp.float32), 0) * gx) +
+                   jnp.sum(jnp.where(m, d.expert_x_scale, 0) * gs) +
+                   jnp.sum(y.astype(jnp.float32) * gy))
+            return out[None]
+        return jnp.sum(jax.shard_map(body, mesh=moe.mesh, in_specs=(P("x"),) * 9,
+                                     out_specs=P("x"))(x, sc, ey, w, ids, nt, gx, gs, gy))
+
+    dx, dsc, dey, dw = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, sc, ey, w)
+    assert dx.dtype == jnp.bfloat16 and dey.dtype == jnp.bfloat16 and dsc.dtype == jnp.float32
+    where, _ = _rows_of(ids, nt, W, T, E)
+    ey64 = bf(ey).reshape(E, W * T, H)
+    gx3, gs3 = gx.reshape(E, W * T, H), gs.reshape(E, W * T, S)
+    want_dx, want_ds = np.zeros((W * T, H)), np.zeros((W * T, S))
+    want_dey, want_dw = np.zeros((E, W * T, H)), np.zeros((W * T, K))
+    for (s, t, k), (e, row) in where.items():
+        i = s * T + t
+        want_dx[i] += gx3[e, row]
+        want_ds[i] += gs3[e, row]
+        want_dey[e, row] += float(w[i, k]) * gy[i]
+        want_dw[i, k] = ey64[e, row] @ bf(gy[i])  # y is bfloat16: so is its cotangent
+    assert np.abs(want_ds).max() > 0 and np.abs(want_dw).max() > 0
+    np.testing.assert_allclose(bf(dx), want_dx, rtol=1e-2, atol=1e-2 * np.abs(want_dx).max())
+    np.testing.assert_allclose(np.asarray(dsc, np.float64), want_ds, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(bf(dey).reshape(E, W * T, H), want_dey, rtol=1e-2,
+                               atol=1e-2 * np.abs(want_dey).max())
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=1e-2,
+                               atol=1e-2 * np.abs(want_dw).max())
+
+
+def test_on_one_axis_of_a_2d_mesh(rng):
+    """Mesh ("dp", "ep") 2 x 4, MoECommunicator over "ep": each dp row is its own group of 4
+    ranks (experts 0..7 in each), same routing semantics, groups independent; checked against
+    the oracle per group."""
+    from conftest import make_mesh
+    from helpers import oracle_combine, oracle_dispatch
+    D, W, E, K, T, H = 2, 4, 8, 2, 6, 32
+    L = E // W
+    mesh = make_mesh((D, W), ("dp", "ep"))
+    with nvc.MoECommunicator(mesh, "ep", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                             dtype=jnp.float32) as moe:
+        assert moe.world_size == W
+        x = rng.standard_normal((D * W * T, H)).astype(np.float32)
+        ids = routing(rng, D * W * T, E, K)
+        ids[rng.random(ids.shape) < 0.15] = -1
+        w = rng.random((D * W * T, K)).astype(np.float32)
+        nt = rng.integers(0, T + 1, size=D * W).astype(np.int32)
+        ey = rng.standard_normal((D * W * L, W * T, H)).astype(np.float32)
+
+        def f(x, ids, w, nt, ey):
+            d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
+            return d.expert_x[None], d.expert_counts[None], nvc.moe_combine(ey, w, d.handle, moe)
+        spec = P(("dp", "ep"))
+        ex, cnt, y = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 5,
+                                           out_specs=(spec,) * 3))(x, ids, w, nt, ey)
+        ex = np.asarray(ex).reshape(D, W, L, W * T, H)
+        cnt = np.asarray(cnt).reshape(D, W, L)
+        y = np.asarray(y, np.float64).reshape(D, W, T, H)
+        for g in range(D):
+            sl = slice(g * W * T, (g + 1) * W * T)
+            ids3 = ids[sl].reshape(W, T, K)
+            want = oracle_dispatch(x[sl].reshape(W, T, H), ids3, nt[g * W:(g + 1) * W], E)
+            for d in range(W):
+                np.testing.assert_array_equal(cnt[g, d], want[d][1])
+                for e in range(L):
+                    np.testing.assert_array_equal(ex[g, d, e, :cnt[g, d, e]], want[d][0][e])
+            yref = oracle_combine(ey.reshape(D, W, L, W * T, H)[g], w[sl].reshape(W, T, K),
+                                  ids3, nt[g * W:(g + 1) * W], E)
+            np.testing.assert_allclose(y[g], yref, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,5 @@
-"""Multi-process jobs through the launcher (one CPU device per process)."""
+"""Multi-process jobs through the launcher (one CPU device per process; two per process in
+test_several_devices_per_process)."""
 import os
 import subprocess
 import sys
@@ -95,3 +96,16 @@ def test_independent_collectives_across_processes():
     rc, out = launch(4, "independent_mp.py", "--runs=100", timeout=400)
     assert rc == 0, out[-4000:]
     assert out.count("PASS independent collectives") == 8, out[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_several_devices_per_process():
+    """2 processes x 2 CPU devices (the launcher's JAX_NVCOMM_CPU_DEVICES=2): one world of 4
+    ranks, two of them in each process; collectives (every dtype, strategy name, 100 calls) and
+    MoE dispatch/combine (all its cases, 20 rounds) against float64 numpy."""
+    extra = {"JAX_NVCOMM_CPU_DEVICES": "2"}
+    for script, args in [("collectives_mp.py", "--calls=100"), ("moe_mp.py", "--rounds=20")]:
+        rc, out = launch(2, script, args, timeout=300, env_extra=extra)
+        assert rc == 0, out[-4000:]
+        assert out.count("layout: 2 processes x 2 devices = world 4") == 2, out[-4000:]
+        assert out.count("PASS") == 2, out[-4000:]

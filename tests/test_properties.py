@@ -112,17 +112,24 @@ def test_fused_property(world, tokens, hidden, kind, eps, seed):
     x = values(rng, (world * tokens, hidden), kind)
     res = values(rng, (tokens, hidden), kind)
     w = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-    f = lambda v, r, ww: nvc.all_reduce_rms_norm(v, r, ww, c, eps=eps)
+    # every rank's own copy (out_specs=P("x") over a leading axis), not only rank 0's
+    f = lambda v, r, ww: tuple(o[None] for o in nvc.all_reduce_rms_norm(v, r, ww, c, eps=eps))
     n, ro = jax.jit(jax.shard_map(f, mesh=c.mesh, in_specs=(P("x"), P(), P()),
-                                  out_specs=(P(), P())))(x, res, w)
+                                  out_specs=(P("x"), P("x"))))(x, res, w)
+    n, ro = np.asarray(n, np.float64), np.asarray(ro, np.float64)
+    assert n.shape == ro.shape == (world, tokens, hidden)
     r64 = x.astype(np.float64).reshape(world, tokens, hidden).sum(0) + res
     with np.errstate(over="ignore", invalid="ignore"):
         n64 = r64 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + eps) * w
     finite = np.isfinite(n64).all(-1) & (np.abs(r64).max(-1) < 1e18)  # float32 r*r overflows
-    np.testing.assert_allclose(np.asarray(ro, np.float64), r64, rtol=1e-5,
-                               atol=1e-5 * np.abs(r64).max())
-    np.testing.assert_allclose(np.asarray(n, np.float64)[finite], n64[finite], rtol=1e-4,
-                               atol=1e-4)
+    for r in range(world):
+        np.testing.assert_allclose(ro[r], r64, rtol=1e-5, atol=1e-5 * np.abs(r64).max(),
+                                   err_msg=f"residual_out of rank {r}")
+        np.testing.assert_allclose(n[r][finite], n64[finite], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"normed of rank {r}")
+        # and bitwise the same on every rank (rank-ordered float32 sum, API.md)
+        np.testing.assert_array_equal(ro[r], ro[0])
+        np.testing.assert_array_equal(n[r], n[0])
 
 
 MOES = {}

@@ -5,7 +5,9 @@
 // local device and communicator); host handlers use group * world + rank, which the traced
 // program passes as an operand (XLA:CPU runs every local device's program in one process).
 // Entries are shared_ptr: a handler that looked one up keeps it alive while it runs, and
-// removing a communicator never frees memory under a running call (close() synchronises first).
+// removing a communicator never frees memory under a running call (CUDA: close() synchronises
+// first; host: close() hands the shared-memory mappings to the contexts, `resources`, so the
+// last running handler unmaps them).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -29,7 +31,8 @@ struct RankContext {
   std::vector<int64_t> params;     // op-family parameters (e.g. MoE config), checked per call
   std::atomic<uint64_t> host_calls{0};  // handler executions (graph replays do not count)
   std::unique_ptr<ErrorInfo> owned_err; // host backend: the error block itself
-  std::shared_ptr<void> resources;      // CUDA backend: the host-mapped error block
+  std::shared_ptr<void> resources;      // CUDA backend: the host-mapped error block; host
+                                        // backend after close(): the mappings to unmap
   // CUDA backend: multicast address of this rank's buffer start (cuda_multicast.h), or nullptr
   // (the default: unicast kernels). Set at registration only when the multicast gate is on.
   void* multicast_base = nullptr;
@@ -45,6 +48,12 @@ class Registry {
     std::lock_guard<std::mutex> g(mu_);
     auto it = map_.find({comm_id, slot});
     return it == map_.end() ? nullptr : it->second;
+  }
+  template <class F>
+  void for_each(int64_t comm_id, F&& f) {  // f(RankContext&) for every slot of comm_id
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [key, c] : map_)
+      if (key.first == comm_id) f(*c);
   }
   void remove(int64_t comm_id) {
     std::lock_guard<std::mutex> g(mu_);

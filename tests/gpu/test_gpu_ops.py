@@ -1,7 +1,9 @@
 """CUDA kernels through JAX in this process, on every local GPU (one process driving them; world
 1 on a one-GPU machine): one-shot and two-shot all-reduce, the fused all-reduce + RMSNorm, world
 1 (allreduce_local.cuh), all_gather, MoE dispatch/combine, the -0.0 Lamport sentinel, specials,
-the padding path. References: float64 numpy written here from the API's definitions.
+the padding path; jax_nvcomm.reference's impl="ragged" MoE path, which runs XLA's real
+ragged_all_to_all only here (the CPU suite runs its lax.all_to_all emulation). References:
+float64 numpy written in the tests from the API's definitions.
 Run: JAX_NVCOMM_TEST_GPU=1 python -m pytest -m gpu tests  (skipped elsewhere, with the reason)."""
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,70 @@ def test_moe_dispatch_combine(world, rng, dtype, K, E_per):
             np.testing.assert_allclose(np.asarray(y.astype(jnp.float32), np.float64), yref,
                                        rtol=tol, atol=tol * max(1.0, np.abs(yref).max()))
         assert not moe.errors(), moe.errors()
+
+
+def ragged_reference_case(W, rng, pieces, *, expect_ragged_op=True):
+    """jax_nvcomm.reference.moe_dispatch_xla / moe_combine_xla with impl="ragged" over the first
+    W devices against the float64 oracles of tests/helpers.py (written from API.md). On a GPU
+    the compiled program must hold XLA's ragged-all-to-all (on CPU reference.py emulates it
+    from lax.all_to_all, which is what the CPU suite runs)."""
+    from jax_nvcomm import reference as ref
+    from helpers import oracle_combine, oracle_dispatch
+    T, H, K, L, S = 16, 256, 4, 4, 2
+    E = L * W
+    mesh = mesh_of(W)
+    x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.bfloat16)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(W * T)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.15] = -1
+    nt = rng.integers(1, T + 1, size=W).astype(np.int32)
+    if W > 1:
+        nt[1] = 0                       # a rank that sends nothing
+    w = rng.random((W * T, K)).astype(np.float32)
+    ey = rng.standard_normal((W * L, W * T, H)).astype(np.float32)
+    sc = rng.random((W * T, S)).astype(np.float32)
+
+    def f(x, ids, nt, w, ey, sc):
+        ex, cnt, exs, h = ref.moe_dispatch_xla(x, ids, axis_name="x", num_experts=E,
+                                               num_tokens=nt, x_scale=sc, impl="ragged",
+                                               ragged_pieces=pieces)
+        y = ref.moe_combine_xla(ey, w, h, axis_name="x", num_experts=E, impl="ragged",
+                                ragged_pieces=pieces)
+        return ex, cnt, exs, y
+
+    args = (x, jnp.asarray(ids), jnp.asarray(nt), jnp.asarray(w), jnp.asarray(ey),
+            jnp.asarray(sc))
+    compiled = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 6,
+                                     out_specs=(P("x"),) * 4)).lower(*args).compile()
+    if expect_ragged_op:
+        assert "ragged-all-to-all" in compiled.as_text(), "XLA's ragged_all_to_all did not run"
+    ex, cnt, exs, y = compiled(*args)
+    ex = np.asarray(ex.astype(jnp.float32), np.float64).reshape(W, L, W * T, H)
+    exs = np.asarray(exs, np.float64).reshape(W, L, W * T, S)
+    cnt = np.asarray(cnt).reshape(W, L)
+    x3 = np.asarray(x.astype(jnp.float32), np.float64).reshape(W, T, H)
+    ids3 = ids.reshape(W, T, K)
+    want = oracle_dispatch(x3, ids3, nt, E)
+    want_sc = oracle_dispatch(sc.reshape(W, T, S), ids3, nt, E)
+    for d in range(W):
+        np.testing.assert_array_equal(cnt[d], want[d][1])
+        for e in range(L):
+            c = int(cnt[d, e])
+            np.testing.assert_array_equal(ex[d, e, :c], want[d][0][e])      # exact movement
+            np.testing.assert_array_equal(exs[d, e, :c], want_sc[d][0][e])
+    got = np.asarray(y, np.float64).reshape(W, T, H)
+    yref = oracle_combine(ey.reshape(W, L, W * T, H), w.reshape(W, T, K), ids3, nt, E)
+    for s in range(W):
+        assert not got[s, nt[s]:].any(), "rows >= num_tokens must be zero"
+    np.testing.assert_allclose(got, yref, rtol=1e-5, atol=1e-5 * np.abs(yref).max())
+    return cnt
+
+
+@pytest.mark.parametrize("pieces", [None, 1])
+def test_reference_ragged_on_gpu(rng, pieces):
+    """XLA's real ragged_all_to_all (the "xla" side of the example's and the benchmark's MoE
+    rows) against the oracle, on one GPU (world 1: XLA runs the op over a group of one, as the
+    one-GPU example run does) and on all local GPUs; `pieces` None: ~512 updates in all, 1:
+    one update per peer."""
+    for W in sorted({1, len(jax.devices())}):
+        cnt = ragged_reference_case(W, rng, pieces)
+        assert cnt.sum() > 0

@@ -1,6 +1,10 @@
 """Multi-process correctness of all_gather / all_reduce / all_reduce_rms_norm (one device per
-process: CPU, one GPU each, or every process sharing GPU 0). Usage:
+process: CPU, one GPU each, or every process sharing GPU 0; on CPU also several devices per
+process with JAX_NVCOMM_CPU_DEVICES=K). Usage:
   python -m jax_nvcomm.launch -n 4 [--share-gpu] tests/mp/collectives_mp.py [--calls=1000]
+On CPU devices the strategies run one host protocol (the strategy is a CUDA-only attribute;
+host_handlers.cc ignores it): "bitwise equal across strategies" proves the kernels agree only
+on GPUs.
 """
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,8 @@ nvc = init()
 calls = arg("calls", 1000)
 mesh = mesh1d()
 W = mesh.shape["x"]
+rank_print(f"layout: {jax.process_count()} processes x {jax.local_device_count()} devices = "
+           f"world {W}")
 assert W % jax.process_count() == 0, (W, jax.process_count())
 rng = np.random.default_rng(1234)  # same stream in every process
 strategies = ["oneshot", "twoshot"]

@@ -14,6 +14,8 @@ nvc = init()
 rounds = arg("rounds", 300)
 mesh = mesh1d()
 W = mesh.shape["x"]
+rank_print(f"layout: {jax.process_count()} processes x {jax.local_device_count()} devices = "
+           f"world {W}")
 rng = np.random.default_rng(99)
 
 

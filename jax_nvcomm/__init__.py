@@ -4,6 +4,7 @@ from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
+from .allreduce_quant import all_reduce_rms_norm_quant
 from .communicator import Communicator
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .strategy import select_strategy
@@ -14,6 +15,7 @@ CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [
     "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
+    "all_reduce_rms_norm_quant",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
 ]

@@ -134,6 +134,31 @@ def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
     return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
 
 
+def check_fused_args(x, residual, weight, eps, what):
+    """The argument checks of the fused ops; returns (x, residual, weight) as arrays and eps as
+    a float, or raises naming the argument, the expected and the actual value."""
+    x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
+    _check_dtype(x, "x", what)
+    _check_dtype(residual, "residual", what)
+    _check_dtype(weight, "weight", what)
+    if x.ndim != 2:
+        raise ValueError(f"jax_nvcomm: {what}: x must be [tokens, hidden], got shape {x.shape}")
+    if residual.shape != x.shape:
+        raise ValueError(f"jax_nvcomm: {what}: residual must have x's shape {x.shape}, got "
+                         f"{residual.shape}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"jax_nvcomm: {what}: weight must have shape ({x.shape[1]},), got "
+                         f"{weight.shape}")
+    vec = 16 // x.dtype.itemsize
+    if x.shape[1] % vec != 0:
+        raise ValueError(f"jax_nvcomm: {what}: hidden must be a multiple of {vec} for {x.dtype} "
+                         f"(16-byte vectors), got {x.shape[1]}")
+    eps = float(eps)
+    if not eps >= 0:
+        raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
+    return x, residual, weight, eps
+
+
 def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
                         strategy: str = "auto"):
     """All-reduce fused with the residual add and RMSNorm that follow it, in one device pass.
@@ -164,25 +189,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     """
     what = "all_reduce_rms_norm"
     _shard.check_context(comm, what)
-    x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
-    _check_dtype(x, "x", what)
-    _check_dtype(residual, "residual", what)
-    _check_dtype(weight, "weight", what)
-    if x.ndim != 2:
-        raise ValueError(f"jax_nvcomm: {what}: x must be [tokens, hidden], got shape {x.shape}")
-    if residual.shape != x.shape:
-        raise ValueError(f"jax_nvcomm: {what}: residual must have x's shape {x.shape}, got "
-                         f"{residual.shape}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"jax_nvcomm: {what}: weight must have shape ({x.shape[1]},), got "
-                         f"{weight.shape}")
-    vec = 16 // x.dtype.itemsize
-    if x.shape[1] % vec != 0:
-        raise ValueError(f"jax_nvcomm: {what}: hidden must be a multiple of {vec} for {x.dtype} "
-                         f"(16-byte vectors), got {x.shape[1]}")
-    eps = float(eps)
-    if not eps >= 0:
-        raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
+    x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         from . import _fallback

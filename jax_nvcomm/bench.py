@@ -380,17 +380,36 @@ def _ar_shapes(hiddens, min_bytes, max_bytes):
 
 AR_METHODS = ["nvc oneshot", "nvc twoshot", "lax.psum"]
 FUSED_METHODS = ["nvc fused oneshot", "nvc fused twoshot", "psum+rmsnorm"]
+# all_reduce_rms_norm_quant (FP8 output), next to the fused op it extends
+QUANT_METHODS = ["nvc quant oneshot", "nvc quant twoshot", "psum+rmsnorm+quant"]
 
 
 def _ar_methods(env, comm, axis, eps, fused):
-    """name -> (body, carry_n) with carry (x,) or (x, residual) and consts (weight,)."""
+    """name -> (body, carry_n) with carry (x,) or (x, residual) and consts (weight,).
+    fused: False (all_reduce), True (all_reduce_rms_norm) or "quant"
+    (all_reduce_rms_norm_quant: carry (x, residual_out), q and scale kept)."""
     from jax import lax
 
     from . import reference
     nvc = env.nvc
     V = _varying
     m = {}
-    if not fused:
+    if fused == "quant":
+        from .allreduce_quant import xla_all_reduce_rms_norm_quant
+
+        def quant(op):
+            def body(c, k):
+                q, sc, ro = op(c[0], c[1], k[0])
+                return (c[0], V(ro)), (q, sc)
+            return body
+        for s in ("oneshot", "twoshot"):
+            if comm is not None:
+                m[f"nvc quant {s}"] = (quant(lambda x, r, w, s=s: nvc.all_reduce_rms_norm_quant(
+                    x, r, w, comm, eps=eps, strategy=s)), 2)
+        if not env.shared_gpu:
+            m["psum+rmsnorm+quant"] = (quant(lambda x, r, w: xla_all_reduce_rms_norm_quant(
+                x, r, w, axis, eps)), 2)
+    elif not fused:
         for s in ("oneshot", "twoshot"):
             if comm is not None:
                 m[f"nvc {s}"] = (lambda c, k, s=s: (
@@ -422,7 +441,9 @@ def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True):
     w = (1 + 0.1 * rng.standard_normal((hidden,))).astype(jnp.bfloat16)
     xs, rs, ws = _put(env, mesh, x, P(axis)), _put(env, mesh, res, P(axis)), _put(env, mesh, w, P())
     rows = []
-    for fused in ((False, True) if fused_too else (False,)):
+    for fused in ((False, True, "quant") if fused_too else (False,)):
+        if methods is not None and fused == "quant" and not methods & set(QUANT_METHODS):
+            continue
         for name, (body, carry_n) in _ar_methods(env, comm, axis, 1e-6, fused).items():
             if methods is not None and name not in methods:
                 continue
@@ -618,6 +639,13 @@ def run_allreduce(a):
             "speedup = psum+rmsnorm / best fused")
     _pivot(env, rows, keys, FUSED_METHODS,
            [("speedup", lambda g: _ratio(g, "psum+rmsnorm", FUSED_METHODS[:2]))])
+    env.log(f"\n## all-reduce + residual + RMSNorm + FP8 output (all_reduce_rms_norm_quant), "
+            f"bf16 in, world {env.world}: us per call; fused/quant = the fused op's time / the "
+            "quant op's, same strategy (>= 0.91: within 10%)")
+    _pivot(env, rows, keys, QUANT_METHODS,
+           [(f"fused/quant {s}", lambda g, s=s: _ratio(g, f"nvc fused {s}", [f"nvc quant {s}"]))
+            for s in ("oneshot", "twoshot")]
+           + [("speedup", lambda g: _ratio(g, "psum+rmsnorm+quant", QUANT_METHODS[:2]))])
     if env.world == 1:
         result["single_device"] = _single_device_report(env, a)
     if a.tune:

@@ -72,11 +72,11 @@ cudaError_t prepare_kernel() {
 
 // The unicast kernels only: the multicast variants are prepared at their first launch, so on
 // a machine where multicast is off (no multicast_base) they are never even loaded.
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kQuant = false>
 cudaError_t prepare_all() {
-  for (cudaError_t e : {prepare_kernel<dev::local_kernel<T, kFused>>(),
-                        prepare_kernel<dev::oneshot_kernel<T, kFused>>(),
-                        prepare_kernel<dev::twoshot_kernel<T, kFused>>()})
+  for (cudaError_t e : {prepare_kernel<dev::local_kernel<T, kFused, kQuant>>(),
+                        prepare_kernel<dev::oneshot_kernel<T, kFused, kQuant>>(),
+                        prepare_kernel<dev::twoshot_kernel<T, kFused, kQuant>>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
@@ -89,25 +89,28 @@ cudaError_t launch(int grid, int smem, cudaStream_t st, const Args&... args) {
   return cudaGetLastError();
 }
 
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kQuant = false>
 cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
                        Strategy s, char* mc, int grid, cudaStream_t st) {
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
   if (v.world == 1)  // a group of one: no communication (allreduce_local.cuh)
-    return launch<dev::local_kernel<T, kFused>>(grid, smem, st, t, rc);
+    return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
   if (s == Strategy::kOneShot)
     return mc == nullptr
-               ? launch<dev::oneshot_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc)
-               : launch<dev::oneshot_mc_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc, mc);
+               ? launch<dev::oneshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
+               : launch<dev::oneshot_mc_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc,
+                                                                   desc, mc);
   return mc == nullptr
-             ? launch<dev::twoshot_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc)
-             : launch<dev::twoshot_mc_kernel<T, kFused>>(grid, smem, st, v, t, rc, desc, mc);
+             ? launch<dev::twoshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
+             : launch<dev::twoshot_mc_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc,
+                                                                 mc);
 }
 
 template <typename T>
 cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint32_t desc, Strategy s,
                   char* mc, int grid, cudaStream_t st) {
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
+  if (fused && t.scale != nullptr) return launch_one<T, true, true>(v, t, rc, desc, s, mc, grid, st);
   return fused ? launch_one<T, true>(v, t, rc, desc, s, mc, grid, st)
                : launch_one<T, false>(v, t, rc, desc, s, mc, grid, st);
 }
@@ -160,6 +163,8 @@ const char* all_reduce_check(const CommView& v, const AllReduceArgs& a, Strategy
     if (!aligned16(a.residual) || !aligned16(a.residual_out) || !aligned16(a.weight))
       return "residual, residual_out and weight must be 16-byte aligned";
     if (a.hidden > max_fused_hidden(a.dtype)) return "hidden too large for the fused kernel";
+  } else if (a.scale != nullptr) {
+    return "scale (FP8 output) needs a fused call (residual, residual_out, weight)";
   }
   if (a.tokens > (int64_t(1) << 40) / a.hidden) return "message too large";
   const size_t bytes = size_t(a.tokens) * size_t(a.hidden) * dtype_bytes(a.dtype);
@@ -176,10 +181,12 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
   if (a.tokens == 0) return cudaSuccess;  // every rank skips alike: no counter moves
   const bool fused = a.residual != nullptr;
   const int grid = all_reduce_grid(a.tokens, a.hidden, a.dtype, v.world, s, fused, sm_count);
-  ArTensors t{a.x, a.out, a.residual, a.residual_out, a.weight, a.tokens, a.hidden, a.eps};
+  ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
+              a.tokens, a.hidden, a.eps,      a.scale};
+  // Bit 3 tells the quantised epilogue apart, so ranks disagreeing on it are reported.
   const uint32_t desc = make_desc(fused ? kOpAllReduceRms : kOpAllReduce, uint64_t(a.tokens),
-                                  (uint64_t(a.hidden) << 4) | (uint64_t(a.dtype) << 1) |
-                                      uint64_t(s == Strategy::kTwoShot));
+                                  (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
+                                      (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
   switch (a.dtype) {
     case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream);
@@ -190,8 +197,10 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 
 cudaError_t all_reduce_load_kernels() {
   for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
-                        prepare_all<__nv_bfloat16, false>(), prepare_all<__nv_bfloat16, true>(),
-                        prepare_all<__half, false>(), prepare_all<__half, true>()})
+                        prepare_all<float, true, true>(), prepare_all<__nv_bfloat16, false>(),
+                        prepare_all<__nv_bfloat16, true>(), prepare_all<__nv_bfloat16, true, true>(),
+                        prepare_all<__half, false>(), prepare_all<__half, true>(),
+                        prepare_all<__half, true, true>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -1,5 +1,6 @@
 // Launch API of the CUDA all-reduce kernels (one-shot Lamport, two-shot flag protocol, each
-// plain or fused with residual add + RMSNorm; unicast, or multicast where a base is given).
+// plain or fused with residual add + RMSNorm, the fused one optionally with FP8 output;
+// unicast, or multicast where a base is given).
 //
 // Contract for callers (the XLA FFI handlers):
 // - Every rank of the communicator calls with the same (tokens, hidden, dtype, strategy,
@@ -14,6 +15,9 @@
 //   aligned, row-major [tokens, hidden] ([hidden] for weight). out may alias x and
 //   residual_out may alias residual. hidden must be a multiple of 8 (16-bit types) or 4 (f32);
 //   fused calls need hidden <= max_fused_hidden(dtype) (32768).
+// - Quantised fused calls (scale != nullptr): out is float8_e4m3fn [tokens, hidden] (1 byte per
+//   element, 16-byte aligned), scale float32 [tokens], as csrc/common/fp8.h defines them; r and
+//   residual_out as in the fused call. out must not alias x then (other sizes).
 // - Capacity: tokens * hidden * sizeof(dtype) <= oneshot_max_bytes(v) (one-shot) or
 //   <= twoshot_max_bytes(v) (two-shot). Larger messages must take another path (lax.psum).
 // - Errors: invalid arguments return cudaErrorInvalidValue before anything is launched
@@ -41,6 +45,7 @@ struct AllReduceArgs {
   int64_t hidden;
   int dtype;              // DType
   float eps;
+  float* scale = nullptr;  // fused only: non-null => out is e4m3fn q, scale float32 [tokens]
 };
 
 enum class Strategy : int { kOneShot = 0, kTwoShot = 1 };

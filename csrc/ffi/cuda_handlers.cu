@@ -71,6 +71,33 @@ ffi::Error AllReduceRmsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   return run_all_reduce(*ctx, stream, a, strategy);
 }
 
+// all_reduce_rms_norm_quant: the fused call with the FP8 epilogue (rmsnorm.cuh, fp8.h).
+ffi::Error AllReduceRmsQuantCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                     ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
+                                     ffi::Result<ffi::AnyBuffer> q,
+                                     ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                     ffi::Result<ffi::AnyBuffer> residual_out, OrderOut,
+                                     int64_t comm_id, float eps, int64_t strategy) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
+                        "x's dtype");
+  if (q->element_type() != ffi::DataType::F8E4M3FN || q->element_count() != x.element_count())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
+                        "shape");
+  if (int64_t(scale->element_count()) != dims[0])
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: scale must hold one float32 per "
+                        "token");
+  cuda::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
+                        residual_out->untyped_data(), weight.untyped_data(),
+                        dims[0], dims[1], dtype_code(x.element_type()), eps,
+                        scale->typed_data()};
+  return run_all_reduce(*ctx, stream, a, strategy);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kAllReduceCuda, AllReduceCudaImpl,
@@ -99,7 +126,24 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsCuda, AllReduceRmsCudaImpl,
                            .Attr<float>("eps")
                            .Attr<int64_t>("strategy"),
                        {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER(kAllReduceRmsQuantCuda, AllReduceRmsQuantCudaImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()  // residual
+                           .Arg<ffi::AnyBuffer>()  // weight
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
+                           .Ret<ffi::AnyBuffer>()  // q: float8_e4m3fn [T, H]
+                           .Ret<ffi::Buffer<ffi::F32>>()  // scale: float32 [T, 1]
+                           .Ret<ffi::AnyBuffer>()  // residual_out
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
+                           .Attr<int64_t>("comm_id")
+                           .Attr<float>("eps")
+                           .Attr<int64_t>("strategy"),
+                       {ffi::Traits::kCmdBufferCompatible});
 NVC_REGISTER_FFI("nvc_cuda_all_reduce", kAllReduceCuda);
+NVC_REGISTER_FFI("nvc_cuda_all_reduce_rms_quant", kAllReduceRmsQuantCuda);
 NVC_REGISTER_FFI("nvc_cuda_all_reduce_rms", kAllReduceRmsCuda);
 
 XLA_FFI_DEFINE_HANDLER(kAllGatherCuda, AllGatherCudaImpl,

@@ -48,6 +48,33 @@ ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   return from_text(err);
 }
 
+// all_reduce_rms_norm_quant: the fused protocol with the FP8 epilogue (fp8.h).
+ffi::Error AllReduceRmsQuantHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
+                                     ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
+                                     ffi::Result<ffi::AnyBuffer> q,
+                                     ffi::Result<ffi::Buffer<ffi::F32>> scale,
+                                     ffi::Result<ffi::AnyBuffer> residual_out, OrderOut,
+                                     int64_t comm_id, float eps) {
+  std::shared_ptr<RankContext> ctx;
+  if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
+                        "x's dtype");
+  if (q->element_type() != ffi::DataType::F8E4M3FN || q->element_count() != x.element_count())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
+                        "shape");
+  if (int64_t(scale->element_count()) != dims[0])
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: scale must hold one float32 per "
+                        "token");
+  host::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
+                        residual_out->untyped_data(), weight.untyped_data(),
+                        dims[0], dims[1], dtype_code(x.element_type()), eps,
+                        scale->typed_data()};
+  return from_text(host::all_reduce(ctx->view, a));
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kAllGatherHost, AllGatherHostImpl,
@@ -79,7 +106,22 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsHost, AllReduceRmsHostImpl,
                            .Attr<int64_t>("comm_id")
                            .Attr<float>("eps"));
 
+XLA_FFI_DEFINE_HANDLER(kAllReduceRmsQuantHost, AllReduceRmsQuantHostImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                           .Arg<ffi::AnyBuffer>()  // x
+                           .Arg<ffi::AnyBuffer>()  // residual
+                           .Arg<ffi::AnyBuffer>()  // weight
+                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
+                           .Ret<ffi::AnyBuffer>()  // q: float8_e4m3fn [T, H]
+                           .Ret<ffi::Buffer<ffi::F32>>()  // scale: float32 [T, 1]
+                           .Ret<ffi::AnyBuffer>()  // residual_out
+                           .Ret<ffi::AnyBuffer>()  // order_out: never written
+                           .Attr<int64_t>("comm_id")
+                           .Attr<float>("eps"));
+
 NVC_REGISTER_FFI("nvc_all_gather", kAllGatherHost);
+NVC_REGISTER_FFI("nvc_all_reduce_rms_quant", kAllReduceRmsQuantHost);
 NVC_REGISTER_FFI("nvc_all_reduce", kAllReduceHost);
 NVC_REGISTER_FFI("nvc_all_reduce_rms", kAllReduceRmsHost);
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../common/fp8.h"
 #include "dtypes.h"
 #include "host_sync.h"
 
@@ -31,7 +32,10 @@ std::string all_reduce(const CommView& v, const AllReduceArgs& a) {
   const bool fused = a.residual != nullptr;
   const size_t n = size_t(a.tokens) * size_t(a.hidden);
   const size_t bytes = n * size_t(dtype_size(a.dtype));
-  const uint32_t desc = make_desc(fused ? kOpAllReduceRms : kOpAllReduce, bytes, a.dtype);
+  const bool quant = fused && a.scale != nullptr;
+  // 0x100 tells the quantised epilogue apart, so ranks disagreeing on it are reported.
+  const uint32_t desc = make_desc(fused ? kOpAllReduceRms : kOpAllReduce, bytes,
+                                  uint64_t(a.dtype) | (quant ? 0x100u : 0u));
   const uint64_t seq = begin_call(v);
   if (bytes > v.max_message_bytes || bytes > v.flag_half)
     return record_error(v, kErrCapacity, desc, v.rank, seq, bytes);
@@ -62,8 +66,32 @@ std::string all_reduce(const CommView& v, const AllReduceArgs& a) {
       store_f32(a.residual_out, a.dtype, base + h, r);
     }
     const float inv = 1.0f / std::sqrt(ss / float(a.hidden) + a.eps);
-    for (int64_t h = 0; h < a.hidden; ++h)
-      store_f32(a.out, a.dtype, base + h, row[h] * inv * load_f32(a.weight, a.dtype, h));
+    if (!quant) {
+      for (int64_t h = 0; h < a.hidden; ++h)
+        store_f32(a.out, a.dtype, base + h, row[h] * inv * load_f32(a.weight, a.dtype, h));
+      continue;
+    }
+    // FP8 output (fp8.h): the same float32 normed, kept in float32; NaN-propagating amax on bits.
+    uint32_t amax = 0;
+    for (int64_t h = 0; h < a.hidden; ++h) {
+      const float nv = row[h] * inv * load_f32(a.weight, a.dtype, h);
+      row[h] = nv;
+      uint32_t u;
+      std::memcpy(&u, &nv, 4);
+      amax = max_u32(amax, abs_bits_f32(u));
+    }
+    amax = max_u32(amax, kAmaxFloorBits);
+    float m;
+    std::memcpy(&m, &amax, 4);
+    a.scale[t] = m * kInvFp8E4M3Max;
+    const float qmul = kFp8E4M3Max / m;
+    uint8_t* q = static_cast<uint8_t*>(a.out) + base;
+    for (int64_t h = 0; h < a.hidden; ++h) {
+      const float v = row[h] * qmul;
+      uint32_t u;
+      std::memcpy(&u, &v, 4);
+      q[h] = f32_bits_to_e4m3fn(u);
+    }
   }
   end_call(v, seq);
   return "";

@@ -21,6 +21,9 @@ struct AllReduceArgs {
   const void* x; void* out;
   const void* residual; void* residual_out; const void* weight;  // residual == nullptr: plain
   int64_t tokens, hidden; int dtype; float eps;
+  // Fused only: non-null => out is float8_e4m3fn q and scale float32 [tokens], from the float32
+  // normed (not rounded to dtype first), as csrc/common/fp8.h defines them.
+  float* scale = nullptr;
 };
 std::string all_reduce(const CommView& v, const AllReduceArgs& a);
 

@@ -4,7 +4,8 @@
 // through float32 and back exactly as the one-shot / two-shot reduce does, so results are
 // bitwise identical to those kernels at world size 1 (same RowCfg, same rmsnorm_rows code):
 //   plain: out = T(float(sanitise(x)))
-//   fused: the epilogue of rmsnorm.cuh with sum_vec(i) = that value, straight from x in HBM.
+//   fused: the epilogue of rmsnorm.cuh with sum_vec(i) = that value, straight from x in HBM
+//   (kQuant: its FP8 variant, e4m3fn out + float32 row scales).
 // Nothing of the communication buffer is read or written and no Ctrl counter moves (a group of
 // one never runs the one-shot or two-shot protocol, so their counters stay consistent).
 //
@@ -29,7 +30,7 @@ __device__ __forceinline__ uint4 local_sum_v4(const char* x, size_t i) {
   return pack<T>(acc);
 }
 
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kQuant = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     local_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
   const char* x = static_cast<const char*>(t.x);
@@ -52,7 +53,8 @@ __global__ void __launch_bounds__(kArThreads, 1)
     extern __shared__ float4 s_dyn[];
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
-    rmsnorm_rows<T>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) { return local_sum_v4<T>(x, i); });
+    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
+                            [&](size_t i) { return local_sum_v4<T>(x, i); });
   }
 }
 

@@ -1,4 +1,5 @@
-// One-shot all-reduce (Lamport protocol), optionally fused with residual add + RMSNorm.
+// One-shot all-reduce (Lamport protocol), optionally fused with residual add + RMSNorm (and, with
+// kQuant, the FP8 output of rmsnorm.cuh: out is then e4m3fn bytes plus float32 row scales).
 //
 // Buffer layout (per rank, see layout.h): three rotating Lamport buffers, each W slots of
 // L = CommView::lamport_slot bytes; slot [src] of buffer b in rank r's region receives src's
@@ -88,7 +89,7 @@ __device__ __forceinline__ uint4 lamport_sum_v4(const CommView& v, const char* s
   return pack<T>(acc);
 }
 
-template <typename T, bool kFused, class Policy>
+template <typename T, bool kFused, class Policy, bool kQuant = false>
 __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kU = 4;                            // input vectors in flight per thread
@@ -148,7 +149,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   } else {
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
-    rmsnorm_rows<T>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) {
+    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) {
       return lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline);
     });
   }
@@ -162,11 +163,11 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   }
 }
 
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kQuant = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     oneshot_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                    RowCfg rc, uint32_t desc) {
-  oneshot_body<T, kFused, OneShotUnicast>(v, t, rc, desc, nullptr);
+  oneshot_body<T, kFused, OneShotUnicast, kQuant>(v, t, rc, desc, nullptr);
 }
 
 }  // namespace dev

@@ -1,5 +1,5 @@
 // Two-shot all-reduce (flag protocol: reduce-scatter + all-gather), optionally fused with
-// residual add + RMSNorm.
+// residual add + RMSNorm (and, with kQuant, the FP8 output of rmsnorm.cuh).
 //
 // Buffer layout: data half (seq & 1) of rank r, CommView::half(r, seq), flag_half bytes:
 //   [0, W*S)            reduce-scatter landing zone: slot [src] (S = align_up(ceil(M/W), 256))
@@ -142,7 +142,7 @@ struct TwoShotUnicast {
   }
 };
 
-template <typename T, bool kFused, class Policy>
+template <typename T, bool kFused, class Policy, bool kQuant = false>
 __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kChunk = 8;  // slot loads in flight
@@ -219,16 +219,17 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
         wait_flag(&ctrl->flags[p][1][o][bb], seq, desc, v, o, deadline);
     }
     __syncthreads();
-    rmsnorm_rows<T>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
+    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
+                            [&](size_t i) { return ld_cg_v4(ag + i * 16); });
   }
   finish_call(v, seq);
 }
 
-template <typename T, bool kFused>
+template <typename T, bool kFused, bool kQuant = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     twoshot_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                    RowCfg rc, uint32_t desc) {
-  twoshot_body<T, kFused, TwoShotUnicast>(v, t, rc, desc, nullptr);
+  twoshot_body<T, kFused, TwoShotUnicast, kQuant>(v, t, rc, desc, nullptr);
 }
 
 }  // namespace dev

@@ -26,7 +26,22 @@
 // memory (rmsnorm_smem_bytes, at most max(64 KiB, hidden * 4 bytes)), so register use does not
 // grow with hidden. The configuration is a function of (tokens, hidden, dtype) only, and the
 // reduction order of a row of (hidden, dtype) only.
+//
+// Quantised variant (kQuant, jax_nvcomm.all_reduce_rms_norm_quant): the same r, residual_out and
+// float32 normed (the same instructions in the same order, so normed is bitwise the float32 value
+// the plain epilogue would round to T), but normed is NOT rounded to T: it goes to float8_e4m3fn
+// with one float32 scale per row, as csrc/common/fp8.h defines (m = max(amax, floor),
+// scale = m * fl(1/448), q = e4m3fn_rne(normed * (448 / m))). out is then [tokens, hidden]
+// bytes of e4m3fn and t.scale float32 [tokens]. One pass over the inputs still: pass 2 computes normed, overwrites r with it
+// in shared memory (each thread rewrites only what it wrote) and keeps a per-thread row amax as
+// raw bits; the row amax is reduced with an integer max (warp butterfly, then the group's warps
+// through shared memory: order-free and exact); pass 3 divides the shared-memory normed by the
+// row's 448 / m and stores 8 (16-bit T) or 4 (f32) e4m3fn bytes per vector. One more __syncthreads
+// per row iteration than the plain epilogue, no extra global reads.
 #pragma once
+#include <cuda_fp8.h>
+
+#include "../common/fp8.h"
 #include "common.cuh"
 
 namespace nvc {
@@ -37,13 +52,14 @@ constexpr int kArThreads = 512;  // threads per block of every all-reduce kernel
 // The tensors of one all-reduce call (device pointers, per rank). residual == nullptr: plain.
 struct ArTensors {
   const void* x;
-  void* out;               // sum (plain) or normed (fused)
+  void* out;               // sum (plain), normed (fused) or e4m3fn q (fused + quantised)
   const void* residual;
   void* residual_out;
   const void* weight;
   int64_t tokens;
   int64_t hidden;
   float eps;
+  float* scale;            // quantised epilogue: float32 [tokens] row scales (else unused)
 };
 
 constexpr int kEpiPairs = 4;                 // (row, column) vectors in flight per thread
@@ -87,6 +103,129 @@ NVC_HD size_t rmsnorm_smem_bytes(const RowCfg& rc, int elems_per_vec) {
          sizeof(float);
 }
 
+// e4m3fn of the kElems float32 values n * inv (inv = 448 / m of the row; then the hardware's
+// round-to-nearest-even cvt; satfinite never engages: |n * inv| < 464, see fp8.h), stored as
+// kElems bytes at dst (8-byte aligned for 8 elements, 4-byte for 4).
+template <int kElems>
+__device__ __forceinline__ void store_e4m3(char* dst, const float* n, float inv) {
+  uint32_t w[kElems / 4];
+#pragma unroll
+  for (int i = 0; i < kElems / 4; ++i) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(n[4 * i], inv), __fmul_rn(n[4 * i + 1], inv)), __NV_SATFINITE,
+        __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(n[4 * i + 2], inv), __fmul_rn(n[4 * i + 3], inv)),
+        __NV_SATFINITE, __NV_E4M3);
+    w[i] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
+  if constexpr (kElems == 8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+}
+
+// Passes 2 and 3 of the quantised epilogue for the rows of one iteration (rmsnorm_rows: same
+// (row, column) pairs per thread as its pass 2). inv[p]: the row's rsqrt of pair p. Contains a
+// __syncthreads: every thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc, int64_t rbase,
+                                           int64_t row_end, const float* inv, float4* grp_r,
+                                           uint32_t* s_amax) {
+  constexpr int E = Vec<T>::kElems;
+  constexpr int F4 = E / 4;
+  constexpr int kP = kEpiPairs;
+  constexpr int kWarps = kArThreads / 32;
+  const int nr = rc.nr, kb = kP / rc.nr, tpr = rc.tpr, nvr = rc.nvr;
+  const int group = threadIdx.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int warps_per_group = tpr / 32;
+  const int warp = threadIdx.x / 32;
+  const char* wgt = static_cast<const char*>(t.weight);
+  char* out = static_cast<char*>(t.out);
+  // Pass 2: normed = (r * inv) * weight (the plain epilogue's instructions) over r in shared
+  // memory; am[p]: this thread's amax bits of pair p's row.
+  uint32_t am[kP];
+#pragma unroll
+  for (int p = 0; p < kP; ++p) am[p] = 0u;
+  for (int c0 = lane; c0 < nvr; c0 += kb * tpr) {
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+      const int q = p % nr;
+      const int64_t row = rbase + q;
+      const int col = c0 + (p / nr) * tpr;
+      if (row < row_end && col < nvr) {
+        float fw[E];
+        unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+        float4* src = grp_r + (size_t(q) * nvr + col) * F4;
+#pragma unroll
+        for (int f = 0; f < F4; ++f) {
+          const float4 r4 = src[f];
+          float4 o;
+          o.x = __fmul_rn(__fmul_rn(r4.x, inv[p]), fw[4 * f]);
+          o.y = __fmul_rn(__fmul_rn(r4.y, inv[p]), fw[4 * f + 1]);
+          o.z = __fmul_rn(__fmul_rn(r4.z, inv[p]), fw[4 * f + 2]);
+          o.w = __fmul_rn(__fmul_rn(r4.w, inv[p]), fw[4 * f + 3]);
+          src[f] = o;
+          am[p] = max_u32(am[p], max_u32(max_u32(abs_bits_f32(__float_as_uint(o.x)),
+                                                 abs_bits_f32(__float_as_uint(o.y))),
+                                         max_u32(abs_bits_f32(__float_as_uint(o.z)),
+                                                 abs_bits_f32(__float_as_uint(o.w)))));
+        }
+      }
+    }
+  }
+  // Row q's amax: pairs p = q, q + nr, ... of this thread, then the warp, then the group's warps.
+#pragma unroll
+  for (int p = 0; p < kP; ++p)
+#pragma unroll
+    for (int p2 = p + 1; p2 < kP; ++p2)
+      if (p2 % nr == p % nr) am[p] = max_u32(am[p], am[p2]);
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+    if (p < nr) {
+      uint32_t m = am[p];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = max_u32(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+      if ((threadIdx.x & 31) == 0) s_amax[p * kWarps + warp] = m;
+    }
+  }
+  __syncthreads();
+  float qmul[kP];  // 448 / m of pair p's row
+#pragma unroll
+  for (int p = 0; p < kP; ++p) {
+    const uint32_t* red = s_amax + (p % nr) * kWarps + group * warps_per_group;
+    uint32_t mb = kAmaxFloorBits;  // NaN bits exceed it: NaN propagates
+    for (int w = 0; w < warps_per_group; ++w) mb = max_u32(mb, red[w]);
+    const float m = __uint_as_float(mb);
+    qmul[p] = __fdiv_rn(kFp8E4M3Max, m);
+    if (lane == 0 && p < nr && rbase + p < row_end)
+      t.scale[rbase + p] = __fmul_rn(m, kInvFp8E4M3Max);
+  }
+  // Pass 3: q = e4m3fn(normed * (448 / m)), E bytes per 16-byte input vector.
+  for (int c0 = lane; c0 < nvr; c0 += kb * tpr) {
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+      const int q = p % nr;
+      const int64_t row = rbase + q;
+      const int col = c0 + (p / nr) * tpr;
+      if (row < row_end && col < nvr) {
+        float n[E];
+        const float4* src = grp_r + (size_t(q) * nvr + col) * F4;
+#pragma unroll
+        for (int f = 0; f < F4; ++f) {
+          const float4 n4 = src[f];
+          n[4 * f] = n4.x;
+          n[4 * f + 1] = n4.y;
+          n[4 * f + 2] = n4.z;
+          n[4 * f + 3] = n4.w;
+        }
+        store_e4m3<E>(out + (size_t(row) * nvr + col) * E, n, qmul[p]);
+      }
+    }
+  }
+}
+
 // Residual add + RMSNorm over rows [row_begin, row_end). sum_vec(i) returns the T-packed sum of
 // 16-byte vector i of the message (i = row * nvr + column). Every thread of the block must call
 // it with the same row range (it contains __syncthreads). s_red: kEpiPairs * kArThreads/32 floats
@@ -99,7 +238,7 @@ NVC_HD size_t rmsnorm_smem_bytes(const RowCfg& rc, int elems_per_vec) {
 // runs over its columns in increasing order, then butterfly, then the group's warps in order:
 // the shape depends on (hidden, dtype) only, not on nr, so a row's result is also independent of
 // the number of tokens in the call (batch invariant).
-template <typename T, class SumFn>
+template <typename T, bool kQuant = false, class SumFn>
 __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& rc,
                                              int64_t row_begin, int64_t row_end, float* s_red,
                                              float4* s_r, SumFn&& sum_vec) {
@@ -118,6 +257,9 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
   char* res_out = static_cast<char*>(t.residual_out);
   char* out = static_cast<char*>(t.out);
   float4* grp_r = s_r + size_t(group) * nr * nvr * F4;
+  // Quantised: per (row of the iteration, warp) amax bits (written and read between the same
+  // barriers of one iteration; the next iteration writes them only after its pass-1 barrier).
+  __shared__ uint32_t s_amax[kQuant ? kP * kWarps : 1];
 
   for (int64_t row0 = row_begin; row0 < row_end; row0 += rows_per_iter) {
     const int64_t rbase = row0 + int64_t(group) * nr;
@@ -189,6 +331,10 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
       inv[p] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
     }
     __syncthreads();  // s_red is reused by the next iteration
+    if constexpr (kQuant) {
+      quant_pass<T>(t, rc, rbase, row_end, inv, grp_r, s_amax);
+      continue;
+    }
     // Pass 2: normed = (r * inv) * weight.
     for (int c0 = lane; c0 < nvr; c0 += kb * tpr) {
 #pragma unroll

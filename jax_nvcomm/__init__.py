@@ -6,6 +6,9 @@ from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .communicator import Communicator
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
+from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
+                        moe_dispatch_recv, moe_dispatch_send)
+from .moe_split import overlap as moe_overlap
 from .strategy import select_strategy
 
 __version__ = "0.1.0"
@@ -14,5 +17,7 @@ CUDA_BUILT = _ffi.CUDA_BUILT
 __all__ = [
     "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
+    "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
+    "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT",
 ]

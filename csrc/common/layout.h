@@ -50,6 +50,8 @@ enum ErrCode : uint32_t {
   kErrAhead = 3,         // a peer published a later sequence number than ours
   kErrBadExpert = 4,     // an expert id outside [-1, num_experts)
   kErrCapacity = 5,      // a count exceeds a static capacity
+  kErrInFlight = 6,      // MoE split SEND: more SENDs outstanding than max_in_flight (observed: count)
+  kErrOrder = 7,         // MoE RECV of another call than the oldest outstanding SEND (observed: its seq)
 };
 
 // Written once (first error wins) by a failing kernel or host protocol. For CUDA it lives in

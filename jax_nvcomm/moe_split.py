@@ -314,12 +314,13 @@ def moe_combine_recv(csent, topk_weights, moe, *, after=None):
 # ---------------------------------------------------------------------------------------------
 # checking where XLA scheduled the halves
 
-def scheduled_order(hlo_text, patterns):
+def scheduled_order(hlo_text, patterns, last=False):
     """Positions, in the schedule of a compiled program (`jitted.lower(...).compile()
     .as_text()`, printed in execution order: `is_scheduled=true`), of the first instruction
     matching each pattern: a substring of the instruction or of the computations it calls
-    (fusions, custom-call bodies), with `call`s flattened into the sequence. A pattern not found
-    gives no entry: compare the result with `sorted(...)` and its length.
+    (fusions, custom-call bodies, metadata such as a `jax.named_scope`), with `call`s flattened
+    into the sequence; `last=True`: of the last one. A pattern not found gives no entry:
+    compare the result with `sorted(...)` and check its length.
 
     Used by the tests and `bench moe --split` to check that work tied between a send and its
     receive (`moe_overlap` / `after=`) runs there on the device's stream."""
@@ -363,7 +364,29 @@ def scheduled_order(hlo_text, patterns):
     flatten(entry)
     found = []
     for p in patterns:
-        idx = next((i for i, t in enumerate(seq) if p in t), None)
+        hits = [i for i, t in enumerate(seq) if p in t]
+        idx = (hits[-1] if last else hits[0]) if hits else None
         if idx is not None:
             found.append(idx)
     return found
+
+
+def kernels_between(trace_path, start, end, device=0):
+    """From a profiler trace (`jax.profiler.start_trace(d, create_perfetto_trace=True)`): for
+    each kernel of `device` whose name contains `start` (e.g. "dispatch_send_kernel"), the
+    kernels that started after it ended and before the next kernel containing `end` started
+    ("dispatch_recv_kernel"), as a list of lists of names. Shows what ran between the halves."""
+    from . import _trace
+    X, pname = _trace._load(trace_path)
+    gpu = sorted((k for k in X if pname.get(k["pid"], "").endswith(f"GPU:{device}")),
+                 key=lambda k: k["ts"])
+    out = []
+    for i, k in enumerate(gpu):
+        if start not in k["name"]:
+            continue
+        t_end = k["ts"] + k["dur"]
+        stop = next((j for j in range(i + 1, len(gpu)) if end in gpu[j]["name"]), None)
+        if stop is None:
+            continue
+        out.append([g["name"] for g in gpu[i + 1:stop] if g["ts"] >= t_end])
+    return out

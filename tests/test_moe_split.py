@@ -414,3 +414,14 @@ def test_scheduled_program_places_shared_expert_between_halves(rng):
     order = moe_split.scheduled_order(g.lower(x, ids, sw).compile().as_text(),
                                       ["moe_dispatch_send", "dot(", "moe_dispatch_recv"])
     assert order == sorted(order) and len(order) == 3, order
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_split_across_processes(n):
+    """tests/mp/split_moe_mp.py through the launcher, one CPU device per process."""
+    from test_multiprocess import launch
+    rc, out = launch(n, "split_moe_mp.py", "--rounds=6", "--iters=10", timeout=400)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS") == n, out[-4000:]
+    assert out.count("SCHEDULE shared expert between send and receive OK") == n, out[-4000:]

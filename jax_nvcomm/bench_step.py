@@ -20,6 +20,7 @@ On CPU devices the numbers only show that the code runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys

@@ -425,3 +425,38 @@ def test_split_across_processes(n):
     assert rc == 0, out[-4000:]
     assert out.count("PASS") == n, out[-4000:]
     assert out.count("SCHEDULE shared expert between send and receive OK") == n, out[-4000:]
+
+
+from test_fallback import fake_hosts  # noqa: E402,F401  (fixture)
+
+
+def test_split_on_an_xla_fallback_communicator(fake_hosts, rng):  # noqa: F811
+    """Groups over (fake) hosts: the split calls run the XLA path, equal to the fused calls."""
+    fake_hosts(lambda d: f"node{d % 2}")
+    from conftest import make_mesh
+    mesh = make_mesh((4,), ("x",))
+    W, T, H, E, K = 4, 4, 16, 8, 2
+    moe = nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                              dtype=jnp.float32)
+    try:
+        assert moe.xla_fallback
+        x = rng.standard_normal((W * T, H)).astype(np.float32)
+        ids = routing(rng, W * T, E, K)
+        w = rng.random((W * T, K)).astype(np.float32)
+
+        def body(x, i, w):
+            d = nvc.moe_dispatch(x, i, moe)
+            y = nvc.moe_combine(d.expert_x * 2.0, w, d.handle, moe)
+            s = nvc.moe_dispatch_send(x, i, moe)
+            (xo,) = nvc.moe_overlap(s, x)
+            d2 = nvc.moe_dispatch_recv(s, moe, after=xo)
+            c = nvc.moe_combine_send(d2.expert_x * 2.0, d2.handle, moe)
+            return y, nvc.moe_combine_recv(c, w, moe)
+
+        y, y2 = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3,
+                                      out_specs=(P("x"), P("x"))))(x, ids, w)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+        np.testing.assert_allclose(np.asarray(y2), 2 * w.sum(1, keepdims=True) * x, rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        moe.close()

@@ -52,7 +52,8 @@ class MoECommunicator(_Base):
       dtype: payload dtype: bfloat16, float16, float32 or float8_e4m3fn.
       scale_cols: float32 scales carried with each token (0: none).
       max_in_flight: split sends (`moe_dispatch_send` / `moe_combine_send`) that may be
-        outstanding (sent, not yet received) at once, 1 to 4 (default 2: two micro-batches).
+        outstanding (sent, not yet received) at once: 1, 2 or 4 (default 2: two
+        micro-batches).
         The buffer holds 2 * max_in_flight call slots (module docstring).
 
     Raises:
@@ -72,8 +73,8 @@ class MoECommunicator(_Base):
         hidden = _int(hidden, "hidden", what, 1)
         scale_cols = _int(scale_cols, "scale_cols", what, 0)
         max_in_flight = _int(max_in_flight, "max_in_flight", what, 1)
-        if max_in_flight > 4:
-            raise ValueError(f"jax_nvcomm: {what}: max_in_flight must be in [1, 4], got "
+        if max_in_flight not in (1, 2, 4):  # 2 * max_in_flight slots, a power of two
+            raise ValueError(f"jax_nvcomm: {what}: max_in_flight must be 1, 2 or 4, got "
                              f"{max_in_flight}")
         try:
             dt = jnp.dtype(dtype)

@@ -12,7 +12,7 @@
 //   CUDA-graph replays work without host code):
 //     MoeCtrl::send_seq  SENDs issued;  a SEND gets s = send_seq + 1
 //     Ctrl::seq          RECVs done;    a RECV consumes r = seq + 1 (FIFO: the oldest SEND)
-//   Call s uses data slot s % N and flag slot s % N, N = moe_slots(cfg) = 2 * M:
+//   Call s uses data slot s % N and flag slot s % N, N = moe_slots(cfg) = 2 * M (M = 1, 2, 4):
 //   moe_flag(ctrl, cfg, s, src, block) in the receiving rank's Ctrl.
 //   - SEND checks s - seq <= M (else kErrInFlight, poisoned: more SENDs outstanding than the
 //     communicator was made for) and, split, writes s (low 32 bits) to its seq output.
@@ -111,12 +111,15 @@ struct MoeCtrl {
 constexpr size_t kMoeCtrlOffset = (sizeof(Ctrl) + 255) / 256 * 256;
 static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit in the control block");
 
-NVC_HD int moe_slots(const MoeConfig& c) { return 2 * c.max_in_flight; }
+// A power of two (max_in_flight is 1, 2 or 4), so the slot of call s is s & (slots - 1): a
+// 64-bit modulo would call a division routine in every kernel (and spill around it).
+NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * c.max_in_flight); }
+NVC_HD size_t moe_slot(const MoeConfig& c, uint64_t s) { return size_t(s & (moe_slots(c) - 1)); }
 NVC_HD MoeCtrl* moe_ctrl(char* buf) { return reinterpret_cast<MoeCtrl*>(buf + kMoeCtrlOffset); }
 // Flag of call s raised by rank `src`, block `block`, in the Ctrl of the rank that receives.
 NVC_HD uint64_t* moe_flag(Ctrl* ctrl, const MoeConfig& c, uint64_t s, int src, int block) {
   uint64_t* flat = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ctrl) + offsetof(Ctrl, flags));
-  return flat + (size_t(s % uint64_t(moe_slots(c))) * kMaxWorld + src) * kMoeMaxBlocks + block;
+  return flat + (moe_slot(c, s) * kMaxWorld + src) * kMoeMaxBlocks + block;
 }
 NVC_HD int moe_dtype_bytes(int dt) { return dt == kMoeF32 ? 4 : dt == kMoeF8E4M3 ? 1 : 2; }
 NVC_HD int moe_local_experts(const MoeConfig& c) { return c.num_experts / c.world; }
@@ -163,7 +166,7 @@ NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) {
 // ---- offsets (buf = a rank's buffer base as mapped in this process) -------------------------
 // Data slot of call s.
 NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t s) {
-  return buf + kCtrlBytes + size_t(s % uint64_t(moe_slots(c))) * moe_half_bytes(c);
+  return buf + kCtrlBytes + moe_slot(c, s) * moe_half_bytes(c);
 }
 NVC_HD int32_t* moe_hdr(char* half, const MoeConfig& c, int src) {
   return reinterpret_cast<int32_t*>(half + size_t(src) * moe_hdr_bytes(c));
@@ -211,7 +214,8 @@ inline const char* moe_config_error(const MoeConfig& c) {
   if (c.hidden < 1 || c.hidden % 8 != 0 || moe_x_row_bytes(c) % 16 != 0)
     return "hidden must be a multiple of 8 and of 16 bytes of payload";
   if (c.scale_cols < 0) return "scale_cols must be >= 0";
-  if (c.max_in_flight < 1 || c.max_in_flight > kMoeMaxInFlight) return "max_in_flight must be in [1, 4]";
+  if (c.max_in_flight != 1 && c.max_in_flight != 2 && c.max_in_flight != 4)
+    return "max_in_flight must be 1, 2 or 4";
   return nullptr;
 }
 inline bool moe_y_dtype_ok(int y_dtype) { return y_dtype >= kMoeF32 && y_dtype <= kMoeF16; }

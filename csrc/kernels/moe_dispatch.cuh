@@ -72,9 +72,10 @@ __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConf
 __device__ __forceinline__ void wait_all_sources(const CommView& v, const MoeConfig& c, uint64_t s,
                                                  uint32_t desc, int nblocks) {
   const uint64_t deadline = dev::globaltimer() + v.timeout_ns;
+  const uint64_t* flags = moe_flag(v.ctrl(), c, s, 0, 0);  // [src][kMoeMaxBlocks] of call s
   for (int i = threadIdx.x; i < v.world * nblocks; i += blockDim.x) {
     const int src = i / nblocks, blk = i - src * nblocks;
-    dev::wait_flag(moe_flag(v.ctrl(), c, s, src, blk), s, desc, v, src, deadline);
+    dev::wait_flag(flags + src * kMoeMaxBlocks + blk, s, desc, v, src, deadline);
   }
   __syncthreads();
 }

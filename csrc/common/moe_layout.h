@@ -14,8 +14,9 @@
 //     Ctrl::seq          RECVs done;    a RECV consumes r = seq + 1 (FIFO: the oldest SEND)
 //   Call s uses data slot s % N and flag slot s % N, N = moe_slots(cfg) = 2 * M (M = 1, 2, 4):
 //   moe_flag(ctrl, cfg, s, src, block) in the receiving rank's Ctrl.
-//   - SEND checks s - seq <= M (else kErrInFlight, poisoned: more SENDs outstanding than the
-//     communicator was made for) and, split, writes s (low 32 bits) to its seq output.
+//   - SEND checks s - seq <= M (else kErrInFlight: more SENDs outstanding than the
+//     communicator was made for; every rank runs the same calls, so every rank fails there)
+//     and, split, writes s (low 32 bits) to its seq output.
 //   - RECV, split, gets that s back and checks s == seq + 1 (kErrOrder: RECVs must come in the
 //     order of their SENDs, once each); fused (no seq operand) it checks seq + 1 == send_seq
 //     (kErrOrder: a fused call while split SENDs are outstanding).

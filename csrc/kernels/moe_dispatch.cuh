@@ -96,15 +96,13 @@ __device__ __forceinline__ uint64_t recvs_done(const CommView& v) {
   return *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq);
 }
 
-// SEND start, every thread: this call's s; fails (poisoned) when it would be more than
+// SEND start, every thread: this call's s; fails (kErrInFlight) when it would be more than
 // max_in_flight SENDs ahead of this rank's RECVs. Split: block 0 writes s to seq_out.
 __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfig& c, uint32_t desc,
                                                uint32_t* seq_out) {
   const uint64_t s = sends_issued(v) + 1, done = recvs_done(v);
-  if (s - done > uint64_t(c.max_in_flight)) {
-    if (threadIdx.x == 0) poison_and_fail(v, c, s, gridDim.x, kErrInFlight, desc, c.max_in_flight, s - done);
-    for (;;) __nanosleep(1000);  // until thread 0's trap ends the grid (after its report)
-  }
+  // every rank runs the same program, so every rank fails here alike: no poison needed
+  if (s - done > uint64_t(c.max_in_flight)) die(v, kErrInFlight, desc, c.max_in_flight, s, s - done);
   if (seq_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *seq_out = uint32_t(s);
   return s;
 }

@@ -7,6 +7,9 @@ from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
 from .communicator import Communicator
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
+from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
+                        moe_dispatch_recv, moe_dispatch_send)
+from .moe_split import overlap as moe_overlap
 from .strategy import select_strategy
 from .varlen import all_gather_v, reduce_scatter_v
 
@@ -17,5 +20,7 @@ __all__ = [
     "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
     "all_reduce_rms_norm_quant",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
+    "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
+    "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
 ]

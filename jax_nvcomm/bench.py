@@ -746,9 +746,12 @@ def _moe_inputs(env, mesh, W, T, H, K, E, dtype, seed=0):
     return x, sc, ey, _put(env, mesh, ids, P("x")), _put(env, mesh, wts, P("x"))
 
 
-def _moe_methods(env, moe, E, fp8):
+def _moe_methods(env, moe, E, fp8, split=False):
     """name -> (dispatch(x, ids, x_scale) -> (expert_x, counts, expert_x_scale, handle),
-    combine(expert_y, weights, handle) -> y) for jax_nvcomm and the XLA references."""
+    combine(expert_y, weights, handle) -> y) for jax_nvcomm and the XLA references.
+    split: also "nvc split", the send and receive halves back to back (nothing between: what
+    the split costs against the fused call; the overlap itself shows in `bench step
+    --split-compare`)."""
     from . import reference
     nvc = env.nvc
     impls = {}
@@ -760,6 +763,15 @@ def _moe_methods(env, moe, E, fp8):
         def nc(ey, w, h):
             return nvc.moe_combine(ey, w, h, moe)
         impls["nvc"] = (nd, nc)
+        if split:
+            def sd(x, ids, sc):
+                d = nvc.moe_dispatch_recv(nvc.moe_dispatch_send(
+                    x, ids, moe, x_scale=sc if fp8 else None), moe)
+                return d.expert_x, d.expert_counts, d.expert_x_scale, d.handle
+
+            def sc_(ey, w, h):
+                return nvc.moe_combine_recv(nvc.moe_combine_send(ey, h, moe), w, moe)
+            impls["nvc split"] = (sd, sc_)
     if not env.shared_gpu:
         for impl in ("ragged", "dense"):
             def rd(x, ids, sc, impl=impl):
@@ -809,7 +821,8 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
         if env.mem_limit:
             unroll = max(1, min(a.unroll, int(0.2 * env.mem_limit) // max(1, ex_bytes)))
         steps = max(2, -(-a.unroll * a.steps // unroll))
-        for name, (disp, comb) in _moe_methods(env, moe, E, fp8).items():
+        for name, (disp, comb) in _moe_methods(env, moe, E, fp8,
+                                               getattr(a, "split", False)).items():
             # carry (x, x_scale, topk_ids): the next call's x gets one row of this call's
             # output, its routing moves every id by one expert (ids + 1 mod E: rows stay
             # distinct), so no routing work can be hoisted out of the loop
@@ -875,7 +888,8 @@ def run_moe(a):
             rows += _moe_point(env, mesh, cfg, T, dtype_name, a)
     env.log(f"\n## MoE dispatch/combine, world {env.world}: us per call, median (p10-p90); "
             "speedup = best XLA reference / jax_nvcomm")
-    methods = ["nvc", "xla ragged", "xla dense"]
+    methods = ["nvc"] + (["nvc split"] if getattr(a, "split", False) else []) + [
+        "xla ragged", "xla dense"]
     extra = [("speedup", lambda g: _ratio(g, min(
         ("xla ragged", "xla dense"), key=lambda m: g.get(m, {}).get("median_us", 1e300)),
         ["nvc"]))]
@@ -931,6 +945,9 @@ def _parser():
             s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank")
             s.add_argument("--moe-hidden", type=int, default=None)
             s.add_argument("--experts", type=int, default=None)
+            s.add_argument("--split", action="store_true",
+                           help="also the split halves (moe_dispatch_send + _recv, "
+                                "moe_combine_send + _recv) back to back, beside the fused calls")
     from . import bench_varlen
     bench_varlen.add_arguments(sub.add_parser(
         "varlen", help="all_gather_v / reduce_scatter_v vs padded all_gather and zero-filled "

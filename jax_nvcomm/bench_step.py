@@ -20,6 +20,7 @@ On CPU devices the numbers only show that the code runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -154,6 +155,15 @@ def run_step(a) -> int:
             return 2
         ok &= res["ok"]
         rows += [_row(name, r) for r in res["rows"]]
+        if getattr(a, "split_compare", False) and "high-throughput" in cfg.layouts:
+            # the same high-throughput rows with the fused dispatch (shared expert outside
+            # it): beside the split rows above, the difference is what the overlap saves
+            fused_cfg = dataclasses.replace(cfg, split=False, layouts=("high-throughput",))
+            if trace_root:
+                fused_cfg.trace_dir = os.path.join(trace_root, name + "-nosplit")
+            res = mt.run(fused_cfg)
+            ok &= res["ok"]
+            rows += [_row(name + " no-split", r) for r in res["rows"]]
         if main_proc:
             rc = res["config"]
             print(f"preset {name}: {rc.layers} layers, hidden {rc.hidden}, {rc.experts} experts "
@@ -208,3 +218,6 @@ def add_arguments(s):
     s.add_argument("--machine", default=None, help="name in the JSON file name (default: "
                    "from the devices, e.g. h200x2)")
     s.add_argument("--quiet", action="store_true")
+    s.add_argument("--split-compare", action="store_true",
+                   help="high-throughput rows twice: shared expert between the dispatch halves "
+                        "(preset name) and with the fused dispatch (preset + ' no-split')")

@@ -1,10 +1,11 @@
 """MoE expert-parallel dispatch / combine (docs/API.md): `MoECommunicator`, `moe_dispatch`,
-`moe_combine`, and the `Dispatched` / `MoEHandle` pytrees.
+`moe_combine`, and the `Dispatched` / `MoEHandle` pytrees. The split halves
+(`moe_dispatch_send` ...): moe_split.py.
 
 Protocol, buffer layout and handle: csrc/common/moe_layout.h. Per-rank buffer (`nbytes`):
-64 KiB + 2 * align256(max(W * (hdr + T * row), T * K * H * 4)) with row = align16(H * D) +
-align16(4 * S) + align16(8 + 8 * min(K, L)) bytes: it scales with world * max_tokens rows and
-max_tokens * top_k combine slots, never with num_experts * max_tokens.
+64 KiB + 2 * max_in_flight * align256(max(W * (hdr + T * row), T * K * H * 4)) with
+row = align16(H * D) + align16(4 * S) + align16(8 + 8 * min(K, L)) bytes: it scales with
+world * max_tokens rows and max_tokens * top_k combine slots, never with num_experts * max_tokens.
 
 Gradients (custom_vjp): the forward passes run our kernels; the backward passes are written
 with XLA collectives (`lax.psum_scatter`, `lax.all_gather`) from the handle, so they need a
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _ffi, _order, _shard
+from . import _ffi, _inflight, _order, _shard
 from .communicator import _Base
 
 _PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
@@ -50,6 +51,10 @@ class MoECommunicator(_Base):
       hidden: token width, a multiple of 8 elements and of 16 bytes.
       dtype: payload dtype: bfloat16, float16, float32 or float8_e4m3fn.
       scale_cols: float32 scales carried with each token (0: none).
+      max_in_flight: split sends (`moe_dispatch_send` / `moe_combine_send`) that may be
+        outstanding (sent, not yet received) at once: 1, 2 or 4 (default 2: two
+        micro-batches).
+        The buffer holds 2 * max_in_flight call slots (module docstring).
 
     Raises:
       TypeError / ValueError: an argument outside the above (named, with expected and actual
@@ -59,7 +64,7 @@ class MoECommunicator(_Base):
     _kind = "moe"
 
     def __init__(self, mesh, axis_name, *, num_experts, top_k, max_tokens, hidden, dtype,
-                 scale_cols=0, backend="auto", timeout_s=None):
+                 scale_cols=0, max_in_flight=2, backend="auto", timeout_s=None):
         what = "MoECommunicator"
         self._closed = True
         num_experts = _int(num_experts, "num_experts", what, 1)
@@ -67,6 +72,10 @@ class MoECommunicator(_Base):
         max_tokens = _int(max_tokens, "max_tokens", what, 1)
         hidden = _int(hidden, "hidden", what, 1)
         scale_cols = _int(scale_cols, "scale_cols", what, 0)
+        max_in_flight = _int(max_in_flight, "max_in_flight", what, 1)
+        if max_in_flight not in (1, 2, 4):  # 2 * max_in_flight slots, a power of two
+            raise ValueError(f"jax_nvcomm: {what}: max_in_flight must be 1, 2 or 4, got "
+                             f"{max_in_flight}")
         try:
             dt = jnp.dtype(dtype)
         except TypeError as e:
@@ -91,17 +100,19 @@ class MoECommunicator(_Base):
                              f"16 bytes for {dt}, got {hidden}")
         self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
         self.hidden, self.dtype, self.scale_cols = hidden, dt, scale_cols
+        self.max_in_flight = max_in_flight
         try:
             nbytes = _ffi._host.moe_buffer_bytes(world, num_experts, top_k, max_tokens, hidden,
-                                                 _PAYLOAD[dt], scale_cols)
+                                                 _PAYLOAD[dt], scale_cols, max_in_flight)
         except ValueError as e:
             raise ValueError(f"jax_nvcomm: {what}: {e}") from None
         self._nbytes = int(nbytes)
         self._setup(mesh, axis_name, backend, self._nbytes, 0, timeout_s,
                     dict(num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
-                         hidden=hidden, dtype=str(dt), scale_cols=scale_cols),
+                         hidden=hidden, dtype=str(dt), scale_cols=scale_cols,
+                         max_in_flight=max_in_flight),
                     zero_bytes=65536)
-        params = [num_experts, top_k, max_tokens, hidden, _PAYLOAD[dt], scale_cols]
+        params = [num_experts, top_k, max_tokens, hidden, _PAYLOAD[dt], scale_cols, max_in_flight]
         for slot in self._sym.slots:
             self._sym.mod.set_params(self._id, slot, params)
 
@@ -118,7 +129,8 @@ class MoECommunicator(_Base):
         return (f"MoECommunicator(axis={self._axis_name!r}, world_size={self._world}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"max_tokens={self.max_tokens}, hidden={self.hidden}, dtype={self.dtype}, "
-                f"scale_cols={self.scale_cols}, backend={self._backend!r}"
+                f"scale_cols={self.scale_cols}, max_in_flight={self.max_in_flight}, "
+                f"backend={self._backend!r}"
                 f"{', closed' if self._closed else ''})")
 
 
@@ -143,8 +155,7 @@ class Dispatched:
 # ---------------------------------------------------------------------------------------------
 # validation
 
-def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale):
-    what = "moe_dispatch"
+def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what="moe_dispatch"):
     T, H, K = moe.max_tokens, moe.hidden, moe.top_k
     if x.shape != (T, H):
         raise ValueError(f"jax_nvcomm: {what}: x must have shape (max_tokens, hidden) = "
@@ -242,6 +253,42 @@ def _tokens_to_rows(tok, w, handle, moe):
     return jnp.where(valid[..., None], rows, 0.0)
 
 
+def _combine_grads(ey, w, handle, ct_y, moe):
+    """(d expert_y, d topk_weights) of y = combine(ey, w, handle) for the cotangent ct_y."""
+    T, K = moe.max_tokens, moe.top_k
+    # expert row (e,i) for (src,t,k) gets w[src][t,k] * ct_y[src][t]
+    d_ey = _tokens_to_rows(ct_y, w, handle, moe).astype(ey.dtype)
+    # d w[t,k] = <ct_y[t], expert_y[row(t,k)]>: computed at the expert side, sent home
+    valid, src, t, k = _decode_rows(handle, moe)
+    ct_all = lax.all_gather(ct_y.astype(jnp.float32), moe.axis_name)  # [W, T, H]
+    dots = jnp.sum(ey.astype(jnp.float32) * ct_all[src, t], axis=-1)
+    dots = jnp.where(valid, dots, 0.0)
+    W = moe.world_size
+    acc = jnp.zeros((W * T * K,), jnp.float32).at[((src * T + t) * K + k).reshape(-1)].add(
+        dots.reshape(-1))
+    dw = lax.psum_scatter(acc.reshape(W, T * K), moe.axis_name, scatter_dimension=0,
+                          tiled=True).reshape(T, K)
+    return d_ey, dw
+
+
+def _check_combine_args(expert_y, topk_weights, moe, what):
+    L, R, H, T, K = (moe.num_local_experts, moe.world_size * moe.max_tokens, moe.hidden,
+                     moe.max_tokens, moe.top_k)
+    if expert_y is not None:
+        if expert_y.shape != (L, R, H):
+            raise ValueError(f"jax_nvcomm: {what}: expert_y must have shape (num_local_experts, "
+                             f"world_size * max_tokens, hidden) = ({L}, {R}, {H}), got "
+                             f"{expert_y.shape}")
+        if jnp.dtype(expert_y.dtype) not in _Y_DTYPES:
+            raise TypeError(f"jax_nvcomm: {what}: expert_y must be bfloat16, float16 or float32, "
+                            f"got {expert_y.dtype}")
+    if topk_weights is not None and (topk_weights.shape != (T, K)
+                                     or topk_weights.dtype != jnp.float32):
+        raise ValueError(f"jax_nvcomm: {what}: topk_weights must be float32 of shape "
+                         f"(max_tokens, top_k) = ({T}, {K}), got {topk_weights.dtype}"
+                         f"{topk_weights.shape}")
+
+
 # ---------------------------------------------------------------------------------------------
 # public functions
 
@@ -288,6 +335,7 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         from . import _fallback
         return _fallback.moe_dispatch(x, topk_ids, moe, num_tokens, x_scale)
+    _inflight.check_fused(moe, what)
     float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
@@ -345,22 +393,11 @@ def moe_combine(expert_y, topk_weights, handle, moe):
                         f"(d.handle), got {type(handle).__name__}")
     _shard.check_context(moe, what)
     expert_y, topk_weights = jnp.asarray(expert_y), jnp.asarray(topk_weights)
-    L, R, H, T, K = (moe.num_local_experts, moe.world_size * moe.max_tokens, moe.hidden,
-                     moe.max_tokens, moe.top_k)
-    if expert_y.shape != (L, R, H):
-        raise ValueError(f"jax_nvcomm: {what}: expert_y must have shape (num_local_experts, "
-                         f"world_size * max_tokens, hidden) = ({L}, {R}, {H}), got "
-                         f"{expert_y.shape}")
-    if jnp.dtype(expert_y.dtype) not in _Y_DTYPES:
-        raise TypeError(f"jax_nvcomm: {what}: expert_y must be bfloat16, float16 or float32, "
-                        f"got {expert_y.dtype}")
-    if topk_weights.shape != (T, K) or topk_weights.dtype != jnp.float32:
-        raise ValueError(f"jax_nvcomm: {what}: topk_weights must be float32 of shape "
-                         f"(max_tokens, top_k) = ({T}, {K}), got {topk_weights.dtype}"
-                         f"{topk_weights.shape}")
+    _check_combine_args(expert_y, topk_weights, moe, what)
     if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         from . import _fallback
         return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
+    _inflight.check_fused(moe, what)
 
     @jax.custom_vjp
     def combine(ey, w, handle, tok):
@@ -370,20 +407,8 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         return combine(ey, w, handle, tok), (ey, w, handle)
 
     def bwd(res, cts):
-        ct_y = cts[0]
         ey, w, handle = res
-        # expert row (e,i) for (src,t,k) gets w[src][t,k] * ct_y[src][t]
-        d_ey = _tokens_to_rows(ct_y, w, handle, moe).astype(ey.dtype)
-        # d w[t,k] = <ct_y[t], expert_y[row(t,k)]>: computed at the expert side, sent home
-        valid, src, t, k = _decode_rows(handle, moe)
-        ct_all = lax.all_gather(ct_y.astype(jnp.float32), moe.axis_name)  # [W, T, H]
-        dots = jnp.sum(ey.astype(jnp.float32) * ct_all[src, t], axis=-1)
-        dots = jnp.where(valid, dots, 0.0)
-        W = moe.world_size
-        acc = jnp.zeros((W * T * K,), jnp.float32).at[((src * T + t) * K + k).reshape(-1)].add(
-            dots.reshape(-1))
-        dw = lax.psum_scatter(acc.reshape(W, T * K), moe.axis_name, scatter_dimension=0,
-                              tiled=True).reshape(T, K)
+        d_ey, dw = _combine_grads(ey, w, handle, cts[0], moe)
         none = jax.tree.map(lambda _: None, handle)
         return d_ey, dw, none, None
 

@@ -28,7 +28,9 @@ Layouts (a 1-D mesh over the devices; W ranks):
   high-throughput (data-parallel attention + expert parallel MoE, axis "ep"): every rank its
     own tokens and a full copy of the attention weights; rank r owns experts
     [r*E/W, (r+1)*E/W). Tokens go to their experts' ranks and back:
-        jax_nvcomm: nvc.moe_dispatch / nvc.moe_combine (MoECommunicator)
+        jax_nvcomm: nvc.moe_dispatch / nvc.moe_combine (MoECommunicator); the shared expert
+                    (--shared-ffn) runs between nvc.moe_dispatch_send and moe_dispatch_recv
+                    (--no-split: fused moe_dispatch, the shared expert outside it)
         XLA:        jax_nvcomm.reference.moe_dispatch_xla / moe_combine_xla (impl="ragged",
                     lax.ragged_all_to_all)
     and the local experts run over the dispatched rows [E/W, W*tokens, hidden] with a batched
@@ -106,6 +108,7 @@ class Config:
     experts: int | None = None
     top_k: int | None = None
     ffn: int | None = None          # intermediate size of one expert
+    shared_ffn: int | None = None   # intermediate size of the shared expert (0: none)
     tokens: int | None = None       # prefill tokens per rank
     decode_tokens: int | None = None
     context: int | None = None      # decode: fixed K/V context length
@@ -122,19 +125,23 @@ class Config:
     plot: str | None = None
     quiet: bool = False             # no progress lines
     trace_dir: str | None = None    # profile a few steps of each row here (bench step)
+    split: bool = True              # high-throughput, jax_nvcomm: shared expert between the
+                                    # dispatch send and receive halves (False: fused dispatch)
 
     def model_dict(self):
-        keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "tokens",
+        keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "shared_ffn", "tokens",
                 "decode_tokens", "context", "seed")
         return {k: getattr(self, k) for k in keys}
 
 
-GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=768, tokens=256,
-                    decode_tokens=4, context=256, dtype="bfloat16", iters=20)
+GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=768,
+                    shared_ffn=768, tokens=256, decode_tokens=4, context=256, dtype="bfloat16",
+                    iters=20)
 # CPU: scaled down so that the default run (8 host devices, both layouts and phases, both
 # implementations) takes well under a minute on 2 cores.
-CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128, tokens=128,
-                    decode_tokens=4, context=64, dtype="float32", iters=5)
+CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
+                    shared_ffn=128, tokens=128, decode_tokens=4, context=64, dtype="float32",
+                    iters=5)
 
 
 def resolve(cfg: Config, platform: str, world: int) -> Config:
@@ -295,6 +302,16 @@ def experts_grouped(h, topk_w, topk_ids, wg, wu, wd):
     return out.astype(h.dtype)
 
 
+def shared_expert(h, p):
+    """The shared expert (every token, as in DeepSeek-V2/V3 and Qwen2-MoE): a SwiGLU of
+    intermediate size cfg.shared_ffn; zero when the model has none. Low-latency layout: this
+    rank's slice of the intermediate dimension (a partial sum, like the routed experts)."""
+    if "sg" not in p:
+        return 0
+    jnp = _jnp()
+    return swiglu(h, p["sg"], p["su"], p["sd"], jnp.dot)
+
+
 def experts_dispatched(expert_x, expert_counts, wg, wu, wd):
     """This rank's experts over the dispatched rows [E_local, rows, hidden] (batched einsum);
     rows >= expert_counts[e] are unspecified on input and zeroed."""
@@ -338,10 +355,14 @@ def param_specs(cfg, layout):
         layer = dict(attn_norm=P(), moe_norm=P(), wq=P(None, a), wk=P(None, a), wv=P(None, a),
                      wo=P(a, None), router=P(), wg=P(None, None, a), wu=P(None, None, a),
                      wd=P(None, a, None))
+        shared = dict(sg=P(None, a), su=P(None, a), sd=P(a, None))  # partial sums, like wd
     else:
         a = "ep"
         layer = dict(attn_norm=P(), moe_norm=P(), wq=P(), wk=P(), wv=P(), wo=P(), router=P(),
                      wg=P(a), wu=P(a), wd=P(a))
+        shared = dict(sg=P(), su=P(), sd=P())  # replicated: every rank its own tokens
+    if cfg.shared_ffn:
+        layer.update(shared)
     return dict(layers=[dict(layer) for _ in range(cfg.layers)], final_norm=P())
 
 
@@ -382,6 +403,11 @@ def _params_fn(model, dtype, layout, mesh):
                 router=normal(ks[6], (H, E), H).astype(jnp.float32),
                 wg=normal(ks[7], (E, H, F), H), wu=normal(ks[8], (E, H, F), H),
                 wd=normal(ks[9], (E, F, H), F)))
+            if m.get("shared_ffn"):  # own keys: the other weights keep their values
+                Fs = m["shared_ffn"]
+                kss = jax.random.split(jax.random.fold_in(key, (1 << 21) + i), 3)
+                layers[-1].update(sg=normal(kss[0], (H, Fs), H), su=normal(kss[1], (H, Fs), H),
+                                  sd=normal(kss[2], (Fs, H), Fs))
         fk = jax.random.fold_in(key, 1 << 20)
         return dict(layers=layers,
                     final_norm=(1.0 + 0.1 * jax.random.normal(fk, (H,))).astype(dt))
@@ -529,7 +555,7 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
                 return psum_rms_norm(x, r, w, axis)
 
         def moe(h, tw, ti, p):
-            return experts_grouped(h, tw, ti, p["wg"], p["wu"], p["wd"])
+            return experts_grouped(h, tw, ti, p["wg"], p["wu"], p["wd"]) + shared_expert(h, p)
     else:
         axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
         ar_norm = add_rms_norm  # data-parallel attention: no all-reduce
@@ -538,9 +564,18 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
             mc = comms[("ep", phase)]
 
             def moe(h, tw, ti, p):
-                d = dispatch(h, ti, mc)
+                if cfg.split and cfg.shared_ffn:
+                    # the shared expert runs while this rank's tokens travel: between the
+                    # dispatch's send and receive halves (moe_overlap / after= tie it there)
+                    sent = nvc.moe_dispatch_send(h, ti, mc)
+                    (hs,) = nvc.moe_overlap(sent, h)
+                    shared = shared_expert(hs, p)
+                    d = nvc.moe_dispatch_recv(sent, mc, after=shared)
+                else:
+                    d = dispatch(h, ti, mc)
+                    shared = shared_expert(h, p)
                 y = experts_dispatched(d.expert_x, d.expert_counts, p["wg"], p["wu"], p["wd"])
-                return combine(y, tw, d.handle, mc)
+                return combine(y, tw, d.handle, mc) + shared
         else:
             dispatch_xla, combine_xla = xla_moe_api()
 
@@ -549,7 +584,7 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
                                                      num_experts=cfg.experts, impl="ragged")
                 y = experts_dispatched(ex, counts, p["wg"], p["wu"], p["wd"])
                 return combine_xla(y, tw, handle, axis_name=axis, num_experts=cfg.experts,
-                                   impl="ragged")
+                                   impl="ragged") + shared_expert(h, p)
 
     def body(x, params, caches, forced_ids):
         return forward(x, params, caches, forced_ids if forced else None, cfg=cfg, phase=phase,
@@ -569,7 +604,8 @@ def nvc_op_name(cfg, layout, phase, comms, world):
     if "jax_nvcomm" not in cfg.impls:
         return "-"
     if layout == "high-throughput":
-        return "dispatch+combine"
+        return ("split dispatch+combine" if cfg.split and cfg.shared_ffn
+                else "dispatch+combine")
     comm = comms.get("tp")
     if comm is None:
         return "-"
@@ -1063,6 +1099,9 @@ def parse_args(argv=None, prog=None) -> Config:
     g.add_argument("--experts", type=int)
     g.add_argument("--top-k", dest="top_k", type=int)
     g.add_argument("--ffn", type=int, help="intermediate size of one expert")
+    g.add_argument("--shared-ffn", dest="shared_ffn", type=int,
+                   help="intermediate size of the shared expert (0: none; default: --ffn's "
+                        "default)")
     g.add_argument("--tokens", type=int, help="prefill tokens per rank")
     g.add_argument("--decode-tokens", dest="decode_tokens", type=int,
                    help="decode tokens (sequences) per rank")
@@ -1088,6 +1127,9 @@ def parse_args(argv=None, prog=None) -> Config:
     r.add_argument("--ref", metavar="FILE.npz", help="also compare against a stored reference")
     r.add_argument("--plot", metavar="FILE.png", help="bar chart of the timings (matplotlib)")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    r.add_argument("--no-split", dest="split", action="store_false",
+                   help="high-throughput: fused moe_dispatch, the shared expert outside it "
+                        "(default: between moe_dispatch_send and moe_dispatch_recv)")
     a = p.parse_args(argv)
 
     def split(s, allowed, flag):
@@ -1099,12 +1141,13 @@ def parse_args(argv=None, prog=None) -> Config:
 
     impls = ("xla",) if a.xla_only else ("jax_nvcomm",) if a.nvcomm_only else IMPLS
     return Config(layers=a.layers, hidden=a.hidden, heads=a.heads, experts=a.experts,
-                  top_k=a.top_k, ffn=a.ffn, tokens=a.tokens, decode_tokens=a.decode_tokens,
+                  top_k=a.top_k, ffn=a.ffn, shared_ffn=a.shared_ffn, tokens=a.tokens,
+                  decode_tokens=a.decode_tokens,
                   context=a.context, devices=a.devices, dtype=a.dtype, iters=a.iters,
                   warmup=a.warmup, seed=a.seed,
                   layouts=split(a.layouts, LAYOUTS, "--layouts"),
                   phases=split(a.phases, PHASES, "--phases"), impls=impls, ref=a.ref,
-                  save_ref=a.save_ref, plot=a.plot, quiet=a.quiet)
+                  save_ref=a.save_ref, plot=a.plot, quiet=a.quiet, split=a.split)
 
 
 def main(argv=None, prog=None) -> int:

@@ -61,8 +61,8 @@ inline void add_common_bindings(nb::module_& m) {
     return comm_buffer_bytes(max_message_bytes, world);
   });
   m.def("moe_buffer_bytes", [](int world, int num_experts, int top_k, int max_tokens, int hidden,
-                               int dtype, int scale_cols) {
-    MoeConfig c{world, 0, num_experts, top_k, max_tokens, hidden, dtype, scale_cols};
+                               int dtype, int scale_cols, int max_in_flight) {
+    MoeConfig c{world, 0, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, max_in_flight};
     if (const char* why = moe_config_error(c)) throw std::invalid_argument(why);
     return moe_buffer_bytes(c);
   });

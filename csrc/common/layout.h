@@ -54,6 +54,8 @@ enum ErrCode : uint32_t {
                          // (peer = the rank it belongs to, observed = count | max_rows << 32)
   kErrOffsetsDiffer = 7, // reduce_scatter_v: a peer's offsets give this rank another row count
                          // (peer = that rank, observed = its count | this rank's count << 32)
+  kErrInFlight = 8,      // MoE split SEND: more SENDs outstanding than max_in_flight (observed: count)
+  kErrOrder = 9,         // MoE RECV of another call than the oldest outstanding SEND (observed: its seq)
 };
 
 // Written once (first error wins) by a failing kernel or host protocol. For CUDA it lives in

@@ -95,6 +95,21 @@ std::string describe_error(const ErrorInfo& e) {
                     (unsigned long long)e.seq, e.rank, e.peer, int32_t(uint32_t(e.observed)),
                     int32_t(uint32_t(e.observed >> 32)));
       break;
+    case kErrInFlight:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: %llu split sends outstanding, more than "
+                    "the communicator's max_in_flight=%d: receive one (moe_*_recv) before the "
+                    "next send", op_name(e.op), (unsigned long long)e.seq, e.rank,
+                    (unsigned long long)e.observed, e.peer);
+      break;
+    case kErrOrder:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: receive out of order: %s (receives must "
+                    "come once each, in the order of their sends; fused calls only when no split "
+                    "send is outstanding)", op_name(e.op), (unsigned long long)e.seq, e.rank,
+                    e.peer < 0 ? "a fused call while split sends are outstanding"
+                               : "the receive belongs to another send");
+      break;
     default:
       std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);
   }

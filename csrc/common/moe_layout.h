@@ -2,46 +2,66 @@
 // Shared by the CUDA kernels (kernels/moe_*.cuh), the host protocol (host/moe_host.*) and the
 // FFI handlers, so every rank and both backends compute the same sizes and offsets.
 //
-// PROTOCOL (one MoE communicator = one symmetric buffer per rank, its own Ctrl and seq)
-//   Every call (a dispatch or a combine) has sequence number s = Ctrl::seq + 1 of the rank's own
-//   buffer, data half p = s & 1 and flag slots Ctrl::flags[p][0][src][block]. A call is two
-//   kernels on one stream: SEND (writes rows into peers' halves, then raises its flag in every
-//   rank, itself included, even when it sent nothing) and RECV (waits for every rank's flags,
-//   consumes its own half, then its last block stores Ctrl::seq = s). Seq thus advances exactly
-//   once per call, on the device (CUDA-graph replays work); SEND of call s+1 must follow RECV of
-//   call s on the stream (it reads the seq RECV stored).
+// PROTOCOL (one MoE communicator = one symmetric buffer per rank, its own counters)
+//   A call (a dispatch or a combine) is two halves on one stream: SEND (writes rows into the
+//   peers' data slot, then raises its flag in every rank, itself included, even when it sent
+//   nothing) and RECV (waits for every rank's flags, consumes its own slot). They run back to
+//   back (moe_dispatch / moe_combine: one custom call) or as two custom calls with other work
+//   in between (moe_*_send / moe_*_recv: "split", up to M = max_in_flight SENDs outstanding).
+//   Two counters per rank, both advanced on the device by the last block of the kernel (so
+//   CUDA-graph replays work without host code):
+//     MoeCtrl::send_seq  SENDs issued;  a SEND gets s = send_seq + 1
+//     Ctrl::seq          RECVs done;    a RECV consumes r = seq + 1 (FIFO: the oldest SEND)
+//   Call s uses data slot s % N and flag slot s % N, N = moe_slots(cfg) = 2 * M (M = 1, 2, 4):
+//   moe_flag(ctrl, cfg, s, src, block) in the receiving rank's Ctrl.
+//   - SEND checks s - seq <= M (else kErrInFlight: more SENDs outstanding than the
+//     communicator was made for; every rank runs the same calls, so every rank fails there)
+//     and, split, writes s (low 32 bits) to its seq output.
+//   - RECV, split, gets that s back and checks s == seq + 1 (kErrOrder: RECVs must come in the
+//     order of their SENDs, once each); fused (no seq operand) it checks seq + 1 == send_seq
+//     (kErrOrder: a fused call while split SENDs are outstanding).
 //   dispatch: each source rank writes each of its tokens (t < num_tokens) ONCE to each
 //     destination rank owning at least one of its top_k experts, into the region of that source
-//     in the destination's half, at slot pos = number of earlier tokens of the source going to that
-//     destination (deterministic prefix count). The row carries the payload, the scales and the
-//     list of (local expert, k, idx) with idx = number of earlier tokens of the source routed to
-//     that expert. Block G-1 (the one owning the last tokens) also writes the header: rows and
+//     in the destination's slot, at row pos = number of earlier tokens of the source going to
+//     that destination (deterministic prefix count). The row carries the payload, the scales and
+//     the list of (local expert, k, idx) with idx = number of earlier tokens of the source routed
+//     to that expert. Block G-1 (the one owning the last tokens) also writes the header: rows and
 //     per-local-expert counts. RECV: off[e][src] = sum of counts of sources < src; row goes to
 //     expert_x[e][off[e][src] + idx]: (source rank, token) order, no atomics decide placement.
 //   combine: the expert side writes each expert row i < expert_counts[e] back to its token's
-//     rank, into landing slot t*top_k + k of that rank's half (one writer per slot). RECV sums
-//     y[t] = fma over k = 0..top_k-1 (valid slots only) of w[t,k] * row, float32, k order.
+//     rank, into landing slot t*top_k + k of that rank's data slot (one writer per landing
+//     slot). RECV sums y[t] = fma over k = 0..top_k-1 (valid slots only) of w[t,k] * row,
+//     float32, k order.
 //   All ranks must launch the same call sequence with the same config; a disagreement shows up
 //   as kErrMismatch (same seq, another descriptor) instead of garbage.
 //
 // BUFFER LAYOUT (per rank, identical offsets everywhere; W = world, T = max_tokens, K = top_k,
-// L = num_experts / W local experts, H = hidden, D = payload bytes per element, S = scale_cols):
-//   [0, kCtrlBytes)                     Ctrl (layout.h): seq, done_blocks, flags
-//   [kCtrlBytes + p * half, +half)      half p (p = 0, 1), used by dispatch OR combine calls:
+// L = num_experts / W local experts, H = hidden, D = payload bytes per element, S = scale_cols,
+// N = moe_slots = 2 * max_in_flight):
+//   [0, kCtrlBytes)                     Ctrl (layout.h): seq, done_blocks; its flags array seen
+//                                       flat as N x kMaxWorld x kMoeMaxBlocks flags (moe_flag);
+//                                       MoeCtrl at kMoeCtrlOffset (send_seq, its block counter)
+//   [kCtrlBytes + i * half, +half)      data slot i (i = 0 .. N-1), used by dispatch OR combine:
 //     dispatch view:  hdr[src]  (W x hdr_bytes: int32 rows, int32 count[L])
 //                     rows[src][slot] (W x T x drow_bytes), row = [payload H*D | S f32 scales |
 //                     meta int32: t, m, m x (le | k << 16, idx)] each part 16-B aligned
 //     combine view:   landing[t * K + k] (T x K rows of H * sizeof(expert_y dtype))
 //   half = align256(max(W*hdr_bytes + W*T*drow_bytes, T*K*H*4))   (combine sized for float32 y)
-//   moe_buffer_bytes = kCtrlBytes + 2 * half
+//   moe_buffer_bytes = kCtrlBytes + N * half
 //   Scales with W*T rows (dispatch) and T*K rows (combine), never with num_experts * T.
 //
 // INVARIANTS
-// - Two halves suffice: every call waits for every rank, so a rank at call s+2 has seen all
-//   flags of call s+1, raised by each peer only after its RECV of call s finished reading half p.
-//   A call's data is consumed inside the call (RECV), so dispatch and combine share the halves;
+// - N = 2M slots suffice. When rank A issues SEND j it has finished RECV j-M (in-flight check,
+//   FIFO RECVs). That RECV saw every peer B's flag of call j-M, which B raised in SEND j-M, when
+//   B had finished RECV j-2M. So B still reads (or will read) only slots of calls in
+//   (j-2M, j): none of them is j mod N when N >= 2M, and B has read its flag slot of call
+//   j-N <= j-2M. M = 1 is the fused protocol's two halves. Every RECV waits for every rank, so
+//   no rank gets further ahead than that.
+//   A call's data is consumed inside the call (RECV), so dispatch and combine share the slots;
 //   everything combine needs from dispatch travels in the handle (XLA arrays), which is why any
-//   number of dispatches may be in flight before their combines.
+//   number of dispatches may be received before their combines.
+// - One MoE kernel runs at a time per rank (the order token chains every call, both halves),
+//   so SEND and RECV may share nothing but the counters they own.
 // - Regions never overflow: at most T rows per (source, destination), at most T tokens per
 //   (source, expert) as ids are distinct per row (checked), so expert rows < W*T.
 // - Expert ids are validated before any write that depends on them; an id outside [-1, E), a
@@ -49,7 +69,8 @@
 //   kErrCapacity). Before failing, the sender writes the POISON flag make_flag(s,kMoePoisonDesc)
 //   into every rank's slots so peers fail fast (kErrMismatch, observed desc 0xFFFFFF) instead of
 //   timing out. After any error the communicator is dead (reset Ctrl to zero on every rank).
-// - Initial state: Ctrl all zero on every rank; halves need no initialisation.
+// - Initial state: the control block (Ctrl, MoeCtrl) all zero on every rank; data slots need
+//   no initialisation.
 //
 // HANDLE (written by dispatch, read by combine; fixed shapes, all int32):
 //   token_dest  [T, K]      expert id routed for (t, k), -1 for unused slots and rows >= num_tokens
@@ -68,6 +89,7 @@ enum MoeDtype : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2, kMoeF8E4M3 = 3 };
 
 struct MoeConfig {
   int world, rank, num_experts, top_k, max_tokens, hidden, dtype /*MoeDtype*/, scale_cols;
+  int max_in_flight = 1;  // split SENDs outstanding at most (1: the fused protocol's layout)
 };
 
 constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
@@ -76,8 +98,30 @@ constexpr int kMoeMaxTopK = 32;        // one warp holds a token's top_k slots
 constexpr int kMoeMaxExperts = 4096;   // shared-memory counters
 constexpr int kMoeSubTokens = 128;     // tokens routed per step in the dispatch send kernel
 constexpr uint32_t kMoePoisonDesc = 0xFFFFFFu;
+constexpr int kMoeMaxInFlight = 4;     // N = 8 flag slots of kMaxWorld x kMoeMaxBlocks in Ctrl::flags
 static_assert(kMoeMaxBlocks <= kMaxBlocks, "flag slots");
+static_assert(size_t(2) * kMoeMaxInFlight * kMaxWorld * kMoeMaxBlocks <=
+                  sizeof(Ctrl::flags) / sizeof(uint64_t), "MoE flag slots must fit in Ctrl::flags");
 
+// SEND-side counters of a MoE rank, in the zeroed control block after Ctrl.
+struct MoeCtrl {
+  uint64_t send_seq;          // SENDs issued by this rank (advanced by the SEND's last block)
+  uint32_t send_done_blocks;  // last-block counter of the running SEND, 0 between calls
+  uint32_t pad;
+};
+constexpr size_t kMoeCtrlOffset = (sizeof(Ctrl) + 255) / 256 * 256;
+static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit in the control block");
+
+// A power of two (max_in_flight is 1, 2 or 4), so the slot of call s is s & (slots - 1): a
+// 64-bit modulo would call a division routine in every kernel (and spill around it).
+NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * c.max_in_flight); }
+NVC_HD size_t moe_slot(const MoeConfig& c, uint64_t s) { return size_t(s & (moe_slots(c) - 1)); }
+NVC_HD MoeCtrl* moe_ctrl(char* buf) { return reinterpret_cast<MoeCtrl*>(buf + kMoeCtrlOffset); }
+// Flag of call s raised by rank `src`, block `block`, in the Ctrl of the rank that receives.
+NVC_HD uint64_t* moe_flag(Ctrl* ctrl, const MoeConfig& c, uint64_t s, int src, int block) {
+  uint64_t* flat = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(ctrl) + offsetof(Ctrl, flags));
+  return flat + (moe_slot(c, s) * kMaxWorld + src) * kMoeMaxBlocks + block;
+}
 NVC_HD int moe_dtype_bytes(int dt) { return dt == kMoeF32 ? 4 : dt == kMoeF8E4M3 ? 1 : 2; }
 NVC_HD int moe_local_experts(const MoeConfig& c) { return c.num_experts / c.world; }
 NVC_HD int moe_max_entries(const MoeConfig& c) {
@@ -116,11 +160,14 @@ NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
   size_t d = moe_dispatch_region_bytes(c), m = moe_combine_region_bytes(c);
   return align_up(d > m ? d : m, 256);
 }
-NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) { return kCtrlBytes + 2 * moe_half_bytes(c); }
+NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) {
+  return kCtrlBytes + size_t(moe_slots(c)) * moe_half_bytes(c);
+}
 
 // ---- offsets (buf = a rank's buffer base as mapped in this process) -------------------------
-NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t parity) {
-  return buf + kCtrlBytes + (parity & 1) * moe_half_bytes(c);
+// Data slot of call s.
+NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t s) {
+  return buf + kCtrlBytes + moe_slot(c, s) * moe_half_bytes(c);
 }
 NVC_HD int32_t* moe_hdr(char* half, const MoeConfig& c, int src) {
   return reinterpret_cast<int32_t*>(half + size_t(src) * moe_hdr_bytes(c));
@@ -143,8 +190,9 @@ NVC_HD size_t moe_expert_rows(const MoeConfig& c) { return size_t(c.world) * c.m
 // ---- call descriptors (24 bits, see layout.h) ------------------------------------------------
 NVC_HD uint64_t moe_config_hash(const MoeConfig& c) {
   uint64_t h = uint64_t(c.world);
-  const int f[6] = {c.num_experts, c.top_k, c.max_tokens, c.hidden, c.dtype, c.scale_cols};
-  for (int i = 0; i < 6; ++i) h = (h ^ uint64_t(uint32_t(f[i]))) * 0x100000001B3ull + 0x9E37ull;
+  const int f[7] = {c.num_experts, c.top_k, c.max_tokens, c.hidden, c.dtype, c.scale_cols,
+                    c.max_in_flight};
+  for (int i = 0; i < 7; ++i) h = (h ^ uint64_t(uint32_t(f[i]))) * 0x100000001B3ull + 0x9E37ull;
   return h;
 }
 NVC_HD uint32_t moe_dispatch_desc(const MoeConfig& c) {
@@ -167,6 +215,8 @@ inline const char* moe_config_error(const MoeConfig& c) {
   if (c.hidden < 1 || c.hidden % 8 != 0 || moe_x_row_bytes(c) % 16 != 0)
     return "hidden must be a multiple of 8 and of 16 bytes of payload";
   if (c.scale_cols < 0) return "scale_cols must be >= 0";
+  if (c.max_in_flight != 1 && c.max_in_flight != 2 && c.max_in_flight != 4)
+    return "max_in_flight must be 1, 2 or 4";
   return nullptr;
 }
 inline bool moe_y_dtype_ok(int y_dtype) { return y_dtype >= kMoeF32 && y_dtype <= kMoeF16; }

@@ -36,21 +36,24 @@ cudaError_t moe_load_kernels() {
 
 cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& c, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
-                              const int32_t* num_tokens, int32_t* token_dest, cudaStream_t st) {
+                              const int32_t* num_tokens, int32_t* token_dest, cudaStream_t st,
+                              uint32_t* seq_out) {
   if (!usable(v, c) || !x || !topk_ids || !token_dest || (c.scale_cols > 0 && !x_scale))
     return cudaErrorInvalidValue;
-  moe::DispatchSendArgs a{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens, token_dest};
+  moe::DispatchSendArgs a{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens, token_dest,
+                          seq_out};
   moe::dispatch_send_kernel<<<moe_blocks(c), kMoeThreads, moe::dispatch_send_smem(c), st>>>(v, c, a);
   return cudaGetLastError();
 }
 
 cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& c, void* expert_x,
                               int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
-                              cudaStream_t st) {
+                              cudaStream_t st, const uint32_t* seq_in) {
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src ||
       (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;
-  moe::DispatchRecvArgs a{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale, expert_src};
+  moe::DispatchRecvArgs a{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale, expert_src,
+                          seq_in};
   moe::dispatch_recv_kernel<<<moe_blocks(c), kMoeThreads, moe::dispatch_recv_smem(c), st>>>(v, c, a);
   return cudaGetLastError();
 }
@@ -68,20 +71,21 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
 
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
-                             cudaStream_t st) {
+                             cudaStream_t st, uint32_t* seq_out) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !expert_y || !expert_src || !expert_counts)
     return cudaErrorInvalidValue;
-  moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype};
+  moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype,
+                         seq_out};
   moe::combine_send_kernel<<<moe_blocks(c), kMoeThreads, moe::combine_send_smem(c), st>>>(v, c, a);
   return cudaGetLastError();
 }
 
 cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& c, int y_dtype,
                              const float* topk_weights, const int32_t* token_dest, void* y,
-                             cudaStream_t st) {
+                             cudaStream_t st, const uint32_t* seq_in) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
-  moe::CombineRecvArgs a{topk_weights, token_dest, static_cast<uint8_t*>(y)};
+  moe::CombineRecvArgs a{topk_weights, token_dest, static_cast<uint8_t*>(y), seq_in};
   const int g = moe_blocks(c);
   switch (y_dtype) {
     case kMoeF32: moe::combine_recv_kernel<kMoeF32><<<g, kMoeThreads, 0, st>>>(v, c, a); break;

@@ -7,9 +7,11 @@
 // cudaErrorInvalidValue for a bad config / missing pointer). No allocation, no host sync, no
 // host-side per-call state: capturable into CUDA graphs.
 //
-// One call = SEND then RECV on one stream; the next call's SEND must come after this call's RECV.
-// moe_dispatch / moe_combine enqueue both; the split entry points exist so a later start/done
-// pair of custom calls can overlap compute between them.
+// One call = SEND then RECV on one stream. moe_dispatch / moe_combine enqueue both (fused); the
+// split entry points enqueue one half, so other work can run between them: up to
+// cfg.max_in_flight SENDs may be outstanding, RECVs come in the order of their SENDs. A split
+// SEND writes its call's seq to *seq_out (device uint32 scalar), which its RECV takes as seq_in;
+// with seq_out / seq_in null a SEND/RECV pair behaves as the fused call (moe_layout.h).
 //
 // Device-detected errors (expert id out of range or repeated, num_tokens outside [0, T], a peer
 // that never arrives or runs another call) are written to *v.err and the kernel traps.
@@ -42,10 +44,11 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& cfg, const void* x,
                          int32_t* expert_src, cudaStream_t stream);
 cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& cfg, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
-                              const int32_t* num_tokens, int32_t* token_dest, cudaStream_t stream);
+                              const int32_t* num_tokens, int32_t* token_dest, cudaStream_t stream,
+                              uint32_t* seq_out = nullptr);
 cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& cfg, void* expert_x,
                               int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
-                              cudaStream_t stream);
+                              cudaStream_t stream, const uint32_t* seq_in = nullptr);
 
 // expert_y [L, W*T, H] of y_dtype (kMoeF32 / kMoeBF16 / kMoeF16); topk_weights [T,K] f32;
 // token_dest, expert_src, expert_counts: the dispatch's handle; y [T,H] of y_dtype.
@@ -55,10 +58,10 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& cfg, const void* exp
                         cudaStream_t stream);
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
-                             cudaStream_t stream);
+                             cudaStream_t stream, uint32_t* seq_out = nullptr);
 cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& cfg, int y_dtype,
                              const float* topk_weights, const int32_t* token_dest, void* y,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const uint32_t* seq_in = nullptr);
 
 }  // namespace cuda
 }  // namespace nvc

@@ -9,12 +9,13 @@
 namespace nvc {
 
 // RankContext::params of a MoE communicator: num_experts, top_k, max_tokens, hidden, dtype,
-// scale_cols (set at registration).
+// scale_cols, max_in_flight (set at registration).
 inline ffi::Error moe_config_of(const RankContext& ctx, MoeConfig* c) {
-  if (ctx.params.size() != 6)
+  if (ctx.params.size() != 7)
     return precondition("jax_nvcomm: communicator is not a MoECommunicator");
   *c = MoeConfig{ctx.view.world, ctx.view.rank, int(ctx.params[0]), int(ctx.params[1]),
-                 int(ctx.params[2]), int(ctx.params[3]), int(ctx.params[4]), int(ctx.params[5])};
+                 int(ctx.params[2]), int(ctx.params[3]), int(ctx.params[4]), int(ctx.params[5]),
+                 int(ctx.params[6])};
   if (const char* why = moe_config_error(*c)) return precondition(std::string("jax_nvcomm: ") + why);
   return ffi::Error::Success();
 }
@@ -27,17 +28,56 @@ inline ffi::Error expect_elems(const ffi::AnyBuffer& b, size_t n, const char* na
   return ffi::Error::Success();
 }
 
-inline ffi::Error check_dispatch(const MoeConfig& c, const ffi::AnyBuffer& x,
-                                 const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& ids,
-                                 const ffi::AnyBuffer& expert_x) {
+// SEND side of a dispatch: the inputs.
+inline ffi::Error check_dispatch_in(const MoeConfig& c, const ffi::AnyBuffer& x,
+                                    const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& ids) {
   const size_t T = c.max_tokens, H = c.hidden, K = c.top_k, S = c.scale_cols;
-  const size_t L = moe_local_experts(c), R = moe_expert_rows(c);
   if (dtype_code(x.element_type()) != c.dtype)
     return precondition("jax_nvcomm: moe_dispatch: x dtype differs from the communicator's");
   if (auto e = expect_elems(x, T * H, "x"); e.failure()) return e;
   if (auto e = expect_elems(x_scale, T * S, "x_scale"); e.failure()) return e;
-  if (auto e = expect_elems(ids, T * K, "topk_ids"); e.failure()) return e;
-  return expect_elems(expert_x, L * R * H, "expert_x");
+  return expect_elems(ids, T * K, "topk_ids");
+}
+
+// RECV side of a dispatch: the output rows.
+inline ffi::Error check_dispatch_out(const MoeConfig& c, const ffi::AnyBuffer& expert_x) {
+  if (dtype_code(expert_x.element_type()) != c.dtype)
+    return precondition("jax_nvcomm: moe_dispatch: expert_x dtype differs from the communicator's");
+  return expect_elems(expert_x, moe_local_experts(c) * moe_expert_rows(c) * size_t(c.hidden),
+                      "expert_x");
+}
+
+inline ffi::Error check_dispatch(const MoeConfig& c, const ffi::AnyBuffer& x,
+                                 const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& ids,
+                                 const ffi::AnyBuffer& expert_x) {
+  if (auto e = check_dispatch_in(c, x, x_scale, ids); e.failure()) return e;
+  return check_dispatch_out(c, expert_x);
+}
+
+// SEND side of a combine: expert rows and the handle's routing back.
+inline ffi::Error check_combine_send(const MoeConfig& c, const ffi::AnyBuffer& expert_y,
+                                     const ffi::AnyBuffer& expert_src,
+                                     const ffi::AnyBuffer& counts, int* y_dtype) {
+  const size_t H = c.hidden, L = moe_local_experts(c), R = moe_expert_rows(c);
+  *y_dtype = dtype_code(expert_y.element_type());
+  if (!moe_y_dtype_ok(*y_dtype))
+    return precondition("jax_nvcomm: moe_combine: expert_y must be f32, bf16 or f16");
+  if (auto e = expect_elems(expert_y, L * R * H, "expert_y"); e.failure()) return e;
+  if (auto e = expect_elems(expert_src, L * R, "handle.expert_src"); e.failure()) return e;
+  return expect_elems(counts, L, "handle.expert_counts");
+}
+
+// RECV side of a combine: weights, the handle's token_dest and y (its dtype = expert_y's).
+inline ffi::Error check_combine_recv(const MoeConfig& c, const ffi::AnyBuffer& w,
+                                     const ffi::AnyBuffer& token_dest, const ffi::AnyBuffer& y,
+                                     int* y_dtype) {
+  const size_t T = c.max_tokens, H = c.hidden, K = c.top_k;
+  *y_dtype = dtype_code(y.element_type());
+  if (!moe_y_dtype_ok(*y_dtype))
+    return precondition("jax_nvcomm: moe_combine: y must be f32, bf16 or f16");
+  if (auto e = expect_elems(y, T * H, "y"); e.failure()) return e;
+  if (auto e = expect_elems(w, T * K, "topk_weights"); e.failure()) return e;
+  return expect_elems(token_dest, T * K, "handle.token_dest");
 }
 
 inline ffi::Error check_combine(const MoeConfig& c, const ffi::AnyBuffer& expert_y,

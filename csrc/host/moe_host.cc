@@ -51,26 +51,64 @@ std::string report(const CommView& v, uint32_t code, uint32_t desc, int peer, ui
 }
 
 // Bad input found by a sender: poison call s in every rank (peers fail at once), then report.
-std::string poison(const CommView& v, uint64_t s, uint32_t code, uint32_t desc, int peer,
-                   uint64_t observed, const std::string& what) {
+std::string poison(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t code, uint32_t desc,
+                   int peer, uint64_t observed, const std::string& what) {
   for (int r = 0; r < v.world; ++r)
-    st_release(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][0], make_flag(s, kMoePoisonDesc));
+    st_release(moe_flag(v.peer_ctrl(r), c, s, v.rank, 0), make_flag(s, kMoePoisonDesc));
   return report(v, code, desc, peer, s, observed, what);
 }
 
-void publish(const CommView& v, uint64_t s, uint32_t desc) {
+void publish(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t desc) {
   for (int r = 0; r < v.world; ++r)
-    st_release(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][0], make_flag(s, desc));
+    st_release(moe_flag(v.peer_ctrl(r), c, s, v.rank, 0), make_flag(s, desc));
+}
+
+// Call numbering (moe_layout.h): a SEND takes s = MoeCtrl::send_seq + 1 and fails when it would
+// be more than max_in_flight SENDs ahead of this rank's RECVs; split, it hands s to its RECV.
+std::string begin_send(const CommView& v, const MoeConfig& c, uint32_t desc, uint32_t* seq_out,
+                       uint64_t* s_out) {
+  const uint64_t s = ld_acquire(&moe_ctrl(v.bufs[v.rank])->send_seq) + 1;
+  const uint64_t done = ld_acquire(&v.ctrl()->seq);
+  *s_out = s;
+  if (s - done > uint64_t(c.max_in_flight))
+    return poison(v, c, s, kErrInFlight, desc, c.max_in_flight, s - done,
+                  fmt("%llu split sends outstanding, more than the communicator's max_in_flight=%d:"
+                      " receive one (moe_*_recv) before the next send", u64(s - done),
+                      c.max_in_flight));
+  if (seq_out != nullptr) *seq_out = uint32_t(s);
+  return "";
+}
+void finish_send(const CommView& v, uint64_t s) { st_release(&moe_ctrl(v.bufs[v.rank])->send_seq, s); }
+
+// A RECV consumes s = Ctrl::seq + 1: the SEND's s when split (seq_in), else (fused) the SEND
+// just issued, which must be the only one outstanding.
+std::string begin_recv(const CommView& v, uint32_t desc, const uint32_t* seq_in, uint64_t* s_out) {
+  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1;
+  *s_out = s;
+  if (seq_in != nullptr) {
+    if (*seq_in != uint32_t(s))
+      return report(v, kErrOrder, desc, 0, s, *seq_in,
+                    fmt("receive out of order: it belongs to send #%u, the oldest outstanding send "
+                        "is #%llu (receives must come once each, in the order of their sends)",
+                        *seq_in, u64(s)));
+  } else {
+    const uint64_t issued = ld_acquire(&moe_ctrl(v.bufs[v.rank])->send_seq);
+    if (issued != s)
+      return report(v, kErrOrder, desc, -1, s, issued,
+                    fmt("a fused call while %llu split sends are outstanding: receive them "
+                        "(moe_*_recv) first", u64(issued - s)));
+  }
+  return "";
 }
 
 // Wait (bounded, yielding) for slot 0 of every source's flag of call s.
-std::string wait_all(const CommView& v, uint64_t s, uint32_t desc) {
+std::string wait_all(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t desc) {
   using clock = std::chrono::steady_clock;
   const uint64_t want = make_flag(s, desc);
   const auto start = clock::now();
   const auto deadline = start + std::chrono::nanoseconds(v.timeout_ns);
   for (int src = 0; src < v.world; ++src) {
-    const uint64_t* fp = &v.ctrl()->flags[s & 1][0][src][0];
+    const uint64_t* fp = moe_flag(v.ctrl(), c, s, src, 0);
     for (uint32_t spins = 0;; ++spins) {
       const uint64_t f = ld_acquire(fp);
       if (f == want) break;
@@ -110,26 +148,28 @@ std::string check(const CommView& v, const MoeConfig& c, uint32_t op) {
 
 std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const void* x,
                                    const float* x_scale, const int32_t* ids,
-                                   const int32_t* num_tokens, int32_t* token_dest) {
+                                   const int32_t* num_tokens, int32_t* token_dest,
+                                   uint32_t* seq_out) {
   if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
   if (!x || !ids || !token_dest || (S > 0 && !x_scale))
     return "jax_nvcomm moe_dispatch: null input pointer";
-  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1, par = s & 1;
   const uint32_t desc = moe_dispatch_desc(c);
+  uint64_t s = 0;
+  if (std::string e = begin_send(v, c, desc, seq_out, &s); !e.empty()) return e;
   const int n = num_tokens ? *num_tokens : T;
   if (n < 0 || n > T)
-    return poison(v, s, kErrCapacity, desc, n, uint64_t(T),
+    return poison(v, c, s, kErrCapacity, desc, n, uint64_t(T),
                   fmt("num_tokens %d outside [0, max_tokens=%d]", n, T));
   for (int t = 0; t < n; ++t)
     for (int k = 0; k < K; ++k) {
       const int e = ids[size_t(t) * K + k];
       if (e < -1 || e >= E)
-        return poison(v, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, false),
+        return poison(v, c, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, false),
                       fmt("topk_ids[%d, %d] = %d outside [-1, num_experts=%d)", t, k, e, E));
       for (int k2 = 0; e >= 0 && k2 < k; ++k2)
         if (ids[size_t(t) * K + k2] == e)
-          return poison(v, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, true),
+          return poison(v, c, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, true),
                         fmt("topk_ids[%d] repeats expert %d (slots %d and %d)", t, e, k2, k));
     }
 
@@ -143,7 +183,7 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
       if (row[k] >= 0) { idx[k] = cntE[row[k]]++; dmask |= 1u << (row[k] / L); }
     for (int d = 0; d < W; ++d) {
       if (!((dmask >> d) & 1u)) continue;
-      char* dst = moe_drow(moe_half(v.bufs[d], c, par), c, v.rank, cntD[d]++);
+      char* dst = moe_drow(moe_half(v.bufs[d], c, s), c, v.rank, cntD[d]++);
       std::memcpy(dst, static_cast<const char*>(x) + size_t(t) * xrow, xrow);
       if (S > 0) std::memcpy(dst + scale_off, x_scale + size_t(t) * S, size_t(S) * 4);
       int32_t* meta = reinterpret_cast<int32_t*>(dst + meta_off);
@@ -161,26 +201,28 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
   }
   for (size_t i = size_t(n) * K; i < size_t(T) * K; ++i) token_dest[i] = -1;
   for (int d = 0; d < W; ++d) {
-    int32_t* hdr = moe_hdr(moe_half(v.bufs[d], c, par), c, v.rank);
+    int32_t* hdr = moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank);
     hdr[0] = cntD[d];
     for (int le = 0; le < L; ++le) hdr[1 + le] = cntE[d * L + le];
   }
-  publish(v, s, desc);
+  publish(v, c, s, desc);
+  finish_send(v, s);
   return "";
 }
 
 std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* expert_x,
                                    int32_t* expert_counts, float* expert_x_scale,
-                                   int32_t* expert_src) {
+                                   int32_t* expert_src, const uint32_t* seq_in) {
   if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
   if (!expert_x || !expert_counts || !expert_src || (S > 0 && !expert_x_scale))
     return "jax_nvcomm moe_dispatch: null output pointer";
-  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1;
   const uint32_t desc = moe_dispatch_desc(c);
-  if (std::string e = wait_all(v, s, desc); !e.empty()) return e;
+  uint64_t s = 0;
+  if (std::string e = begin_recv(v, desc, seq_in, &s); !e.empty()) return e;
+  if (std::string e = wait_all(v, c, s, desc); !e.empty()) return e;
 
-  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  char* half = moe_half(v.bufs[v.rank], c, s);
   std::vector<int32_t> rows(W), off(size_t(L) * W + 1), tot(L, 0);
   for (int src = 0; src < W; ++src) {
     const int32_t* hdr = moe_hdr(half, c, src);
@@ -237,46 +279,50 @@ std::string moe_dispatch_host(const CommView& v, const MoeConfig& c, const void*
 
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
-                                  const int32_t* expert_counts) {
+                                  const int32_t* expert_counts, uint32_t* seq_out) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
   if (!expert_y || !expert_src || !expert_counts) return "jax_nvcomm moe_combine: null input pointer";
   const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
-  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1, par = s & 1;
   const uint32_t desc = moe_combine_desc(c, y_dtype);
+  uint64_t s = 0;
+  if (std::string e = begin_send(v, c, desc, seq_out, &s); !e.empty()) return e;
   const size_t erows = moe_expert_rows(c), yrow = moe_y_row_bytes(c, y_dtype);
   const int64_t slots = int64_t(T) * K;
   for (int le = 0; le < L; ++le) {
     const int cnt = expert_counts[le];
     if (cnt < 0 || size_t(cnt) > erows)
-      return poison(v, s, kErrCapacity, desc, le, uint64_t(uint32_t(cnt)),
+      return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(cnt)),
                     fmt("expert_counts[%d] = %d outside [0, %zu]", le, cnt, erows));
     for (int i = 0; i < cnt; ++i) {
       const size_t er = size_t(le) * erows + i;
       const int slot = expert_src[er];
       if (slot < 0 || slot >= W * slots)
-        return poison(v, s, kErrCapacity, desc, le, uint64_t(uint32_t(slot)),
+        return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(slot)),
                       fmt("handle expert_src[%d, %d] = %d is not a valid slot", le, i, slot));
       const int src = int(slot / slots);
-      std::memcpy(moe_landing(moe_half(v.bufs[src], c, par), c, y_dtype, size_t(slot - src * slots)),
+      std::memcpy(moe_landing(moe_half(v.bufs[src], c, s), c, y_dtype, size_t(slot - src * slots)),
                   static_cast<const char*>(expert_y) + er * yrow, yrow);
     }
   }
-  publish(v, s, desc);
+  publish(v, c, s, desc);
+  finish_send(v, s);
   return "";
 }
 
 std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_dtype,
-                                  const float* topk_weights, const int32_t* token_dest, void* y) {
+                                  const float* topk_weights, const int32_t* token_dest, void* y,
+                                  const uint32_t* seq_in) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens, H = c.hidden;
-  const uint64_t s = ld_acquire(&v.ctrl()->seq) + 1;
   const uint32_t desc = moe_combine_desc(c, y_dtype);
-  if (std::string e = wait_all(v, s, desc); !e.empty()) return e;
+  uint64_t s = 0;
+  if (std::string e = begin_recv(v, desc, seq_in, &s); !e.empty()) return e;
+  if (std::string e = wait_all(v, c, s, desc); !e.empty()) return e;
 
-  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, y_dtype);
   std::vector<float> acc(H);
   for (int t = 0; t < T; ++t) {

@@ -4,8 +4,10 @@
 // sequence in k order, same RNE conversions from moe_layout.h).
 //
 // Differences from CUDA, none visible in the results:
-// - a SEND is one "block": it raises flags[p][0][me][0] only, RECV waits for that one slot of
-//   every source (the CUDA grid raises moe_blocks(cfg) slots).
+// - a SEND is one "block": it raises moe_flag(s, me, 0) only, RECV waits for that one flag of
+//   every source (the CUDA grid raises moe_blocks(cfg) flags).
+// - Split calls (seq_out / seq_in non-null) as in cuda/moe.h: the SEND writes its call's seq,
+//   the RECV checks it; null = the fused call's checks.
 // - Synchronisation: flags and Ctrl::seq through GCC/Clang __atomic builtins (acquire/release,
 //   lock-free 64-bit, valid between threads and between processes mapping the same memory);
 //   payload with plain memcpy ordered by those release/acquire pairs.
@@ -34,19 +36,21 @@ std::string moe_dispatch_host(const CommView& v, const MoeConfig& cfg, const voi
                               float* expert_x_scale, int32_t* token_dest, int32_t* expert_src);
 std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& cfg, const void* x,
                                    const float* x_scale, const int32_t* topk_ids,
-                                   const int32_t* num_tokens, int32_t* token_dest);
+                                   const int32_t* num_tokens, int32_t* token_dest,
+                                   uint32_t* seq_out = nullptr);
 std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& cfg, void* expert_x,
                                    int32_t* expert_counts, float* expert_x_scale,
-                                   int32_t* expert_src);
+                                   int32_t* expert_src, const uint32_t* seq_in = nullptr);
 
 std::string moe_combine_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                              int y_dtype, const float* topk_weights, const int32_t* token_dest,
                              const int32_t* expert_src, const int32_t* expert_counts, void* y);
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
-                                  const int32_t* expert_counts);
+                                  const int32_t* expert_counts, uint32_t* seq_out = nullptr);
 std::string moe_combine_recv_host(const CommView& v, const MoeConfig& cfg, int y_dtype,
-                                  const float* topk_weights, const int32_t* token_dest, void* y);
+                                  const float* topk_weights, const int32_t* token_dest, void* y,
+                                  const uint32_t* seq_in = nullptr);
 
 }  // namespace host
 }  // namespace nvc

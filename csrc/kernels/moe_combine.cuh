@@ -6,8 +6,9 @@
 // SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
 //   slot = expert_src[e][i] = (src*T + t)*K + k (range-checked); copies the row of expert_y
-//   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's half p. Each landing
-//   slot has exactly one writer. Then every block raises flag[p][0][me][b] in every rank.
+//   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s.
+//   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
+//   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per token t < T: the valid k of
 //   token_dest[t] (in k order) and their weights go to shared memory; each lane owns 16-B
 //   columns and accumulates acc = fmaf(w_k, float(row_k), acc) for k ascending, starting from
@@ -25,6 +26,7 @@ struct CombineSendArgs {
   const int32_t* expert_src;     // handle [L, W*T]
   const int32_t* expert_counts;  // [L]
   int y_dtype;
+  uint32_t* seq_out;             // split: the call's seq, for the RECV (scalar); null when fused
 };
 
 __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
@@ -37,8 +39,8 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   __shared__ int s_bad;
   const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
-  const uint64_t s = dev::call_seq(v), par = s & 1;
   const uint32_t desc = moe_combine_desc(c, a.y_dtype);
+  const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int64_t erows = int64_t(W) * T;
 
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
@@ -71,7 +73,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   }
   __syncthreads();
   if (s_bad >= 0) {
-    if (tid == 0) poison_and_fail(v, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
+    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
     return;
   }
   {
@@ -91,19 +93,21 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
     }
     const int64_t er = int64_t(l) * erows + (g - pre[l]);
     const int slot = __ldg(a.expert_src + er);
-    if (slot < 0 || slot >= W * slots) poison_and_fail(v, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+    if (slot < 0 || slot >= W * slots) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
     const int src = int(slot / slots);
-    char* dst = moe_landing(moe_half(v.bufs[src], c, par), c, a.y_dtype, size_t(slot - src * slots));
+    char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
     const uint8_t* yr = a.expert_y + size_t(er) * yrow;
     for (int i = lane; i < nvec; i += 32) dev::st_v4(dst + size_t(i) * 16, ld_nc_v4(yr + size_t(i) * 16));
   }
-  publish_all(v, s, desc);
+  publish_all(v, c, s, desc);
+  finish_send(v, s);
 }
 
 struct CombineRecvArgs {
   const float* weights;       // [T, K]
   const int32_t* token_dest;  // handle [T, K]
   uint8_t* y;                 // [T, H] of y_dtype
+  const uint32_t* seq_in;     // split: the SEND's seq output; null when fused
 };
 
 template <int YT>
@@ -113,11 +117,11 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   __shared__ float s_w[kWarps][32];
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
-  const uint64_t s = dev::call_seq(v);
   const uint32_t desc = moe_combine_desc(c, YT);
-  wait_all_sources(v, s, desc, moe_blocks(c));
+  const uint64_t s = begin_recv(v, desc, a.seq_in);
+  wait_all_sources(v, c, s, desc, moe_blocks(c));
 
-  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
   for (int t = b * kWarps + warp; t < T; t += G * kWarps) {

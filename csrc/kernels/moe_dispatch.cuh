@@ -3,6 +3,12 @@
 //
 // Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
 //
+// Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
+// s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
+// stores send_seq = s (finish_send). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
+// seq (split) or against send_seq (fused), and its last block stores Ctrl::seq = s. Data and
+// flags of call s live in slot s % moe_slots(cfg).
+//
 // SEND, block b of G owns tokens [n*b/G, n*(b+1)/G) (n = *num_tokens):
 //   A. every thread takes one token of [0, t1): validates its ids (range) and, for tokens before
 //      the block's chunk, adds them into shared counters cntE[expert] / cntD[dest rank] (warp-
@@ -12,7 +18,7 @@
 //      tokens of the step going to d (__match_any_sync); whole block then copies each token once
 //      per destination: payload (16-B vectors), scales, meta (entries in k order).
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
-//   block: __syncthreads, fence.acq_rel.sys, st.release.sys flag[p][0][me][b] in every rank.
+//   block: __syncthreads, fence.acq_rel.sys, st.release.sys moe_flag(s, me, b) in every rank.
 // RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
 //   block reads the W headers, off[e][src] = prefix over sources; one warp per received row
 //   copies payload + scales to every listed local expert row off[e][src] + idx and writes the
@@ -53,32 +59,80 @@ __device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t d
 }
 
 // Raise the poison flag of call s in all of this rank's slots of every rank, then record and trap.
-__device__ __forceinline__ void poison_and_fail(const CommView& v, uint64_t s, int nblocks,
-                                             uint32_t code, uint32_t desc, int peer,
+__device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
+                                             int nblocks, uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
   const uint64_t f = make_flag(s, kMoePoisonDesc);
   for (int r = 0; r < v.world; ++r)
-    for (int b = 0; b < nblocks; ++b) dev::st_release_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
+    for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
   die(v, code, desc, peer, s, observed);
 }
 
 // Thread i < world * nblocks waits for flag (src, block); then the whole block syncs.
-__device__ __forceinline__ void wait_all_sources(const CommView& v, uint64_t s, uint32_t desc, int nblocks) {
+__device__ __forceinline__ void wait_all_sources(const CommView& v, const MoeConfig& c, uint64_t s,
+                                                 uint32_t desc, int nblocks) {
   const uint64_t deadline = dev::globaltimer() + v.timeout_ns;
+  const uint64_t* flags = moe_flag(v.ctrl(), c, s, 0, 0);  // [src][kMoeMaxBlocks] of call s
   for (int i = threadIdx.x; i < v.world * nblocks; i += blockDim.x) {
     const int src = i / nblocks, blk = i - src * nblocks;
-    dev::wait_flag(&v.ctrl()->flags[s & 1][0][src][blk], s, desc, v, src, deadline);
+    dev::wait_flag(flags + src * kMoeMaxBlocks + blk, s, desc, v, src, deadline);
   }
   __syncthreads();
 }
 
 // Every thread: publish this block's flag for call s in every rank (after a __syncthreads).
-__device__ __forceinline__ void publish_all(const CommView& v, uint64_t s, uint32_t desc) {
+__device__ __forceinline__ void publish_all(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t desc) {
   __syncthreads();
   if (threadIdx.x < v.world) {
     dev::fence_acq_rel_sys();
-    dev::st_release_sys(&v.peer_ctrl(threadIdx.x)->flags[s & 1][0][v.rank][blockIdx.x], make_flag(s, desc));
+    dev::st_release_sys(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
   }
+}
+
+__device__ __forceinline__ uint64_t sends_issued(const CommView& v) {
+  return *reinterpret_cast<volatile uint64_t*>(&moe_ctrl(v.bufs[v.rank])->send_seq);
+}
+__device__ __forceinline__ uint64_t recvs_done(const CommView& v) {
+  return *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq);
+}
+
+// SEND start, every thread: this call's s; fails (kErrInFlight) when it would be more than
+// max_in_flight SENDs ahead of this rank's RECVs. Split: block 0 writes s to seq_out.
+__device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfig& c, uint32_t desc,
+                                               uint32_t* seq_out) {
+  const uint64_t s = sends_issued(v) + 1, done = recvs_done(v);
+  // every rank runs the same program, so every rank fails here alike: no poison needed
+  if (s - done > uint64_t(c.max_in_flight)) die(v, kErrInFlight, desc, c.max_in_flight, s, s - done);
+  if (seq_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *seq_out = uint32_t(s);
+  return s;
+}
+
+// SEND end, every thread of every block (after publish_all): the last block stores send_seq = s.
+__device__ __forceinline__ void finish_send(const CommView& v, uint64_t s) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
+    __threadfence();
+    if (atomicAdd(&mc->send_done_blocks, 1u) == gridDim.x - 1) {
+      mc->send_done_blocks = 0;
+      *reinterpret_cast<volatile uint64_t*>(&mc->send_seq) = s;
+      __threadfence();
+    }
+  }
+}
+
+// RECV start, every thread: this call's s = Ctrl::seq + 1, checked against the SEND's seq
+// (split: seq_in) or against send_seq (fused: its own SEND must be the only one outstanding).
+__device__ __forceinline__ uint64_t begin_recv(const CommView& v, uint32_t desc, const uint32_t* seq_in) {
+  const uint64_t s = recvs_done(v) + 1;
+  if (seq_in != nullptr) {
+    const uint32_t got = __ldg(seq_in);
+    if (got != uint32_t(s)) die(v, kErrOrder, desc, 0, s, got);
+  } else {
+    const uint64_t issued = sends_issued(v);
+    if (issued != s) die(v, kErrOrder, desc, -1, s, issued);
+  }
+  return s;
 }
 
 struct DispatchSendArgs {
@@ -87,6 +141,7 @@ struct DispatchSendArgs {
   const int32_t* ids;        // [T, K]
   const int32_t* num_tokens; // device scalar, null = T
   int32_t* token_dest;       // handle [T, K]
+  uint32_t* seq_out;         // split: the call's seq, for the RECV (scalar); null when fused
 };
 
 __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
@@ -105,11 +160,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   __shared__ int s_drank[kWarps][kMaxWorld];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
-  const uint64_t s = dev::call_seq(v), par = s & 1;
   const uint32_t desc = moe_dispatch_desc(c);
+  const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int n = a.num_tokens ? __ldg(a.num_tokens) : T;
   if (n < 0 || n > T) {
-    if (tid == 0) poison_and_fail(v, s, G, kErrCapacity, desc, n, uint64_t(T));
+    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
     return;
   }
   const int t0 = int(int64_t(n) * b / G), t1 = int(int64_t(n) * (b + 1) / G);
@@ -141,7 +196,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   }
   __syncthreads();
   if (s_bad) {
-    if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval,
+    if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
     return;
   }
@@ -180,7 +235,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, s, G, kErrBadExpert, desc, s_badval,
+      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return;
     }
@@ -192,7 +247,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
       const int nd = __popc(dbal);
       if (pos >= 0) {
         const int q = __popc(dbal & lanemask_lt());
-        s_dst[warp][q] = moe_drow(moe_half(v.bufs[lane], c, par), c, v.rank, pos);
+        s_dst[warp][q] = moe_drow(moe_half(v.bufs[lane], c, s), c, v.rank, pos);
         s_drank[warp][q] = lane;
       }
       __syncwarp();
@@ -231,10 +286,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   if (b == G - 1) {
     for (int i = tid; i < W * (1 + L); i += blockDim.x) {
       const int d = i / (1 + L), j = i - d * (1 + L);
-      moe_hdr(moe_half(v.bufs[d], c, par), c, v.rank)[j] = j == 0 ? cntD[d] : cntE[d * L + j - 1];
+      moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank)[j] = j == 0 ? cntD[d] : cntE[d * L + j - 1];
     }
   }
-  publish_all(v, s, desc);
+  publish_all(v, c, s, desc);
+  finish_send(v, s);
 }
 
 struct DispatchRecvArgs {
@@ -242,6 +298,7 @@ struct DispatchRecvArgs {
   int32_t* expert_counts;  // [L]
   float* expert_x_scale;   // [L, W*T, S] or null when S == 0
   int32_t* expert_src;     // handle [L, W*T]
+  const uint32_t* seq_in;  // split: the SEND's seq output; null when fused
 };
 
 __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
@@ -256,11 +313,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   __shared__ int32_t s_rows[kMaxWorld + 1];
   __shared__ size_t s_erow[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
-  const uint64_t s = dev::call_seq(v);
   const uint32_t desc = moe_dispatch_desc(c);
-  wait_all_sources(v, s, desc, moe_blocks(c));
+  const uint64_t s = begin_recv(v, desc, a.seq_in);
+  wait_all_sources(v, c, s, desc, moe_blocks(c));
 
-  char* half = moe_half(v.bufs[v.rank], c, s & 1);
+  char* half = moe_half(v.bufs[v.rank], c, s);
   if (tid == 0) {
     int acc = 0;
     for (int src = 0; src < W; ++src) {

@@ -228,7 +228,8 @@ cudaError_t wait_round(const World& w) {
                    cudaStreamQuery(w.st[r]) == cudaErrorNotReady ? "busy" : "idle", (unsigned long long)h->seq + 1);
       for (int src = 0; src < w.W; ++src) {
         int n = 0;
-        for (int b = 0; b < kMaxBlocks; ++b) n += flag_seq(h->flags[(h->seq + 1) & 1][0][src][b]) == h->seq + 1;
+        for (int b = 0; b < kMoeMaxBlocks; ++b)
+          n += flag_seq(*moe_flag(h, w.c0, h->seq + 1, src, b)) == h->seq + 1;
         std::fprintf(stderr, " %d:%d", src, n);
       }
       std::fprintf(stderr, " dbg %u %llu %llu\n", h->pad0, (unsigned long long)h->pad1[0], (unsigned long long)h->pad1[1]);

@@ -115,7 +115,7 @@ print('PASS multicast', c.multicast, '|', c.multicast_reason, '| nbytes', c.nbyt
   ;;
 pytest)
   t0=$SECONDS
-  JAX_NVCOMM_TEST_GPU=1 timeout 580 $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests \
+  JAX_NVCOMM_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-580}" $PY -m pytest -q -p no:cacheprovider -rs -m gpu -v tests \
     >"$OUT/pytest_gpu.log" 2>&1
   rc=$?
   cat "$OUT/pytest_gpu.log" >>"$OUT/all.log"

@@ -142,7 +142,8 @@ def run_step(a) -> int:
     trace_root = None if a.no_trace else os.path.join(a.trace_dir or a.out, "traces")
     presets = a.presets or (["example"] if platform == "cpu" else ["example", "moe-slice"])
     base = mt.Config(iters=a.iters, warmup=a.warmup, quiet=a.quiet, trace_dir=trace_root,
-                     layouts=tuple(a.layouts), phases=tuple(a.phases))
+                     layouts=tuple(a.layouts), phases=tuple(a.phases),
+                     split=True if getattr(a, "split_compare", False) else None)
     rows, ok = [], True
     for name in presets:
         cfg = preset_config(name, world, platform, base)

@@ -82,6 +82,8 @@ def _np_layer(x, p, final_norm, cache, heads, top_k, phase, forced_ids=None):
         for k in range(top_k):
             e = ids[t, k]
             m[t] += w[t, k] * ((silu(h[t] @ p["wg"][e]) * (h[t] @ p["wu"][e])) @ p["wd"][e])
+    if "sg" in p:  # the shared expert: every token, beside the routed ones
+        m += (silu(h @ p["sg"]) * (h @ p["su"])) @ p["sd"]
     return _np_rms(m + r, final_norm), ids, probs
 
 

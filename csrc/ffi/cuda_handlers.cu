@@ -80,17 +80,8 @@ ffi::Error AllReduceRmsQuantCudaImpl(cudaStream_t stream, int32_t device, ffi::A
                                      int64_t comm_id, float eps, int64_t strategy) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
+  if (auto e = check_quant(x, residual, weight, *q, *scale); e.failure()) return e;
   auto dims = x.dimensions();
-  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
-  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
-                        "x's dtype");
-  if (q->element_type() != ffi::DataType::F8E4M3FN || q->element_count() != x.element_count())
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
-                        "shape");
-  if (int64_t(scale->element_count()) != dims[0])
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: scale must hold one float32 per "
-                        "token");
   cuda::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
                         dims[0], dims[1], dtype_code(x.element_type()), eps,

@@ -37,6 +37,24 @@ inline int dtype_code(ffi::DataType t) {
   }
 }
 
+// Shapes and dtypes of the fused FP8-output all-reduce (the host and CUDA handlers alike).
+inline ffi::Error check_quant(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
+                              const ffi::AnyBuffer& weight, const ffi::AnyBuffer& q,
+                              const ffi::Buffer<ffi::F32>& scale) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
+  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
+                        "x's dtype");
+  if (q.element_type() != ffi::DataType::F8E4M3FN || q.element_count() != x.element_count())
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
+                        "shape");
+  if (int64_t(scale.element_count()) != dims[0])
+    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: scale must hold one float32 per "
+                        "token");
+  return ffi::Error::Success();
+}
+
 // Look up the rank context or explain why it is missing.
 inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankContext>* out) {
   *out = registry().find(comm_id, slot);

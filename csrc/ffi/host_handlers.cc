@@ -57,17 +57,8 @@ ffi::Error AllReduceRmsQuantHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer 
                                      int64_t comm_id, float eps) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  if (auto e = check_quant(x, residual, weight, *q, *scale); e.failure()) return e;
   auto dims = x.dimensions();
-  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
-  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
-                        "x's dtype");
-  if (q->element_type() != ffi::DataType::F8E4M3FN || q->element_count() != x.element_count())
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
-                        "shape");
-  if (int64_t(scale->element_count()) != dims[0])
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: scale must hold one float32 per "
-                        "token");
   host::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
                         dims[0], dims[1], dtype_code(x.element_type()), eps,

@@ -71,6 +71,19 @@ def result_type(like, shape, dtype, vma):
     return aval.update(shape=tuple(shape), dtype=dtype, vma=frozenset(vma))
 
 
+# JAX_NVCOMM_GRAPH_CAPTURE=0 makes every call of a communicator whose `graph_capture` is not set
+# use the "_nograph" registration of its CUDA target (csrc/ffi/cuda_ffi_common.h): XLA keeps
+# our calls out of its command buffers and cuts them there, as at NCCL collectives.
+_GRAPH_CAPTURE = os.environ.get("JAX_NVCOMM_GRAPH_CAPTURE", "1") != "0"
+
+
+def graph_capture(comm) -> bool:
+    """Whether comm's CUDA calls may be recorded into XLA's command buffers (CUDA graphs):
+    comm.graph_capture when set (True / False), else JAX_NVCOMM_GRAPH_CAPTURE (default on)."""
+    v = getattr(comm, "graph_capture", None)
+    return _GRAPH_CAPTURE if v is None else bool(v)
+
+
 # JAX_NVCOMM_DECLARE_EFFECT=1 declares every call side-effecting again, as before the order
 # token existed: only to measure what that declaration costs a step (docs/step_speed.md).
 _DECLARE_EFFECT = os.environ.get("JAX_NVCOMM_DECLARE_EFFECT", "0") == "1"
@@ -79,7 +92,8 @@ _DECLARE_EFFECT = os.environ.get("JAX_NVCOMM_DECLARE_EFFECT", "0") == "1"
 def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     """Call op's FFI target for comm's backend, with comm_id and `attrs`. Host targets
     ("nvc_<op>") take the rank's registry slot as first operand; CUDA targets
-    ("nvc_cuda_<op>") find the rank by device ordinal and also get `cuda_attrs`.
+    ("nvc_cuda_<op>", or "nvc_cuda_<op>_nograph" when `graph_capture(comm)` is off) find the
+    rank by device ordinal and also get `cuda_attrs`.
 
     `order` is the order token of `_order` (the previous call's); it goes in as the last
     operand and the call's own token comes back as the last result: returns
@@ -97,7 +111,8 @@ def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
         outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=effect)(
             slot, *args, order, **attrs)
     else:
-        outs = jax.ffi.ffi_call(f"nvc_cuda_{op}", rts, has_side_effect=effect)(
+        target = f"nvc_cuda_{op}" + ("" if graph_capture(comm) else "_nograph")
+        outs = jax.ffi.ffi_call(target, rts, has_side_effect=effect)(
             *args, order, **attrs, **(cuda_attrs or {}))
     outs, tok = tuple(outs[:-1]), outs[-1]
     return (outs[0] if single else outs), tok

@@ -76,6 +76,11 @@ class _Base:
     _xla_fallback = False
     _transport_reason = "not set up"
     _topology = ((), {})
+    # CUDA: may XLA record this communicator's calls into its command buffers (CUDA graphs)?
+    # None: JAX_NVCOMM_GRAPH_CAPTURE (default yes). Set True/False before tracing a program;
+    # False keeps our calls out of the graphs (XLA cuts them there, as at NCCL collectives),
+    # so the first graph of a step starts sooner: docs/step_speed.md, variant D.
+    graph_capture: bool | None = None
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
                lamport_range=(0, 0), zero_bytes=None, multicast_capable=False):

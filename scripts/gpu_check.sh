@@ -174,6 +174,15 @@ stepAD)  # the package as it is (A) against custom calls outside command buffers
   done
   for v in A1 D1 A2 D2; do echo "== $v"; tail -4 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
   ;;
+stepE)  # graph capture off for our calls (JAX_NVCOMM_GRAPH_CAPTURE=0: "_nograph" targets, = D
+  # without an XLA flag) against the default, alternating, with traces
+  for i in 1 2; do
+    step step_A$i 150 $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepA$i" --iters 40
+    step step_E$i 150 env JAX_NVCOMM_GRAPH_CAPTURE=0 \
+      $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepE$i" --iters 40
+  done
+  for v in A1 E1 A2 E2; do echo "== $v"; tail -4 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
 newbench)  # the v2 ops' benchmarks: varlen gather/scatter, and the FP8 output next to the fused op
   step bench_varlen 170 $PY -m jax_nvcomm.bench varlen --out "$OUT/varlen" --reps 5
   grep -v "^\[" "$OUT/all.log" | grep -A30 "=== bench_varlen" | tail -28 | tee -a "$OUT/summary.txt"
@@ -192,7 +201,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -112,3 +112,33 @@ def test_multicast_kernels_are_reached_only_through_a_multicast_base():
     for path, src in _sources():
         if path != "csrc/cuda/allreduce.cu":
             assert "_mc_kernel<" not in src, path
+
+
+def test_every_cuda_target_has_a_nograph_twin():
+    """Each CUDA target is registered twice (NVC_CUDA_HANDLER): command-buffer compatible, and
+    as "<name>_nograph" without the trait, for communicators with graph_capture off."""
+    from jax_nvcomm import _ffi
+    if not _ffi.CUDA_BUILT:
+        pytest.skip("built without the CUDA part")
+    names = set(_ffi.CUDA_TARGETS)
+    plain = {n for n in names if not n.endswith("_nograph")}
+    assert len(plain) >= 12, sorted(names)
+    assert names == plain | {n + "_nograph" for n in plain}, sorted(names)
+
+
+def test_graph_capture_choice(monkeypatch):
+    """graph_capture(comm): the communicator's own setting wins; unset, the environment's."""
+    from jax_nvcomm import _shard
+
+    class C:
+        graph_capture = None
+    c = C()
+    monkeypatch.setattr(_shard, "_GRAPH_CAPTURE", True)
+    assert _shard.graph_capture(c) is True
+    monkeypatch.setattr(_shard, "_GRAPH_CAPTURE", False)
+    assert _shard.graph_capture(c) is False
+    c.graph_capture = True
+    assert _shard.graph_capture(c) is True
+    monkeypatch.setattr(_shard, "_GRAPH_CAPTURE", True)
+    c.graph_capture = False
+    assert _shard.graph_capture(c) is False

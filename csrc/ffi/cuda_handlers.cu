@@ -1,7 +1,8 @@
 // XLA:CUDA FFI handlers: decode buffers and attributes, look up the rank context by device
 // ordinal, launch on XLA's stream. No allocation, mapping or synchronisation here, and no
 // per-call host state (the kernels advance their counters on the device), so every handler is
-// marked command-buffer compatible: XLA may capture it into a CUDA graph and replay it.
+// registered command-buffer compatible (XLA may capture it into a CUDA graph and replay it) and
+// once more without that trait ("_nograph", NVC_CUDA_HANDLER in cuda_ffi_common.h).
 #include <cuda_runtime.h>
 
 #include "../common/ffi_targets.h"
@@ -91,7 +92,7 @@ ffi::Error AllReduceRmsQuantCudaImpl(cudaStream_t stream, int32_t device, ffi::A
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAllReduceCuda, AllReduceCudaImpl,
+NVC_CUDA_HANDLER(kAllReduceCuda, "nvc_cuda_all_reduce", AllReduceCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -100,9 +101,8 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceCuda, AllReduceCudaImpl,
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
-                           .Attr<int64_t>("strategy"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kAllReduceRmsCuda, AllReduceRmsCudaImpl,
+                           .Attr<int64_t>("strategy"));
+NVC_CUDA_HANDLER(kAllReduceRmsCuda, "nvc_cuda_all_reduce_rms", AllReduceRmsCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -115,9 +115,8 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsCuda, AllReduceRmsCudaImpl,
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
                            .Attr<float>("eps")
-                           .Attr<int64_t>("strategy"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kAllReduceRmsQuantCuda, AllReduceRmsQuantCudaImpl,
+                           .Attr<int64_t>("strategy"));
+NVC_CUDA_HANDLER(kAllReduceRmsQuantCuda, "nvc_cuda_all_reduce_rms_quant", AllReduceRmsQuantCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -131,13 +130,9 @@ XLA_FFI_DEFINE_HANDLER(kAllReduceRmsQuantCuda, AllReduceRmsQuantCudaImpl,
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
                            .Attr<float>("eps")
-                           .Attr<int64_t>("strategy"),
-                       {ffi::Traits::kCmdBufferCompatible});
-NVC_REGISTER_FFI("nvc_cuda_all_reduce", kAllReduceCuda);
-NVC_REGISTER_FFI("nvc_cuda_all_reduce_rms_quant", kAllReduceRmsQuantCuda);
-NVC_REGISTER_FFI("nvc_cuda_all_reduce_rms", kAllReduceRmsCuda);
+                           .Attr<int64_t>("strategy"));
 
-XLA_FFI_DEFINE_HANDLER(kAllGatherCuda, AllGatherCudaImpl,
+NVC_CUDA_HANDLER(kAllGatherCuda, "nvc_cuda_all_gather", AllGatherCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -145,9 +140,7 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherCuda, AllGatherCudaImpl,
                            .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
+                           .Attr<int64_t>("comm_id"));
 
-NVC_REGISTER_FFI("nvc_cuda_all_gather", kAllGatherCuda);
 
 }  // namespace nvc

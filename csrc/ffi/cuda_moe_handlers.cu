@@ -59,7 +59,7 @@ ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kMoeDispatchCuda, MoeDispatchCudaImpl,
+NVC_CUDA_HANDLER(kMoeDispatchCuda, "nvc_cuda_moe_dispatch", MoeDispatchCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -74,9 +74,8 @@ XLA_FFI_DEFINE_HANDLER(kMoeDispatchCuda, MoeDispatchCudaImpl,
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kMoeCombineCuda, MoeCombineCudaImpl,
+                           .Attr<int64_t>("comm_id"));
+NVC_CUDA_HANDLER(kMoeCombineCuda, "nvc_cuda_moe_combine", MoeCombineCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -88,9 +87,6 @@ XLA_FFI_DEFINE_HANDLER(kMoeCombineCuda, MoeCombineCudaImpl,
                            .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-NVC_REGISTER_FFI("nvc_cuda_moe_dispatch", kMoeDispatchCuda);
-NVC_REGISTER_FFI("nvc_cuda_moe_combine", kMoeCombineCuda);
+                           .Attr<int64_t>("comm_id"));
 
 }  // namespace nvc

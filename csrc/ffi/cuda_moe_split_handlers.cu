@@ -93,7 +93,7 @@ ffi::Error CombineRecvCudaImpl(cudaStream_t stream, int32_t device, Seq seq, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kMoeDispatchSendCuda, DispatchSendCudaImpl,
+NVC_CUDA_HANDLER(kMoeDispatchSendCuda, "nvc_cuda_moe_dispatch_send", DispatchSendCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -105,9 +105,8 @@ XLA_FFI_DEFINE_HANDLER(kMoeDispatchSendCuda, DispatchSendCudaImpl,
                            .Ret<ffi::AnyBuffer>()         // token_dest (handle)
                            .Ret<Seq>()                    // seq, for the RECV
                            .Ret<ffi::AnyBuffer>()         // order_out: never written
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kMoeDispatchRecvCuda, DispatchRecvCudaImpl,
+                           .Attr<int64_t>("comm_id"));
+NVC_CUDA_HANDLER(kMoeDispatchRecvCuda, "nvc_cuda_moe_dispatch_recv", DispatchRecvCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -118,9 +117,8 @@ XLA_FFI_DEFINE_HANDLER(kMoeDispatchRecvCuda, DispatchRecvCudaImpl,
                            .Ret<ffi::AnyBuffer>()         // expert_x_scale
                            .Ret<ffi::AnyBuffer>()         // expert_src (handle)
                            .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kMoeCombineSendCuda, CombineSendCudaImpl,
+                           .Attr<int64_t>("comm_id"));
+NVC_CUDA_HANDLER(kMoeCombineSendCuda, "nvc_cuda_moe_combine_send", CombineSendCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -130,9 +128,8 @@ XLA_FFI_DEFINE_HANDLER(kMoeCombineSendCuda, CombineSendCudaImpl,
                            .Arg<ffi::AnyBuffer>()         // order_in
                            .Ret<Seq>()                    // seq, for the RECV
                            .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kMoeCombineRecvCuda, CombineRecvCudaImpl,
+                           .Attr<int64_t>("comm_id"));
+NVC_CUDA_HANDLER(kMoeCombineRecvCuda, "nvc_cuda_moe_combine_recv", CombineRecvCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -142,11 +139,6 @@ XLA_FFI_DEFINE_HANDLER(kMoeCombineRecvCuda, CombineRecvCudaImpl,
                            .Arg<ffi::AnyBuffer>()         // order_in
                            .Ret<ffi::AnyBuffer>()         // y
                            .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-NVC_REGISTER_FFI("nvc_cuda_moe_dispatch_send", kMoeDispatchSendCuda);
-NVC_REGISTER_FFI("nvc_cuda_moe_dispatch_recv", kMoeDispatchRecvCuda);
-NVC_REGISTER_FFI("nvc_cuda_moe_combine_send", kMoeCombineSendCuda);
-NVC_REGISTER_FFI("nvc_cuda_moe_combine_recv", kMoeCombineRecvCuda);
+                           .Attr<int64_t>("comm_id"));
 
 }  // namespace nvc

@@ -60,7 +60,7 @@ ffi::Error ReduceScatterVCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kAllGatherVCuda, AllGatherVCudaImpl,
+NVC_CUDA_HANDLER(kAllGatherVCuda, "nvc_cuda_all_gather_v", AllGatherVCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -72,9 +72,8 @@ XLA_FFI_DEFINE_HANDLER(kAllGatherVCuda, AllGatherVCudaImpl,
                            .Ret<ffi::Buffer<ffi::S32>>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
                            .Attr<int64_t>("comm_id")
-                           .Attr<int64_t>("zero_tail"),
-                       {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER(kReduceScatterVCuda, ReduceScatterVCudaImpl,
+                           .Attr<int64_t>("zero_tail"));
+NVC_CUDA_HANDLER(kReduceScatterVCuda, "nvc_cuda_reduce_scatter_v", ReduceScatterVCudaImpl,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Ctx<ffi::DeviceOrdinal>()
@@ -83,9 +82,6 @@ XLA_FFI_DEFINE_HANDLER(kReduceScatterVCuda, ReduceScatterVCudaImpl,
                            .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
                            .Ret<ffi::AnyBuffer>()
                            .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"),
-                       {ffi::Traits::kCmdBufferCompatible});
-NVC_REGISTER_FFI("nvc_cuda_all_gather_v", kAllGatherVCuda);
-NVC_REGISTER_FFI("nvc_cuda_reduce_scatter_v", kReduceScatterVCuda);
+                           .Attr<int64_t>("comm_id"));
 
 }  // namespace nvc

@@ -35,6 +35,20 @@ Layouts (a 1-D mesh over the devices; W ranks):
                     lax.ragged_all_to_all)
     and the local experts run over the dispatched rows [E/W, W*tokens, hidden] with a batched
     einsum, rows past each expert's count masked to zero.
+  dp-attn-tp-moe (opt-in: --layouts; data-parallel attention + tensor-parallel MoE, axis "dp"):
+    every rank its own tokens and full attention weights, as in high-throughput, but a slice of
+    every expert's (and the shared expert's) ffn, as in low-latency. Token counts per rank are
+    an int32 input (one compiled program for any counts) over a static capacity max_rows:
+    prefill is unbalanced, rank 0 `--tokens` tokens, the others `--decode-tokens` (ranks that
+    decode beside one that prefills), in buffers of `--tokens` rows; decode is balanced. Per
+    MoE every rank needs every rank's rows, and afterwards the sum of the partial results of
+    its own rows:
+        jax_nvcomm: nvc.all_gather_v(h, num_rows, comm) -> router + TP experts on the gathered
+                    rows -> nvc.reduce_scatter_v(y, offsets, comm) (only valid rows travel)
+        XLA:        padded lax.all_gather (max_rows of every rank) -> the same -> padded
+                    lax.psum_scatter (dp_tp_collectives says why this baseline)
+    then the residual add + RMSNorm locally. Outputs and routing are zero past each rank's
+    count on both sides; only valid rows are compared.
 
 Agreement: relative L2 error ||a - b|| / ||b|| of the final hidden states, below 1e-4 in
 float32 and 2e-2 in bfloat16/float16 (see TOLERANCE). In low precision the two all-reduces

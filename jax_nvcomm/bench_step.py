@@ -2,8 +2,10 @@
 collectives, in one run: what a user of the package feels.
 
 Runs the example's steps (jax_nvcomm/moe_transformer.py: low-latency TP layout with the fused
-all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine; decode
-and prefill) for one or more presets:
+all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine,
+dp-attn-tp-moe DP-attention + TP-MoE layout with all_gather_v / reduce_scatter_v against padded
+lax.all_gather + lax.psum_scatter, prefill unbalanced (rank 0 `tokens`, the others
+`decode_tokens`); decode and prefill) for one or more presets:
   - example: the example's own dimensions (GPU defaults: hidden 2048, 128 experts top-8);
   - moe-slice: a slice of a published large MoE model's dimensions (hidden 7168, 256 experts
     top-8, expert ffn 2048, 56 heads of 128), with as many layers (1-4) as fit in about 60 GB
@@ -61,6 +63,7 @@ def _row(preset, r):
     ms = r["ms"]
     tr = r.get("trace") or {}
     out = dict(preset=preset, layout=r["layout"], phase=r["phase"], tokens=r["tokens"],
+               counts=r.get("counts"),
                op=r["op"], nvcomm_ms=ms.get("jax_nvcomm"), xla_ms=ms.get("xla"),
                ratio=(ms["xla"] / ms["jax_nvcomm"] if ms.get("xla") and ms.get("jax_nvcomm")
                       else None),
@@ -80,6 +83,12 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _tok(r) -> str:
+    """Tokens per rank: '128', or '128/4' (rank 0 / the others, dp-attn-tp-moe prefill)."""
+    c = r.get("counts") or [r["tokens"]]
+    return str(c[0]) if len(set(c)) == 1 else f"{c[0]}/{c[1]}"
+
+
 def format_table(rows) -> str:
     head = (f"{'preset':10} {'layout':16} {'phase':8} {'tok':>5} {'ms nvcomm':>10} "
             f"{'ms XLA':>9} {'XLA/nvc':>8} {'1st kernel us nvc/XLA':>22} "
@@ -89,7 +98,7 @@ def format_table(rows) -> str:
         fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
              f"{_fmt(r.get('xla_first_kernel_us'), '.0f')}"
         busy = f"{_fmt(r.get('nvcomm_busy_us'), '.0f')}/{_fmt(r.get('xla_busy_us'), '.0f')}"
-        lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {r['tokens']:>5} "
+        lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {_tok(r):>5} "
                      f"{_fmt(r['nvcomm_ms'], '.3f'):>10} {_fmt(r['xla_ms'], '.3f'):>9} "
                      f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} {fk:>22} "
                      f"{busy:>18} {str(r['agree']):>6}")
@@ -210,7 +219,8 @@ def add_arguments(s):
     s.add_argument("--out", default="bench_out", help="directory for JSON, table, PNG")
     s.add_argument("--presets", nargs="*", choices=sorted(PRESETS),
                    help="default: example and moe-slice on GPUs, example on CPU")
-    s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput"])
+    s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput",
+                                                     "dp-attn-tp-moe"])
     s.add_argument("--phases", nargs="*", default=["decode", "prefill"])
     s.add_argument("--iters", type=int, default=None, help="timed steps per row")
     s.add_argument("--warmup", type=int, default=3)

@@ -88,11 +88,14 @@ def _np_layer(x, p, final_norm, cache, heads, top_k, phase, forced_ids=None):
 
 
 @pytest.mark.parametrize("layout,phase", [("low-latency", "prefill"),
-                                          ("high-throughput", "decode")])
+                                          ("high-throughput", "decode"),
+                                          ("dp-attn-tp-moe", "prefill")])
 def test_one_layer_matches_numpy_forward(layout, phase):
-    """jax_nvcomm's step (all_reduce_rms_norm, or moe_dispatch/moe_combine) of a 1-layer model
+    """jax_nvcomm's step (all_reduce_rms_norm, moe_dispatch/moe_combine, or all_gather_v /
+    reduce_scatter_v around TP experts with unbalanced rows per rank) of a 1-layer model
     on 4 devices against the float64 numpy forward above, with the weights, inputs and decode
-    context the example generates. Routing: the free run's top-k must equal numpy's wherever
+    context the example generates (dp-attn-tp-moe: each rank's valid rows are its own
+    sequence; the rows past its count must come back zero). Routing: the free run's top-k must equal numpy's wherever
     numpy's k-th and (k+1)-th probabilities are apart (> 1e-5); the output is then compared
     with the step run under numpy's routing forced (near ties cannot flip a token)."""
     import jax
@@ -103,31 +106,42 @@ def test_one_layer_matches_numpy_forward(layout, phase):
             pytest.skip(why)
     W = 4
     cfg = mt.resolve(mt.Config(**SMALL, layouts=(layout,)), "cpu", W)
-    axis = "tp" if layout == "low-latency" else "ep"
+    axis = mt.AXES[layout]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:W]), (axis,))
     params = mt.init_params(cfg, mesh, layout)
     x, _ = mt.make_input(cfg, mesh, layout, phase, W)
+    counts, t = mt.row_counts(cfg, layout, phase, W)
     caches = mt.init_caches(cfg, mesh, layout, W) if phase == "decode" else ()
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     p = {k: f64(v) for k, v in params["layers"][0].items()}
     fn = f64(params["final_norm"])
-    xh = f64(x)
-    t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
+    xh = f64(x[0] if layout == "dp-attn-tp-moe" else x)
     # the sequences: all tokens are one group in the low-latency layout (every rank the same
-    # tokens); in the high-throughput layout each rank its own t tokens (data parallel)
+    # tokens); otherwise each rank its own counts[r] tokens (data parallel)
     groups = [slice(0, len(xh))] if layout == "low-latency" else \
-        [slice(r * t, (r + 1) * t) for r in range(W)]
+        [slice(r * t, r * t + counts[r]) for r in range(W)]
+    if layout == "dp-attn-tp-moe":
+        assert phase == "decode" or counts[0] > counts[1] == counts[W - 1] > 0
+        assert not xh[W * t - 1].any()  # padding rows (zero) follow each rank's own
     out, ids, probs = [], [], []
     for g in groups:
         cache = tuple(f64(c)[g] for c in caches[0]) if phase == "decode" else None
         o, i, pr = _np_layer(xh[g], p, fn, cache, cfg.heads, cfg.top_k, phase)
         out.append(o), ids.append(i), probs.append(pr)
     want, want_ids, probs = np.concatenate(out), np.concatenate(ids), np.concatenate(probs)
-    assert want.shape == xh.shape and np.abs(want).max() > 0.1
+    valid = np.concatenate([np.arange(g.start, g.stop) for g in groups])
+    assert want.shape == (len(valid), xh.shape[1]) and np.abs(want).max() > 0.1
+    forced_ids = np.zeros((1, len(xh), cfg.top_k), np.int32)
+    forced_ids[0, valid] = want_ids
 
     if layout == "low-latency":
         comm = nvc.Communicator(mesh, "tp", max_message_bytes=1 << 16)
         comms = {"tp": comm}
+    elif layout == "dp-attn-tp-moe":  # the gathered rows must fit: the kernel path
+        comm = nvc.Communicator(mesh, "dp", max_message_bytes=W * t * cfg.hidden * 4)
+        comms = {"dp": comm}
+        from jax_nvcomm import varlen
+        assert varlen.fits(comm, t, cfg.hidden * 4)
     else:
         comm = nvc.MoECommunicator(mesh, "ep", num_experts=cfg.experts, top_k=cfg.top_k,
                                    max_tokens=t, hidden=cfg.hidden, dtype=np.float32)
@@ -136,8 +150,12 @@ def test_one_layer_matches_numpy_forward(layout, phase):
         free = mt.make_step(cfg, mesh, layout, phase, "jax_nvcomm", comms)
         forced = mt.make_step(cfg, mesh, layout, phase, "jax_nvcomm", comms, forced=True)
         h, got_ids = free(x, params, caches, ())
-        h_f, _ = forced(x, params, caches, np.asarray(want_ids, np.int32)[None])
+        h_f, _ = forced(x, params, caches, forced_ids)
         h, got_ids, h_f = f64(h), np.asarray(got_ids)[0], f64(h_f)
+    pad = np.ones(len(xh), bool)
+    pad[valid] = False
+    assert not h[pad].any() and not h_f[pad].any() and not got_ids[pad].any()
+    h, got_ids, h_f = h[valid], got_ids[valid], h_f[valid]
     srt = np.sort(probs, axis=-1)[:, ::-1]
     clear = srt[:, cfg.top_k - 1] - srt[:, cfg.top_k] > 1e-5
     assert clear.mean() > 0.8, clear.mean()
@@ -206,6 +224,21 @@ def test_high_throughput_agrees_with_xla():
     _check_rows(res, "high-throughput", 1e-4)
 
 
+def test_dp_attn_tp_moe_agrees_with_xla():
+    """DP attention + TP MoE with unbalanced rows (prefill: rank 0 `tokens`, the others
+    `decode_tokens`): all_gather_v / reduce_scatter_v (kernel path) against padded
+    lax.all_gather + lax.psum_scatter, compared on the valid rows, 4 devices."""
+    res = _run(layouts=("dp-attn-tp-moe",), devices=4)
+    assert res["world"] == 4
+    _check_rows(res, "dp-attn-tp-moe", 1e-4)
+    dec, pre = res["rows"]
+    assert dec["counts"] == [SMALL["decode_tokens"]] * 4
+    assert pre["counts"] == [SMALL["tokens"]] + [SMALL["decode_tokens"]] * 3
+    assert pre["tokens"] == SMALL["tokens"]
+    assert {r["op"] for r in res["rows"]} == {"AG_v+RS_v"}  # not the XLA fallback
+    assert f"{SMALL['tokens']}/{SMALL['decode_tokens']}" in mt.format_table(res)
+
+
 def test_cli_reference_round_trip(tmp_path, capsys):
     ref = str(tmp_path / "ref.npz")
     args = SMALL_ARGS + ["--layouts", "low-latency", "--phases", "decode"]
@@ -241,8 +274,7 @@ def test_inputs_of_rank_r_do_not_depend_on_the_world_size():
     for layout in mt.LAYOUTS:
         caches, xs = {}, {}
         for w in (1, 2, 4):
-            mesh = jax.sharding.Mesh(np.array(jax.devices()[:w]), ("tp",) if
-                                     layout == "low-latency" else ("ep",))
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:w]), (mt.AXES[layout],))
             caches[w] = [[np.asarray(a) for a in pair] for pair in
                          mt.init_caches(cfg[w], mesh, layout, w)]
             xs[w] = {ph: mt.input_host(cfg[w], layout, ph, w) for ph in mt.PHASES}
@@ -266,7 +298,7 @@ def test_reference_of_one_device_matches_two_devices(tmp_path):
     res2 = _run(devices=2, impls=("jax_nvcomm",), ref=ref)
     assert res2["world"] == 2
     assert [(r["layout"], r["phase"]) for r in res2["rows"]] == [
-        (lay, ph) for lay in mt.LAYOUTS for ph in mt.PHASES]
+        (lay, ph) for lay in mt.DEFAULT_LAYOUTS for ph in mt.PHASES]
     for r in res2["rows"]:
         assert r["ref_err"] is not None and r["ref_err"] < 1e-4, r
         assert r["ref_routing"] == 0, r

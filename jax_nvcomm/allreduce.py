@@ -219,12 +219,16 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     return normed, res_out
 
 
-def _kernel_fused(x, residual, weight, tok, comm, strategy, eps):
-    axis = comm.axis_name
+def fused_result_vmas(x, residual, weight, axis):
+    """(x marked varying over `axis`, vma of the normed outputs, vma of residual_out) for the
+    fused calls: the sum is invariant over `axis`, the residual and weight bring their own."""
     x = _shard.varying(x, axis)
-    vma_sum = _shard.vma_of(x) - {axis}
-    vma_res = vma_sum | _shard.vma_of(residual)
-    vma_norm = vma_res | _shard.vma_of(weight)
+    vma_res = (_shard.vma_of(x) - {axis}) | _shard.vma_of(residual)
+    return x, vma_res | _shard.vma_of(weight), vma_res
+
+
+def _kernel_fused(x, residual, weight, tok, comm, strategy, eps):
+    x, vma_norm, vma_res = fused_result_vmas(x, residual, weight, comm.axis_name)
     rt_n = _shard.result_type(x, x.shape, x.dtype, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
     (normed, res_out), tok = _shard.ffi_call(

@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from . import _order, _shard
-from .allreduce import _STRATEGY_CODE, _resolve, check_fused_args, rms_norm_reference
+from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_result_vmas,
+                        rms_norm_reference)
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = np.float32(448.0)  # largest finite float8_e4m3fn
@@ -122,11 +123,7 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
 
 
 def _kernel_fused_quant(x, residual, weight, tok, comm, strategy, eps):
-    axis = comm.axis_name
-    x = _shard.varying(x, axis)
-    vma_sum = _shard.vma_of(x) - {axis}
-    vma_res = vma_sum | _shard.vma_of(residual)
-    vma_norm = vma_res | _shard.vma_of(weight)
+    x, vma_norm, vma_res = fused_result_vmas(x, residual, weight, comm.axis_name)
     rt_q = _shard.result_type(x, x.shape, FP8_DTYPE, vma_norm)
     rt_s = _shard.result_type(x, (x.shape[0], 1), jnp.float32, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)

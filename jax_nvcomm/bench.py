@@ -306,16 +306,25 @@ def _write_json(env, out, name, data):
     return path
 
 
-def _plot(env, out, name, series, title, xlabel):
-    """series: {panel: {label: [(x, y_us), ...]}}; log-log, one line per label."""
-    if not env.is_main:
-        return None
+def pyplot(log=print):
+    """matplotlib.pyplot with the file-only Agg backend, or None (said through `log`) when
+    matplotlib is not installed. Shared by every bench plot."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        env.log("# matplotlib not installed: skipping the plot (pip install matplotlib)")
+        log("# matplotlib not installed: skipping the plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def _plot(env, out, name, series, title, xlabel):
+    """series: {panel: {label: [(x, y_us), ...]}}; log-log, one line per label."""
+    if not env.is_main:
+        return None
+    plt = pyplot(env.log)
+    if plt is None:
         return None
     panels = [p for p in series if any(series[p].values())]
     if not panels:

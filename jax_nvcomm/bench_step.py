@@ -106,11 +106,9 @@ def format_table(rows) -> str:
 
 
 def plot(rows, path, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .bench import pyplot
+    plt = pyplot()
+    if plt is None:
         return False
     labels = [f"{r['preset']}\n{r['layout']}\n{r['phase']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4.5))

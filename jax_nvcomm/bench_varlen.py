@@ -149,12 +149,8 @@ def _point(env, comm, mesh, load, counts, max_rows, hidden, a):
 def _plot(env, out, rows):
     if not env.is_main:
         return None
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        env.log("# matplotlib not installed: skipping the plot (pip install matplotlib)")
+    plt = B.pyplot(env.log)
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, (op, methods) in zip(axes, (("gather", GATHER), ("scatter", SCATTER))):

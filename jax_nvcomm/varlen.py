@@ -80,9 +80,10 @@ def _vma_tracked(x, axis) -> bool:
 def xla_all_gather_v(x, nr, axis, world):
     """Padded `lax.all_gather` (invariant) of x and of the counts, then compaction."""
     max_rows = x.shape[0]
-    if world == 1:
+    if world == 1:  # rows from num_rows on are zero, as for any group (API.md)
         offsets = jnp.stack([jnp.int32(0), nr])
-        return x, offsets, nr
+        valid = (jnp.arange(max_rows, dtype=jnp.int32) < nr).reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(valid, x, jnp.zeros((), x.dtype)), offsets, nr
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
     counts = lax.all_gather(nr, axis, to="invarying")                     # [W]

@@ -115,7 +115,7 @@ print('PASS multicast', c.multicast, '|', c.multicast_reason, '| nbytes', c.nbyt
   ;;
 pytest)
   t0=$SECONDS
-  JAX_NVCOMM_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-580}" $PY -m pytest -q -p no:cacheprovider -rs -m gpu -v tests \
+  JAX_NVCOMM_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-580}" $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu -v tests \
     >"$OUT/pytest_gpu.log" 2>&1
   rc=$?
   cat "$OUT/pytest_gpu.log" >>"$OUT/all.log"
@@ -176,12 +176,28 @@ stepAD)  # the package as it is (A) against custom calls outside command buffers
   ;;
 stepE)  # graph capture off for our calls (JAX_NVCOMM_GRAPH_CAPTURE=0: "_nograph" targets, = D
   # without an XLA flag) against the default, alternating, with traces
-  for i in 1 2; do
+  for i in $(seq "${STEPE_N:-2}"); do
     step step_A$i 150 $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepA$i" --iters 40
     step step_E$i 150 env JAX_NVCOMM_GRAPH_CAPTURE=0 \
       $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepE$i" --iters 40
   done
-  for v in A1 E1 A2 E2; do echo "== $v"; tail -4 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
+  for v in A1 E1 A2 E2; do [ -d "$OUT/step$v" ] || continue; echo "== $v"; tail -4 "$OUT/step$v"/bench_*_step.txt; done 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+diag)  # the multi-process split-MoE and varlen scripts run directly, each with its full log
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for spec in "split_sp:0:split_moe_mp.py --rounds=8 --iters=20" \
+              "split_spg:0:split_moe_mp.py --rounds=8 --iters=20 --graph" \
+              "split_mp2:2:split_moe_mp.py --rounds=5 --iters=10" \
+              "split_sh2:2s:split_moe_mp.py --rounds=5 --iters=10" \
+              "varlen_mp2:2:varlen_mp.py --rounds=20 --grad=1" \
+              "varlen_sh2:2s:varlen_mp.py --rounds=20 --grad=0" \
+              "varlen_spg:0:varlen_mp.py --rounds=5 --graph=1"; do
+    IFS=: read -r name n cmd <<<"$spec"
+    case $n in 0) pre="$PY";; 2) pre="$L -n 2 --timeout 110";; 2s) pre="$L -n 2 --share-gpu --timeout 110";; esac
+    t0=$SECONDS; timeout 120 $pre tests/mp/$cmd >"$OUT/diag_$name.log" 2>&1; rc=$?
+    say "$(printf '%-12s rc=%-4s %4ss  %s PASS lines' "$name" "$rc" "$((SECONDS - t0))" "$(grep -c PASS "$OUT/diag_$name.log")")"
+    [ $rc -ne 0 ] && grep -E "Error|error|FAIL|assert|Traceback" "$OUT/diag_$name.log" | head -8 | cut -c1-300 | tee -a "$OUT/summary.txt"
+  done
   ;;
 newbench)  # the v2 ops' benchmarks: varlen gather/scatter, and the FP8 output next to the fused op
   step bench_varlen 170 $PY -m jax_nvcomm.bench varlen --out "$OUT/varlen" --reps 5
@@ -201,7 +217,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -38,7 +38,7 @@ def gather_fn(comm, check_vma=True):
                                  out_specs=(P("x"), P("x"), P("x")), check_vma=check_vma))
 
 
-def check_gather(out, x, counts, max_rows):
+def check_gather(out, x, counts, max_rows, zero_tail=True):
     g, off, tot = (np.asarray(a) for a in out)
     want, want_off = np_gather(x, counts, max_rows)
     total = int(want_off[-1])
@@ -46,6 +46,8 @@ def check_gather(out, x, counts, max_rows):
         np.testing.assert_array_equal(off[r], want_off, err_msg=f"offsets on rank {r}")
         assert int(tot[r]) == total, (r, tot[r], total)
         np.testing.assert_array_equal(g[r][:total], want, err_msg=f"rows on rank {r}")
+        if zero_tail:  # API.md: rows from total on are zero
+            assert not np.asarray(g[r][total:], np.float64).any(), f"rows past {total} on rank {r}"
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -72,7 +74,7 @@ def test_all_gather_v_without_zero_tail(comm8, rng):
         return g[None], off[None], tot[None]
     out = jax.jit(jax.shard_map(f, mesh=comm8.mesh, in_specs=(P("x"), P("x")),
                                 out_specs=(P("x"),) * 3))(x, counts)
-    check_gather(out, x, counts, max_rows)
+    check_gather(out, x, counts, max_rows, zero_tail=False)
 
 
 def test_bench_varlen_runs(tmp_path):
@@ -330,6 +332,20 @@ def test_traced_count_out_of_range_fails_named(rng):
                           mesh=mesh, in_specs=P("x"), out_specs=P("x"))
         with pytest.raises(ValueError, match=r"offsets must be int32 of shape \(5,\)"):
             jax.jit(h).lower(np.zeros((4 * 4 * 3, 8), np.float32))
+
+
+@pytest.mark.parametrize("count", [0, 3, 5])
+def test_group_of_one(rng, count):
+    """A group of one (XLA path): the rank's own rows, zero past the count, and the scatter is
+    the identity on the leading rows."""
+    with nvc.Communicator(mesh1d(1), "x") as c:
+        max_rows, h = 5, 8
+        x = (rng.standard_normal((max_rows, h)) + 2.0).astype(np.float32)  # no zero rows
+        counts = np.array([count], np.int32)
+        check_gather(gather_fn(c)(x, counts), x, counts, max_rows)
+        off = np.array([0, count], np.int32)
+        got = np.asarray(scatter_fn(c)(x[None], off))
+        np.testing.assert_array_equal(got, np_scatter(x[None], counts, max_rows))
 
 
 def test_large_calls_take_the_xla_path(rng):

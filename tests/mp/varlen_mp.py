@@ -23,6 +23,9 @@ from jax.sharding import PartitionSpec as P
 from common import arg, global_array, init, mesh1d, rank_print
 
 nvc = init()
+# GPU float32 matmuls default to TF32 (10-bit mantissa): the float64 references below need the
+# full float32 product, forward and backward
+jax.config.update("jax_default_matmul_precision", "highest")
 rounds = arg("rounds", 200)
 grad = arg("grad", 1)
 graph = arg("graph", 0)
@@ -49,7 +52,7 @@ def counts_for(i):
 
 def blocks(arr, per):
     """{rank: numpy block} of this process's shards of an array sharded over 'x'."""
-    return {s.index[0].start // per: np.asarray(s.data) for s in arr.addressable_shards}
+    return {(s.index[0].start or 0) // per: np.asarray(s.data) for s in arr.addressable_shards}
 
 
 with nvc.Communicator(mesh, "x", max_message_bytes=4 << 20) as comm:

@@ -12,7 +12,11 @@ lax.all_gather + lax.psum_scatter, prefill unbalanced (rank 0 `tokens`, the othe
     of expert weights per GPU.
 For every (preset, layout, phase) row and each implementation:
   - ms: the median wall time of a step (`block_until_ready` after each step; the same compiled
-    program and arguments every step), host dispatch included;
+    program and arguments every step), host dispatch included; the implementations' steps run
+    in turns, so drift of the machine falls on each alike;
+  - bound_ms (low-latency and dp-attn-tp-moe rows, unless --no-bound): the same step with its
+    collectives removed (same compute, wrong numbers), timed in the same turns. XLA/bound is
+    the most any collective library could gain over XLA in that row;
   - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);
@@ -67,7 +71,10 @@ def _row(preset, r):
                op=r["op"], nvcomm_ms=ms.get("jax_nvcomm"), xla_ms=ms.get("xla"),
                ratio=(ms["xla"] / ms["jax_nvcomm"] if ms.get("xla") and ms.get("jax_nvcomm")
                       else None),
-               agree=r["agree"], rel_err=r["err"])
+               agree=r["agree"], rel_err=r["err"], bound_ms=ms.get("none"),
+               bound_ratio=(ms["xla"] / ms["none"] if ms.get("xla") and ms.get("none")
+                            else None),
+               sequential_ms=r.get("ms_sequential"))
     for impl, key in (("jax_nvcomm", "nvcomm"), ("xla", "xla")):
         s = tr.get(impl)
         if s:
@@ -92,7 +99,7 @@ def _tok(r) -> str:
 def format_table(rows) -> str:
     head = (f"{'preset':10} {'layout':16} {'phase':8} {'tok':>5} {'ms nvcomm':>10} "
             f"{'ms XLA':>9} {'XLA/nvc':>8} {'1st kernel us nvc/XLA':>22} "
-            f"{'busy us nvc/XLA':>18} {'agree':>6}")
+            f"{'busy us nvc/XLA':>18} {'agree':>6} {'XLA/bound':>10}")
     lines = [head]
     for r in rows:
         fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
@@ -101,7 +108,8 @@ def format_table(rows) -> str:
         lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {_tok(r):>5} "
                      f"{_fmt(r['nvcomm_ms'], '.3f'):>10} {_fmt(r['xla_ms'], '.3f'):>9} "
                      f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} {fk:>22} "
-                     f"{busy:>18} {str(r['agree']):>6}")
+                     f"{busy:>18} {str(r['agree']):>6} "
+                     f"{_fmt(r.get('bound_ratio'), '.2f') + 'x' if r.get('bound_ratio') else '-':>10}")
     return "\n".join(lines)
 
 
@@ -150,7 +158,8 @@ def run_step(a) -> int:
     presets = a.presets or (["example"] if platform == "cpu" else ["example", "moe-slice"])
     base = mt.Config(iters=a.iters, warmup=a.warmup, quiet=a.quiet, trace_dir=trace_root,
                      layouts=tuple(a.layouts), phases=tuple(a.phases),
-                     split=True if getattr(a, "split_compare", False) else None)
+                     split=True if getattr(a, "split_compare", False) else None,
+                     bound=not getattr(a, "no_bound", False))
     rows, ok = [], True
     for name in presets:
         cfg = preset_config(name, world, platform, base)
@@ -227,6 +236,9 @@ def add_arguments(s):
     s.add_argument("--machine", default=None, help="name in the JSON file name (default: "
                    "from the devices, e.g. h200x2)")
     s.add_argument("--quiet", action="store_true")
+    s.add_argument("--no-bound", action="store_true",
+                   help="skip the no-communication bound (the step with its collectives "
+                        "removed: the least any collective library could make it cost)")
     s.add_argument("--split-compare", action="store_true",
                    help="high-throughput rows twice: shared expert between the dispatch halves "
                         "(preset name) and with the fused dispatch (preset + ' no-split')")

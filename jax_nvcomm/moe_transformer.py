@@ -61,8 +61,10 @@ differs from the baseline's, the candidate is run once more with the baseline's 
 share of differing routing choices next to the error.
 
 Timing: each step is jitted (the whole stack in one program), compiled, run `--warmup` times,
-then `--iters` times with a host sync after each call; the median wall time is reported. On GPUs
-this includes ~60 us of host dispatch per call.
+then `--iters` times with a host sync after each call; when both implementations run, the
+reported medians come from a second pass that runs one step of each in turns (order reversed
+every other round), so that drift of the machine falls on both alike (the first pass's medians
+stay in the row as `ms_sequential`). Host dispatch is included (what a user's loop pays).
 
 Multi-process: works under `python -m jax_nvcomm.launch -n N [--share-gpu] -m jax_nvcomm.demo
 --nvcomm-only --ref FILE.npz ...`: the table is printed by process 0; the mesh spans
@@ -146,6 +148,10 @@ class Config:
     split: bool | None = None       # high-throughput, jax_nvcomm: shared expert between the
                                     # dispatch send and receive halves (False: fused dispatch;
                                     # None: the platform default, see CPU_/GPU_DEFAULTS)
+    bound: bool = False             # also time the step with no communication at all
+                                    # (impl "none": wrong numbers, same compute; the least a
+                                    # step can cost with any collectives), low-latency and
+                                    # dp-attn-tp-moe rows
 
     def model_dict(self):
         keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "shared_ffn", "tokens",
@@ -436,6 +442,17 @@ def dp_tp_collectives(impl, axis, num_rows, max_rows, comm=None):
 
         def my_rows(a, offsets):
             return lax.dynamic_slice_in_dim(a, offsets[lax.axis_index(axis)], max_rows, axis=0)
+    elif impl == "none":  # the no-communication bound: the same shapes and compute, local
+        import jax.numpy as jnp
+
+        def gather(a):
+            return jnp.concatenate([a] * lax.axis_size(axis), axis=0), None
+
+        def scatter(y, _):
+            return lax.dynamic_slice_in_dim(y, lax.axis_index(axis) * max_rows, max_rows, axis=0)
+
+        def my_rows(a, _):
+            return lax.dynamic_slice_in_dim(a, lax.axis_index(axis) * max_rows, max_rows, axis=0)
     else:
         def gather(a):
             return lax.all_gather(a, axis, tiled=True), None
@@ -691,12 +708,17 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
 
             def ar_norm(x, r, w):
                 return nvc.all_reduce_rms_norm(x, r, w, comm, eps=EPS)
+        elif impl == "none":  # the no-communication bound (see Config.bound)
+            ar_norm = add_rms_norm
         else:
             def ar_norm(x, r, w):
                 return psum_rms_norm(x, r, w, axis)
 
         def moe(h, tw, ti, p):
             return experts_grouped(h, tw, ti, p["wg"], p["wu"], p["wd"]) + shared_expert(h, p)
+    elif impl == "none":
+        raise ConfigError("the no-communication bound is defined for the low-latency and "
+                          f"dp-attn-tp-moe layouts, not {layout!r}")
     else:
         axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
         ar_norm = add_rms_norm  # data-parallel attention: no all-reduce
@@ -735,7 +757,7 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
     in_specs = (x_spec, param_specs(cfg, layout),
                 cache_specs(cfg, layout) if phase == "decode" else (), r_spec if forced else ())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                 out_specs=(out_spec, r_spec)))
+                                 out_specs=(out_spec, r_spec), check_vma=impl != "none"))
 
 
 def _make_step_dp_tp(cfg, mesh, phase, impl, comms, forced):
@@ -757,7 +779,7 @@ def _make_step_dp_tp(cfg, mesh, phase, impl, comms, forced):
                 cache_specs(cfg, "dp-attn-tp-moe") if phase == "decode" else (),
                 r_spec if forced else ())
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                 out_specs=(spec, r_spec)))
+                                 out_specs=(spec, r_spec), check_vma=impl != "none"))
 
 
 def nvc_op_name(cfg, layout, phase, comms, world):
@@ -892,6 +914,24 @@ def _time_step(fn, args, warmup, iters):
     return out, statistics.median(ts)
 
 
+def _time_interleaved(fns, args, warmup, iters):
+    """{name: median ms} of compiled steps timed in turns (one step of each per round, the
+    order reversed every other round), so that drift of the machine (clocks, the other
+    process, the host) falls on every implementation alike."""
+    import jax
+    for _ in range(warmup):
+        for f in fns.values():
+            jax.block_until_ready(f(*args))
+    ts = {k: [] for k in fns}
+    order = list(fns)
+    for i in range(iters):
+        for k in (order if i % 2 == 0 else order[::-1]):
+            t = time.perf_counter()
+            jax.block_until_ready(fns[k](*args))
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
+
 def _trace_row(fn, args, trace_dir, name, main_proc):
     """Profile 4 steps (every process runs them; process 0 records) and summarise them
     (jax_nvcomm/_trace.py); None on the other processes."""
@@ -991,13 +1031,14 @@ def run(cfg: Config, *, devices=None):
                            counts=counts,
                            routing=None, ref_err=None, ref_routing=None, ref_note=None,
                            agree=None, op=nvc_op_name(cfg, layout, phase, comms, world))
-                res = {}
+                res, timed = {}, {}
                 for impl in cfg.impls:
                     n += 1
                     what = f"{layout} {phase} ({impl})"
                     prog.line(f"compiling {what}...", n)
                     fn = make_step(cfg, mesh, layout, phase, impl, comms)
                     compiled = fn.lower(x, params, cs, ()).compile()
+                    timed[impl] = compiled
                     prog.line(f"running {what}: {cfg.warmup} warm-up + {cfg.iters} timed "
                               "steps...", n)
                     (h, ids), sec = _time_step(compiled, (x, params, cs, ()), cfg.warmup,
@@ -1010,6 +1051,16 @@ def run(cfg: Config, *, devices=None):
                     res[impl] = dict(ids=ids, rows=h.shape[0], h_np=to_host0(h),
                                      ids_np=to_host0(ids, "int32"))
                     prog.line(f"{what}: {sec * 1e3:.3f} ms/step", n)
+                if cfg.bound and layout != "high-throughput":
+                    timed["none"] = make_step(cfg, mesh, layout, phase, "none", comms).lower(
+                        x, params, cs, ()).compile()
+                if len(timed) > 1:  # the reported times: all of the row's steps in turns
+                    prog.line(f"{layout} {phase}: {' / '.join(timed)} in turns, "
+                              f"{cfg.iters} steps each...")
+                    row["ms_sequential"] = dict(row["ms"])
+                    row["ms"].update(_time_interleaved(timed, (x, params, cs, ()),
+                                                       cfg.warmup, cfg.iters))
+                del timed
                 cand = "jax_nvcomm" if "jax_nvcomm" in res else "xla"
                 base = res[cand] if cand == "xla" or "xla" not in res else res["xla"]
                 saved[(layout, phase)] = (base["h_np"], base["ids_np"])

@@ -204,6 +204,14 @@ newbench)  # the v2 ops' benchmarks: varlen gather/scatter, and the FP8 output n
   grep -v "^\[" "$OUT/all.log" | grep -A30 "=== bench_varlen" | tail -28 | tee -a "$OUT/summary.txt"
   step bench_arq 170 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/arq" --reps 5
   ;;
+stepI)  # the step benchmark, example preset, steps in turns with the no-communication bound;
+  # STEP_ENV (e.g. JAX_NVCOMM_GRAPH_CAPTURE=0) and STEP_TAG name a variant; traces stay in /tmp
+  tag=${STEP_TAG:-A}
+  step "step_$tag" 300 env ${STEP_ENV:-} $PY -m jax_nvcomm.bench step --presets ${STEP_PRESETS:-example} \
+    --out "/tmp/step$tag" --iters 40 ${STEP_ARGS:-}
+  cp /tmp/step$tag/bench_*_step.json "$OUT/step$tag.json" 2>/dev/null
+  cat /tmp/step$tag/bench_*_step.txt 2>&1 | sed "s/^/[$tag] /" | tee -a "$OUT/summary.txt"
+  ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
   tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
@@ -217,7 +225,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

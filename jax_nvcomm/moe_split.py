@@ -314,13 +314,14 @@ def moe_combine_recv(csent, topk_weights, moe, *, after=None):
 # ---------------------------------------------------------------------------------------------
 # checking where XLA scheduled the halves
 
-def scheduled_order(hlo_text, patterns, last=False):
+def scheduled_order(hlo_text, patterns, last=False, positions=False):
     """Positions, in the schedule of a compiled program (`jitted.lower(...).compile()
     .as_text()`, printed in execution order: `is_scheduled=true`), of the first instruction
     matching each pattern: a substring of the instruction or of the computations it calls
     (fusions, custom-call bodies, metadata such as a `jax.named_scope`), with `call`s flattened
     into the sequence; `last=True`: of the last one. A pattern not found gives no entry:
-    compare the result with `sorted(...)` and check its length.
+    compare the result with `sorted(...)` and check its length. `positions=True`: for each
+    pattern the list of every matching position (empty when none).
 
     Used by the tests and `bench moe --split` to check that work tied between a send and its
     receive (`moe_overlap` / `after=`) runs there on the device's stream."""
@@ -365,9 +366,10 @@ def scheduled_order(hlo_text, patterns, last=False):
     found = []
     for p in patterns:
         hits = [i for i, t in enumerate(seq) if p in t]
-        idx = (hits[-1] if last else hits[0]) if hits else None
-        if idx is not None:
-            found.append(idx)
+        if positions:
+            found.append(hits)
+        elif hits:
+            found.append(hits[-1] if last else hits[0])
     return found
 
 

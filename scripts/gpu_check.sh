@@ -52,6 +52,9 @@ ensure_built() {
   if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
     build_pkg " (background)" &  # timing only: the steps use the importable jax_nvcomm
     BUILD_PID=$!
+  elif [ "${NVC_REUSE:-0}" = 1 ] && [ -d /tmp/nvc_site/jax_nvcomm ]; then
+    # the build of an earlier invocation in this command (same tree)
+    export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH PYTHONSAFEPATH=1
   elif [ "$BUILD" = 1 ] || ! $PY -c "import jax_nvcomm._cuda" 2>/dev/null; then
     # the build goes first on the path, and PYTHONSAFEPATH keeps every process (launcher
     # children too) from putting the working directory, whose jax_nvcomm/ lacks the compiled
@@ -115,7 +118,7 @@ print('PASS multicast', c.multicast, '|', c.multicast_reason, '| nbytes', c.nbyt
   ;;
 pytest)
   t0=$SECONDS
-  JAX_NVCOMM_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-580}" $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu -v tests \
+  JAX_NVCOMM_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-580}" $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu -v ${PYTEST_TARGET:-tests} \
     >"$OUT/pytest_gpu.log" 2>&1
   rc=$?
   cat "$OUT/pytest_gpu.log" >>"$OUT/all.log"

@@ -13,7 +13,7 @@ import sys
 
 if "--graph=1" in sys.argv and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
-                               "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL").strip()
+                               "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1").strip()
 
 import jax
 import jax.numpy as jnp

@@ -190,6 +190,7 @@ def run_step(a) -> int:
     meta = dict(machine=machine, devices=world, platform=platform,
                 device_kind=devs[0].device_kind, processes=jax.process_count(),
                 jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                env={k: v for k, v in os.environ.items() if k.startswith("JAX_NVCOMM_")},
                 what="wall ms per jitted step (median); first kernel and busy time from a "
                      "profiler trace of 4 steps (median of the last 3), device 0")
     path = os.path.join(a.out, f"bench_{machine}_step.json")

@@ -272,18 +272,21 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
       constexpr int NR = decltype(nr_c)::value;
       for (int c0 = lane; c0 < nvr; c0 += (kP / NR) * tpr) {
         uint4 sv[kP], rv[kP];
-#pragma unroll
-        for (int p = 0; p < kP; ++p) {
-          const int64_t row = rbase + p % NR;
-          const int col = c0 + (p / NR) * tpr;
-          if (row < row_end && col < nvr) sv[p] = sum_vec(size_t(row) * nvr + col);
-        }
+        // The residual first: its loads do not depend on the peers, so their latency overlaps
+        // the wait in sum_vec (a one-shot poll) instead of following it. Same values, same
+        // arithmetic; aliasing (residual_out == residual) is unaffected: reading earlier.
 #pragma unroll
         for (int p = 0; p < kP; ++p) {
           const int64_t row = rbase + p % NR;
           const int col = c0 + (p / NR) * tpr;
           if (row < row_end && col < nvr)
             rv[p] = *reinterpret_cast<const uint4*>(res + (size_t(row) * nvr + col) * 16);
+        }
+#pragma unroll
+        for (int p = 0; p < kP; ++p) {
+          const int64_t row = rbase + p % NR;
+          const int col = c0 + (p / NR) * tpr;
+          if (row < row_end && col < nvr) sv[p] = sum_vec(size_t(row) * nvr + col);
         }
 #pragma unroll
         for (int p = 0; p < kP; ++p) {

@@ -129,9 +129,18 @@ NVC_HD int moe_max_entries(const MoeConfig& c) {
   return c.top_k < l ? c.top_k : l;
 }
 // Launch grid of every MoE kernel: a pure function of the config, identical on every rank.
+// Enough blocks for the tokens (4 per block) and for the bytes one call may copy
+// (max_tokens x top_k rows of hidden x max(2, dtype) bytes, kMoeBytesPerBlock per block), so
+// that a small batch of wide rows (decode: 4 tokens x 7168) is copied by several SMs; the
+// receive kernels split rows into chunks over all warps of the grid.
+constexpr int64_t kMoeBytesPerBlock = 64 * 1024;
 NVC_HD int moe_blocks(const MoeConfig& c) {
-  int b = (c.max_tokens + 3) / 4;
-  return b < 1 ? 1 : (b > kMoeMaxBlocks ? kMoeMaxBlocks : b);
+  const int64_t db = moe_dtype_bytes(c.dtype) < 2 ? 2 : moe_dtype_bytes(c.dtype);
+  const int64_t bytes = int64_t(c.max_tokens) * c.top_k * c.hidden * db;
+  int64_t b = (c.max_tokens + 3) / 4;
+  const int64_t bb = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
+  if (bb > b) b = bb;
+  return int(b < 1 ? 1 : (b > kMoeMaxBlocks ? kMoeMaxBlocks : b));
 }
 
 // ---- sizes ---------------------------------------------------------------------------------

@@ -9,10 +9,12 @@
 //   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s.
 //   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
 //   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
-// RECV: waits for every rank's flags (bounded), then one warp per token t < T: the valid k of
+// RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
+//   kRowChunk columns): the valid k of
 //   token_dest[t] (in k order) and their weights go to shared memory; each lane owns 16-B
 //   columns and accumulates acc = fmaf(w_k, float(row_k), acc) for k ascending, starting from
 //   +0.0f, rounds once to the y dtype (RNE). Rows with no valid slot (t >= num_tokens) are zero.
+//   Loads of kCombU slots are issued together, their FMAs then run in k order (same bits).
 //   The conversions are moe_layout.h's, shared with the host protocol: bitwise-equal results.
 //   finish_call advances Ctrl::seq (last block).
 #pragma once
@@ -97,7 +99,8 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
     const int src = int(slot / slots);
     char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
     const uint8_t* yr = a.expert_y + size_t(er) * yrow;
-    for (int i = lane; i < nvec; i += 32) dev::st_v4(dst + size_t(i) * 16, ld_nc_v4(yr + size_t(i) * 16));
+    warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
+              [&](int) { return dst; });
   }
   publish_all(v, c, s, desc);
   finish_send(v, s);
@@ -109,6 +112,8 @@ struct CombineRecvArgs {
   uint8_t* y;                 // [T, H] of y_dtype
   const uint32_t* seq_in;     // split: the SEND's seq output; null when fused
 };
+
+constexpr int kCombU = 8;  // landing slots' loads in flight per lane in the combine receive
 
 template <int YT>
 __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
@@ -124,7 +129,10 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
-  for (int t = b * kWarps + warp; t < T; t += G * kWarps) {
+  // work items (token t, chunk ch of kRowChunk columns) over every warp of the grid
+  const int nch = (nvec + kRowChunk - 1) / kRowChunk;
+  for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
+    const int t = item / nch, ch = item - t * nch;
     const int e = lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
     if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
@@ -135,18 +143,30 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
       s_w[warp][q] = __ldg(a.weights + size_t(t) * K + lane);
     }
     __syncwarp();
-    for (int i = lane; i < nvec; i += 32) {
+    for (int i = ch * kRowChunk + lane; i < min(nvec, (ch + 1) * kRowChunk); i += 32) {
       float acc[kElems];
 #pragma unroll
       for (int q = 0; q < kElems; ++q) acc[q] = 0.0f;
-      for (int j = 0; j < m; ++j) {
-        const float w = s_w[warp][j];
-        const uint4 val = dev::ld_cg_v4(moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j]) + size_t(i) * 16);
-        const uint32_t* wd = reinterpret_cast<const uint32_t*>(&val);
+      // kCombU slots' loads in flight, then their FMAs in k order (the order of the sum and
+      // so the bits are those of one slot at a time)
+      for (int j0 = 0; j0 < m; j0 += kCombU) {
+        uint4 vals[kCombU];
 #pragma unroll
-        for (int q = 0; q < kElems; ++q) {
-          const uint32_t bits = kElems == 4 ? wd[q] : (wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
-          acc[q] = fmaf(w, moe_to_f32(bits, YT), acc[q]);
+        for (int u = 0; u < kCombU; ++u)
+          if (j0 + u < m)
+            vals[u] = dev::ld_cg_v4(moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j0 + u]) +
+                                    size_t(i) * 16);
+#pragma unroll
+        for (int u = 0; u < kCombU; ++u) {
+          if (j0 + u < m) {
+            const float w = s_w[warp][j0 + u];
+            const uint32_t* wd = reinterpret_cast<const uint32_t*>(&vals[u]);
+#pragma unroll
+            for (int q = 0; q < kElems; ++q) {
+              const uint32_t bits = kElems == 4 ? wd[q] : (wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
+              acc[q] = fmaf(w, moe_to_f32(bits, YT), acc[q]);
+            }
+          }
         }
       }
       uint4 out;

@@ -20,10 +20,13 @@
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
 //   block: __syncthreads, fence.acq_rel.sys, st.release.sys moe_flag(s, me, b) in every rank.
 // RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
-//   block reads the W headers, off[e][src] = prefix over sources; one warp per received row
-//   copies payload + scales to every listed local expert row off[e][src] + idx and writes the
-//   handle; block 0 writes expert_counts. finish_call advances Ctrl::seq (last block).
+//   block reads the W headers, off[e][src] = prefix over sources; one warp per (received row,
+//   chunk of kRowChunk vectors) copies that part of the payload to every listed local expert
+//   row off[e][src] + idx; the chunk-0 warp also copies the scales and writes the handle;
+//   block 0 writes expert_counts. finish_call advances Ctrl::seq (last block).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
+// Row copies (warp_copy): each lane keeps kCopyU 16-byte loads in flight before it stores them,
+// so a row costs nvec / (32 * kCopyU) load latencies rather than nvec / 32.
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -42,6 +45,31 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
   return m;
 }
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+constexpr int kCopyU = 8;  // 16-byte loads in flight per lane in a row copy
+
+// Vectors of a row one warp copies per chunk in the receive kernels (one warp_copy round).
+constexpr int kRowChunk = 32 * kCopyU;
+
+// One warp copies vectors [begin, end) of a row, vector i = ld(i), to the n destinations
+// dst(j) (char*, j < n): lane l handles i = begin + l, + 32, ...; kCopyU loads are issued
+// before their stores. Same stores as a one-vector-at-a-time loop, in another order.
+template <class Ld, class Dst>
+__device__ __forceinline__ void warp_copy(int begin, int end, int lane, int n, Ld&& ld, Dst&& dst) {
+  const int nvec = end;
+  for (int i0 = begin + lane; i0 < nvec; i0 += 32 * kCopyU) {
+    uint4 val[kCopyU];
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (i0 + 32 * u < nvec) val[u] = ld(i0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u) {
+      const int i = i0 + 32 * u;
+      if (i < nvec)
+        for (int j = 0; j < n; ++j) dev::st_v4(dst(j) + size_t(i) * 16, val[u]);
+    }
+  }
+}
 
 // dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
 __device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
@@ -252,10 +280,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
       }
       __syncwarp();
       const uint8_t* xr = a.x + size_t(t) * xrow;
-      for (int i = lane; i < nvec; i += 32) {
-        const uint4 val = ld_nc_v4(xr + size_t(i) * 16);
-        for (int j = 0; j < nd; ++j) dev::st_v4(s_dst[warp][j] + size_t(i) * 16, val);
-      }
+      warp_copy(0, nvec, lane, nd, [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
+                [&](int j) { return s_dst[warp][j]; });
       for (int i = lane; i < S; i += 32) {
         const float f = __ldg(a.x_scale + size_t(t) * S + i);
         for (int j = 0; j < nd; ++j) reinterpret_cast<float*>(s_dst[warp][j] + scale_off)[i] = f;
@@ -344,7 +370,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
   const size_t erows = moe_expert_rows(c);
   const int nvec = int(xrow / 16), S = c.scale_cols, maxent = moe_max_entries(c), R = s_rows[W];
-  for (int g = b * kWarps + warp; g < R; g += G * kWarps) {
+  // work items (row g, chunk ch of kRowChunk vectors) over every warp of the grid; each item
+  // reads and checks the row's metadata, chunk 0 also writes the handle and the scales
+  const int nch = (nvec + kRowChunk - 1) / kRowChunk;
+  for (int item = b * kWarps + warp; item < R * nch; item += G * kWarps) {
+    const int g = item / nch, ch = item - g * nch;
     int src = 0;
     while (g >= s_rows[src + 1]) ++src;
     const char* row = moe_drow(half, c, src, g - s_rows[src]);
@@ -359,15 +389,14 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
           idx >= (src + 1 < W ? off[le * W + src + 1] : tot[le]) - off[le * W + src])
         die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(lek)) << 32) | uint32_t(idx));
       const size_t er = size_t(le) * erows + off[le * W + src] + idx;
-      a.expert_src[er] = (src * T + t) * K + k;
+      if (ch == 0) a.expert_src[er] = (src * T + t) * K + k;
       s_erow[warp][lane] = er;
     }
     __syncwarp();
-    for (int i = lane; i < nvec; i += 32) {
-      const uint4 val = dev::ld_cg_v4(row + size_t(i) * 16);
-      for (int j = 0; j < m; ++j) dev::st_v4(a.expert_x + s_erow[warp][j] * xrow + size_t(i) * 16, val);
-    }
-    for (int i = lane; i < S; i += 32) {
+    warp_copy(ch * kRowChunk, min(nvec, (ch + 1) * kRowChunk), lane, m,
+              [&](int i) { return dev::ld_cg_v4(row + size_t(i) * 16); },
+              [&](int j) { return reinterpret_cast<char*>(a.expert_x + s_erow[warp][j] * xrow); });
+    for (int i = lane; ch == 0 && i < S; i += 32) {
       const float f = __ldcg(reinterpret_cast<const float*>(row + scale_off) + i);
       for (int j = 0; j < m; ++j) a.expert_x_scale[s_erow[warp][j] * S + i] = f;
     }

@@ -64,6 +64,11 @@ __device__ __forceinline__ uint4 ld_cg_v4(const void* p) {
   return __ldcg(reinterpret_cast<const uint4*>(p));
 }
 __device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+// Ask for the line holding p in this SM's L1 (no register holds the data; a later load of it
+// then waits for L1, not L2 or HBM). Only for read-only data of the call.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
 
 // Record an error of this rank, then trap so the launch fails visibly. The error block lives
 // in host-mapped memory (PCIe atomics are not guaranteed there), so it is claimed with plain

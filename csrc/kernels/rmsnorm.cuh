@@ -261,6 +261,17 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
   // barriers of one iteration; the next iteration writes them only after its pass-1 barrier).
   __shared__ uint32_t s_amax[kQuant ? kP * kWarps : 1];
 
+  // The weight vectors of this thread's first pass-2 step into L1 now, while pass 1 waits for
+  // the sum (the same columns for every row): pass 2 then does not wait for L2 after the
+  // barrier. Costs no registers.
+  if (row_begin < row_end) {
+#pragma unroll
+    for (int p = 0; p < kP; ++p) {
+      const int col = lane + (p / nr) * tpr;
+      if (col < nvr) prefetch_l1(wgt + size_t(col) * 16);
+    }
+  }
+
   for (int64_t row0 = row_begin; row0 < row_end; row0 += rows_per_iter) {
     const int64_t rbase = row0 + int64_t(group) * nr;
     // Pass 1: r = sum + residual -> residual_out, shared memory, sums of squares. Row q's

@@ -75,6 +75,8 @@ def summarise(path, device=0, skip_first=1):
     program = names.most_common(1)[0][0]
     execs = sorted((e for e in execs if e["name"].endswith(f"({program})")),
                    key=lambda e: e["ts"])
+    if not execs:  # names without "(program)" (the CPU client's ExecutePrepare ...)
+        return None
     gpu = sorted((k for k in X if pname.get(k["pid"], "").endswith(f"GPU:{device}")),
                  key=lambda k: k["ts"])
     per = []
@@ -117,3 +119,18 @@ def format_summary(s) -> str:
     lines.append("    kernels: " + "; ".join(
         f"{k['name'][:40]} {k['us']:.0f} us x{k['count']}" for k in (s.get("top") or [])[:4]))
     return "\n".join(lines)
+
+
+def device_time(path, device=0):
+    """Device `device`'s kernels in the LAST execution of the trace's most executed program
+    (from `summarise`): dict(busy_us = sum of its kernel durations, kernels = their count,
+    top = [{name, count, us}] of the kernels that took most time, executions, program).
+    busy_us is None when that execution ran no kernel on the device (a CPU run: no device
+    kernels in the trace); None when the trace has no execution of a program."""
+    s = summarise(path, device=device, skip_first=0)
+    if not s or not s.get("per_execution"):
+        return None
+    last = s["per_execution"][-1]
+    return dict(program=s["program"], executions=s["executions"],
+                busy_us=last.get("busy_us"), kernels=last["kernels"],
+                top=last.get("top", []))

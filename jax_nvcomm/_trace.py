@@ -102,6 +102,47 @@ def summarise(path, device=0, skip_first=1):
                 host_top=use[-1]["host_top"], per_execution=per)
 
 
+def device_skew(path, devices, ref=0, skip_first=1):
+    """How far the other devices run behind (or ahead of) device `ref` in each execution of its
+    most frequent program: per device d of `devices` (local ids), the medians over executions of
+    first_us = d's first kernel start - ref's first kernel start, and end_us = d's last kernel
+    end - ref's last kernel end (positive: d later), with d's busy_us. Kernels belong to an
+    execution when they start between its host start and the next one's (one process driving
+    several GPUs launches every device's part from the same execute call). None when the trace
+    has no execution of `ref`."""
+    X, pname = _load(path)
+    s = summarise(path, device=ref, skip_first=0)
+    if not s:
+        return None
+    execs = sorted((e for e in X if e["name"].startswith(f"[{ref}] ")
+                    and e["name"].endswith(f"({s['program']})")), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in execs] + [float("inf")]
+
+    def spans(dev):
+        ks = [k for k in X if pname.get(k["pid"], "").endswith(f"GPU:{dev}")]
+        out = []
+        for i in range(len(execs)):
+            w = [k for k in ks if starts[i] <= k["ts"] < starts[i + 1]]
+            out.append((min(k["ts"] for k in w), max(k["ts"] + k["dur"] for k in w),
+                        sum(k["dur"] for k in w)) if w else None)
+        return out
+
+    base = spans(ref)
+    res = {}
+    for d in devices:
+        if d == ref:
+            continue
+        pairs = [(a, b) for a, b in zip(base, spans(d)) if a and b]
+        pairs = pairs[skip_first:] if len(pairs) > skip_first else pairs
+        if not pairs:
+            res[d] = None
+            continue
+        res[d] = dict(first_us=round(statistics.median(b[0] - a[0] for a, b in pairs), 1),
+                      end_us=round(statistics.median(b[1] - a[1] for a, b in pairs), 1),
+                      busy_us=round(statistics.median(b[2] for _, b in pairs), 1))
+    return res
+
+
 def _num(v):
     return "-" if v is None else f"{v:.0f}"
 

@@ -942,7 +942,14 @@ def _trace_row(fn, args, trace_dir, name, main_proc):
             jax.block_until_ready(fn(*args))
         return None
     path = _trace.record(fn, args, os.path.join(trace_dir, name), steps=4)
-    return _trace.summarise(path) if path else None
+    if not path:
+        return None
+    s = _trace.summarise(path)
+    if s is not None:  # the other local devices against device 0 (one process, several GPUs)
+        others = [d.id for d in jax.local_devices()][1:]
+        if others:
+            s["skew"] = _trace.device_skew(path, range(len(others) + 1))
+    return s
 
 
 def run(cfg: Config, *, devices=None):

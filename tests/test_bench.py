@@ -82,6 +82,17 @@ def test_device_time_is_device_0s_kernels_in_the_last_execution(tmp_path):
                         dict(name=LONG[:80], count=1, us=6.0)]
 
 
+def test_device_skew_against_device_0(tmp_path):
+    """Device 1 in the same executions as device 0: its first kernel 5 us after device 0's
+    (115 vs 110), its last one ending 979 us later (1115 vs 136); the first execution has no
+    device-1 kernel, so only the second counts."""
+    from jax_nvcomm import _trace
+    skew = _trace.device_skew(_write_trace(tmp_path / "t.json.gz"), [0, 1])
+    assert skew == {1: dict(first_us=5.0, end_us=979.0, busy_us=1000.0)}
+    assert _trace.device_skew(_write_trace(tmp_path / "n.json.gz", host_names=[
+        "ExecutePrepare", "ExecutePrepare"]), [0, 1]) is None
+
+
 def test_device_time_without_device_kernels_or_executions(tmp_path):
     from jax_nvcomm import _trace
     p = _write_trace(tmp_path / "t.json.gz", kernels=False)  # none on GPU:0 (as on CPU)

@@ -14,9 +14,10 @@ For every (preset, layout, phase) row and each implementation:
   - ms: the median wall time of a step (`block_until_ready` after each step; the same compiled
     program and arguments every step), host dispatch included; the implementations' steps run
     in turns, so drift of the machine falls on each alike;
-  - bound_ms (low-latency and dp-attn-tp-moe rows, unless --no-bound): the same step with its
-    collectives removed (same compute, wrong numbers), timed in the same turns. XLA/bound is
-    the most any collective library could gain over XLA in that row;
+  - bound_ms (unless --no-bound): the same step with its collectives removed (same compute,
+    wrong numbers; high-throughput: every local expert gets this rank's tokens in the
+    dispatched [world * tokens] layout, no combine exchange), timed in the same turns.
+    XLA/bound is the most any collective library could gain over XLA in that row;
   - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);

@@ -260,7 +260,8 @@ def _device_time(env, fn, args, calls, runs=2):
     """The kernels' device time per call: a profiler trace of `runs` more runs of the compiled
     program; device 0's kernel time in the last run (jax_nvcomm/_trace.py) / calls. Every
     process runs the program `runs` times (collectives); only process 0 records. Returns the
-    row's keys device_us, device_kernels_per_call, device_top (None when the trace has no
+    row's keys device_us, device_kernels_per_call, device_top, op_device_us (our kernels
+    only: names in namespace nvc::) (None when the trace has no
     device kernels, as on CPU), and device_note when something is missing. Never raises; the
     trace goes to a temporary directory that is deleted here."""
     import shutil
@@ -289,9 +290,13 @@ def _device_time(env, fn, args, calls, runs=2):
         elif s["busy_us"] is None:
             out["device_note"] = "no device kernels in the trace (device 0)"
         else:
+            ours = [t["us"] for t in s["top"] if "nvc::" in t["name"]]
             out.update(device_us=round(s["busy_us"] / calls, 3),
                        device_kernels_per_call=round(s["kernels"] / calls, 3),
-                       device_top=[dict(t, name=t["name"][:60]) for t in s["top"]])
+                       device_top=[dict(t, name=t["name"][:60]) for t in s["top"]],
+                       # our kernels alone (names in namespace nvc::), without the loop's
+                       # copies and fusions; None for XLA's methods
+                       op_device_us=round(sum(ours) / calls, 3) if ours else None)
     except Exception as e:  # noqa: BLE001 - the loop time stands without it
         text = str(e).strip().splitlines()
         out["device_note"] = (f"trace failed: {type(e).__name__}: "

@@ -136,11 +136,27 @@ def test_device_time_per_call_from_the_trace(tmp_path, monkeypatch):
     assert len(runs) == 2 and len(made) == 1
     assert out["device_us"] == 2.0 and out["device_kernels_per_call"] == 0.333
     assert [t["name"] for t in out["device_top"]] == ["kernel_a", LONG[:60]]
-    assert "device_note" not in out
+    assert "device_note" not in out and out["op_device_us"] is None  # no nvc:: kernel
     assert not os.path.exists(made[0])  # the trace directory is deleted
     row = dict(method="m", median_us=12.34, p10_us=11.9, p90_us=13.0, **out)
     assert bench._cell(row) == "12.3 (11.9-13.0) d2.0"
     assert bench._cell(dict(row, device_us=None)) == "12.3 (11.9-13.0)"
+
+
+def test_op_device_time_is_our_kernels_only(tmp_path, monkeypatch):
+    """op_device_us sums the kernels in namespace nvc:: (not the loop's copies): 9 + 3 us
+    over 4 calls."""
+    from jax_nvcomm import _trace
+    monkeypatch.setattr(_trace, "record", lambda fn, args, d, steps: [fn(*args) for _ in
+                                                                    range(steps)] and "p")
+    top = [dict(name="void nvc::dev::oneshot_kernel<bf16>", count=4, us=9.0),
+           dict(name="copy_fusion", count=8, us=5.0),
+           dict(name="void nvc::moe::combine_recv_kernel<1>", count=4, us=3.0)]
+    monkeypatch.setattr(_trace, "device_time", lambda path, device=0: dict(
+        program="p", executions=2, busy_us=17.0, kernels=16, top=top))
+    fn, runs = _counting_fn()
+    out = bench._device_time(_Env(), fn, (1,), calls=4)
+    assert out["device_us"] == 4.25 and out["op_device_us"] == 3.0 and len(runs) == 2
 
 
 def test_device_time_other_processes_and_failures(tmp_path, monkeypatch):

@@ -75,6 +75,8 @@ def summarise(path, device=0, skip_first=1):
     program = names.most_common(1)[0][0]
     execs = sorted((e for e in execs if e["name"].endswith(f"({program})")),
                    key=lambda e: e["ts"])
+    if not execs:  # names without "(program)" (the CPU client's ExecutePrepare ...)
+        return None
     gpu = sorted((k for k in X if pname.get(k["pid"], "").endswith(f"GPU:{device}")),
                  key=lambda k: k["ts"])
     per = []
@@ -100,6 +102,47 @@ def summarise(path, device=0, skip_first=1):
                 host_top=use[-1]["host_top"], per_execution=per)
 
 
+def device_skew(path, devices, ref=0, skip_first=1):
+    """How far the other devices run behind (or ahead of) device `ref` in each execution of its
+    most frequent program: per device d of `devices` (local ids), the medians over executions of
+    first_us = d's first kernel start - ref's first kernel start, and end_us = d's last kernel
+    end - ref's last kernel end (positive: d later), with d's busy_us. Kernels belong to an
+    execution when they start between its host start and the next one's (one process driving
+    several GPUs launches every device's part from the same execute call). None when the trace
+    has no execution of `ref`."""
+    X, pname = _load(path)
+    s = summarise(path, device=ref, skip_first=0)
+    if not s:
+        return None
+    execs = sorted((e for e in X if e["name"].startswith(f"[{ref}] ")
+                    and e["name"].endswith(f"({s['program']})")), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in execs] + [float("inf")]
+
+    def spans(dev):
+        ks = [k for k in X if pname.get(k["pid"], "").endswith(f"GPU:{dev}")]
+        out = []
+        for i in range(len(execs)):
+            w = [k for k in ks if starts[i] <= k["ts"] < starts[i + 1]]
+            out.append((min(k["ts"] for k in w), max(k["ts"] + k["dur"] for k in w),
+                        sum(k["dur"] for k in w)) if w else None)
+        return out
+
+    base = spans(ref)
+    res = {}
+    for d in devices:
+        if d == ref:
+            continue
+        pairs = [(a, b) for a, b in zip(base, spans(d)) if a and b]
+        pairs = pairs[skip_first:] if len(pairs) > skip_first else pairs
+        if not pairs:
+            res[d] = None
+            continue
+        res[d] = dict(first_us=round(statistics.median(b[0] - a[0] for a, b in pairs), 1),
+                      end_us=round(statistics.median(b[1] - a[1] for a, b in pairs), 1),
+                      busy_us=round(statistics.median(b[2] for _, b in pairs), 1))
+    return res
+
+
 def _num(v):
     return "-" if v is None else f"{v:.0f}"
 
@@ -117,3 +160,18 @@ def format_summary(s) -> str:
     lines.append("    kernels: " + "; ".join(
         f"{k['name'][:40]} {k['us']:.0f} us x{k['count']}" for k in (s.get("top") or [])[:4]))
     return "\n".join(lines)
+
+
+def device_time(path, device=0):
+    """Device `device`'s kernels in the LAST execution of the trace's most executed program
+    (from `summarise`): dict(busy_us = sum of its kernel durations, kernels = their count,
+    top = [{name, count, us}] of the kernels that took most time, executions, program).
+    busy_us is None when that execution ran no kernel on the device (a CPU run: no device
+    kernels in the trace); None when the trace has no execution of a program."""
+    s = summarise(path, device=device, skip_first=0)
+    if not s or not s.get("per_execution"):
+        return None
+    last = s["per_execution"][-1]
+    return dict(program=s["program"], executions=s["executions"],
+                busy_us=last.get("busy_us"), kernels=last["kernels"],
+                top=last.get("top", []))

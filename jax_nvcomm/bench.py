@@ -24,6 +24,15 @@ times; each run gives one per-call time = wall time / calls. Reported: median, p
 over the runs, in microseconds per call. The host's launch cost of one run (tens of us on a
 GPU machine) is spread over all calls of that run.
 
+Device time (`--device-time {auto,on,off}`, auto = on for GPUs): after the timed runs, a
+profiler trace of 2 more runs of the program (jax_nvcomm/_trace.py; every process runs them,
+process 0 records into a temporary directory deleted afterwards); the sum of device 0's kernel
+durations in the last run / calls is the row's `device_us` (with `device_kernels_per_call` and
+`device_top`, the kernels that took most time), shown as "dN" after the loop time in the
+tables. It counts the loop's own small kernels (row updates, loop control) too, and none of
+the gaps between kernels. None (with `device_note`) when the trace has no device kernels, as on
+CPU devices.
+
 This module is not imported by the package (`import jax_nvcomm` does not load it).
 """
 from __future__ import annotations
@@ -118,6 +127,10 @@ class Env:
             self.log(f"# links: {self.topology()['links']}")
         self.log(f"# timing: {args.unroll} unrolled x {args.steps} loop steps per program, "
                  f"{args.reps} programs; us per call: median (p10-p90) over the programs")
+        if getattr(args, "device_time_on", False):
+            self.log("# device time (dN): a profiler trace of 2 more runs of each program; "
+                     "device 0's kernel time in the last run / calls (the loop's own small "
+                     "kernels included)")
         if self.platform == "cpu":
             self.log("# NOTE: CPU devices: these numbers are meaningless for performance; the "
                      "run only shows that the benchmark works")
@@ -221,8 +234,9 @@ def _hlo_ops(compiled):
     return counts
 
 
-def _time(env, fn, args, calls, reps):
-    """Per-call microseconds over `reps` runs of fn(*args)."""
+def _time(env, fn, args, calls, reps, device_time=False):
+    """Per-call microseconds over `reps` runs of fn(*args); device_time: also the kernels'
+    device time per call from a profiler trace of 2 more runs (`_device_time`)."""
     import numpy as np
     jax = env.jax
     fn = _compile(fn, args)
@@ -234,9 +248,82 @@ def _time(env, fn, args, calls, reps):
         jax.block_until_ready(fn(*args))
         per.append((time.perf_counter() - t0) * 1e6 / calls)
     per = np.asarray(per)
-    return dict(median_us=float(np.median(per)), p10_us=float(np.percentile(per, 10)),
-                p90_us=float(np.percentile(per, 90)), calls=int(calls), reps=int(reps),
-                hlo_ops=ops)
+    out = dict(median_us=float(np.median(per)), p10_us=float(np.percentile(per, 10)),
+               p90_us=float(np.percentile(per, 90)), calls=int(calls), reps=int(reps),
+               hlo_ops=ops)
+    if device_time:
+        out.update(_device_time(env, fn, args, calls))
+    return out
+
+
+def _device_time(env, fn, args, calls, runs=2):
+    """The kernels' device time per call: a profiler trace of `runs` more runs of the compiled
+    program; device 0's kernel time in the last run (jax_nvcomm/_trace.py) / calls. Every
+    process runs the program `runs` times (collectives); only process 0 records. Returns the
+    row's keys device_us, device_kernels_per_call, device_top, op_device_us (our kernels
+    only: names in namespace nvc::) (None when the trace has no
+    device kernels, as on CPU), and device_note when something is missing. Never raises; the
+    trace goes to a temporary directory that is deleted here."""
+    import shutil
+    import tempfile
+    jax = env.jax
+    out = dict(device_us=None, device_kernels_per_call=None, device_top=None)
+    started = []
+
+    def counted(*xs):
+        started.append(1)
+        return fn(*xs)
+    tmp = None
+    try:
+        if not env.is_main:
+            for _ in range(runs):
+                jax.block_until_ready(counted(*args))
+            return out
+        from . import _trace
+        tmp = tempfile.mkdtemp(prefix="jax_nvcomm_trace_")
+        path = _trace.record(counted, args, tmp, steps=runs)
+        s = _trace.device_time(path, device=0) if path else None
+        if path is None:
+            out["device_note"] = "no profiler trace was written"
+        elif s is None:
+            out["device_note"] = "no execution of the program found in the trace"
+        elif s["busy_us"] is None:
+            out["device_note"] = "no device kernels in the trace (device 0)"
+        else:
+            ours = [t["us"] for t in s["top"] if "nvc::" in t["name"]]
+            out.update(device_us=round(s["busy_us"] / calls, 3),
+                       device_kernels_per_call=round(s["kernels"] / calls, 3),
+                       device_top=[dict(t, name=t["name"][:60]) for t in s["top"]],
+                       # our kernels alone (names in namespace nvc::), without the loop's
+                       # copies and fusions; None for XLA's methods
+                       op_device_us=round(sum(ours) / calls, 3) if ours else None)
+    except Exception as e:  # noqa: BLE001 - the loop time stands without it
+        text = str(e).strip().splitlines()
+        out["device_note"] = (f"trace failed: {type(e).__name__}: "
+                              f"{text[0][:200] if text else ''}")
+        for _ in range(runs - len(started)):  # the other processes run it `runs` times
+            try:
+                jax.block_until_ready(fn(*args))
+            except Exception:  # noqa: BLE001
+                break
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _device_time_on(env, a) -> bool:
+    """--device-time: on, off, or auto (on for GPUs)."""
+    mode = getattr(a, "device_time", "off") or "off"
+    return mode == "on" or (mode == "auto" and env.platform == "gpu")
+
+
+def _units(a) -> str:
+    """What a table cell holds (see `_cell`)."""
+    s = "loop us per call, median (p10-p90)"
+    if getattr(a, "device_time_on", False):
+        s += "; dN = kernels' device time per call from a profiler trace, device 0"
+    return s
 
 
 def _measure(env, name, mesh, body, args, in_specs, carry_n, a, unroll=None, steps=None,
@@ -245,7 +332,8 @@ def _measure(env, name, mesh, body, args, in_specs, carry_n, a, unroll=None, ste
     unroll, steps = unroll or a.unroll, steps or a.steps
     try:
         fn = _program(env, mesh, body, in_specs, carry_n, unroll, steps, init)
-        return _time(env, fn, args, 1 + unroll * steps, a.reps)
+        return _time(env, fn, args, 1 + unroll * steps, a.reps,
+                     device_time=getattr(a, "device_time_on", False))
     except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
         return _failed(env, name, e)
 
@@ -265,11 +353,15 @@ def _cell(r):
         return "-"
     if "error" in r:
         return "error"
-    return f"{r['median_us']:.1f} ({r['p10_us']:.1f}-{r['p90_us']:.1f})"
+    cell = f"{r['median_us']:.1f} ({r['p10_us']:.1f}-{r['p90_us']:.1f})"
+    if r.get("device_us") is not None:
+        cell += f" d{r['device_us']:.1f}"
+    return cell
 
 
 def _pivot(env, rows, keys, methods, extra=()):
-    """One line per key, one column per method: 'median (p10-p90)' us per call.
+    """One line per key, one column per method: 'median (p10-p90)' us per call (loop time),
+    then ' dN' where the row has the kernels' device time per call.
     keys: [(header, fn(row) -> str)]; extra: [(header, fn({method: row}) -> str)]."""
     groups = {}
     for r in rows:
@@ -595,8 +687,9 @@ def _single_device_report(env, a):
         tiny = [r for r in _ar_point(env, comm, mesh, 8, 1, a) if r["method"] != "lax.psum"]
     finally:
         _close(comm)
-    env.log("\n## one device: fused all_reduce_rms_norm epilogue vs XLA's add+RMSNorm: us per "
-            "call and GB/s (bytes = read x, residual, weight + write normed, residual_out)")
+    env.log("\n## one device: fused all_reduce_rms_norm epilogue vs XLA's add+RMSNorm: "
+            f"{_units(a)}; GB/s from the loop time (bytes = read x, residual, weight + write "
+            "normed, residual_out)")
 
     def gbps(m):
         return lambda g: f"{g[m]['GBps']:.0f}" if "GBps" in g.get(m, {}) else "-"
@@ -609,7 +702,7 @@ def _single_device_report(env, a):
            [(f"GB/s {m}", gbps(m)) for m in methods]
            + [(f"{m} / copy", pct(m)) for m in FUSED_METHODS])
     env.log("\n## one device: per-call cost of a 1x8 bf16 message (the custom call's overhead "
-            "in a jitted step; psum+rmsnorm = XLA's own add+RMSNorm kernel)")
+            f"in a jitted step; psum+rmsnorm = XLA's own add+RMSNorm kernel): {_units(a)}")
     _pivot(env, tiny, [("shape", lambda r: f"{r['tokens']}x{r['hidden']}")],
            AR_METHODS + FUSED_METHODS)
     return dict(epilogue=out, tiny=tiny)
@@ -617,6 +710,7 @@ def _single_device_report(env, a):
 
 def run_allreduce(a):
     env = Env()
+    a.device_time_on = _device_time_on(env, a)
     env.header("allreduce", a)
     hiddens = a.hidden or ([512] if a.quick else [4096, 7168, 8192])
     max_bytes = a.max_bytes or ((64 << 10) if a.quick else (128 << 20))
@@ -640,16 +734,16 @@ def run_allreduce(a):
     rows = result["rows"]
     keys = [("bytes", lambda r: _human(r["bytes"])),
             ("shape", lambda r: f"{r['tokens']}x{r['hidden']}")]
-    env.log(f"\n## all-reduce, bf16, world {env.world}: us per call, median (p10-p90); "
-            "speedup = lax.psum / best jax_nvcomm")
+    env.log(f"\n## all-reduce, bf16, world {env.world}: {_units(a)}; "
+            "speedup = lax.psum / best jax_nvcomm (loop times)")
     _pivot(env, rows, keys, AR_METHODS,
            [("speedup", lambda g: _ratio(g, "lax.psum", AR_METHODS[:2]))])
-    env.log(f"\n## all-reduce + residual + RMSNorm, bf16, world {env.world}: us per call; "
+    env.log(f"\n## all-reduce + residual + RMSNorm, bf16, world {env.world}: {_units(a)}; "
             "speedup = psum+rmsnorm / best fused")
     _pivot(env, rows, keys, FUSED_METHODS,
            [("speedup", lambda g: _ratio(g, "psum+rmsnorm", FUSED_METHODS[:2]))])
     env.log(f"\n## all-reduce + residual + RMSNorm + FP8 output (all_reduce_rms_norm_quant), "
-            f"bf16 in, world {env.world}: us per call; fused/quant = the fused op's time / the "
+            f"bf16 in, world {env.world}: {_units(a)}; fused/quant = the fused op's time / the "
             "quant op's, same strategy (>= 0.91: within 10%)")
     _pivot(env, rows, keys, QUANT_METHODS,
            [(f"fused/quant {s}", lambda g, s=s: _ratio(g, f"nvc fused {s}", [f"nvc quant {s}"]))
@@ -882,6 +976,7 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
 
 def run_moe(a):
     env = Env()
+    a.device_time_on = _device_time_on(env, a)
     env.header("moe", a)
     cfg = _moe_config(env, a)
     env.log(f"# config: world {env.world}, experts {cfg['experts']} "
@@ -895,8 +990,8 @@ def run_moe(a):
     for dtype_name in ("bf16", "fp8"):
         for T in cfg["tokens"]:
             rows += _moe_point(env, mesh, cfg, T, dtype_name, a)
-    env.log(f"\n## MoE dispatch/combine, world {env.world}: us per call, median (p10-p90); "
-            "speedup = best XLA reference / jax_nvcomm")
+    env.log(f"\n## MoE dispatch/combine, world {env.world}: {_units(a)}; "
+            "speedup = best XLA reference / jax_nvcomm (loop times)")
     methods = ["nvc"] + (["nvc split"] if getattr(a, "split", False) else []) + [
         "xla ragged", "xla dense"]
     extra = [("speedup", lambda g: _ratio(g, min(
@@ -945,6 +1040,9 @@ def _parser():
         s.add_argument("--reps", type=int, default=None, help="program runs per method")
         s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
         s.add_argument("--steps", type=int, default=None, help="loop steps per program")
+        s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
+                       help="also the kernels' device time per call, from a profiler trace of "
+                            "2 more runs of each program (device 0); auto: on for GPUs")
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
                            help="measure crossovers per world size; print THRESHOLDS")

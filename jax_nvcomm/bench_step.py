@@ -14,13 +14,17 @@ For every (preset, layout, phase) row and each implementation:
   - ms: the median wall time of a step (`block_until_ready` after each step; the same compiled
     program and arguments every step), host dispatch included; the implementations' steps run
     in turns, so drift of the machine falls on each alike;
-  - bound_ms (low-latency and dp-attn-tp-moe rows, unless --no-bound): the same step with its
-    collectives removed (same compute, wrong numbers), timed in the same turns. XLA/bound is
-    the most any collective library could gain over XLA in that row;
+  - bound_ms (unless --no-bound): the same step with its collectives removed (same compute,
+    wrong numbers; high-throughput: every local expert gets this rank's tokens in the
+    dispatched [world * tokens] layout, no combine exchange), timed in the same turns.
+    XLA/bound is the most any collective library could gain over XLA in that row;
   - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);
-  - agreement of the two implementations' outputs (as the example checks it).
+  - agreement of the two implementations' outputs (as the example checks it);
+  - with several local GPUs, from the same trace, each other device against device 0
+    (`<impl>_skew`: when its first kernel starts and its last one ends relative to device 0's,
+    and its busy time): a device that starts late makes its peers wait inside collectives.
 Writes OUT/bench_<machine>_step.json ({"rows": [...], "meta": {...}}), a text table and a PNG.
 On CPU devices the numbers only show that the code runs.
 """
@@ -83,6 +87,8 @@ def _row(preset, r):
             out[f"{key}_host_us"] = s.get("host_us")
             out[f"{key}_kernels"] = s.get("kernels")
             out[f"{key}_trace"] = {k: s[k] for k in ("top", "host_top", "span_us") if k in s}
+            if s.get("skew"):
+                out[f"{key}_skew"] = {str(d): v for d, v in s["skew"].items()}
     return out
 
 
@@ -216,6 +222,11 @@ def run_step(a) -> int:
                         first_kernel_us=r.get(key + "_first_kernel_us"),
                         busy_us=r.get(key + "_busy_us"), span_us=tr.get("span_us"),
                         top=tr.get("top", []), host_top=tr.get("host_top", []))))
+                    for d, v in (r.get(f"{key}_skew") or {}).items():
+                        if v:
+                            print(f"    device {d} against device 0: first kernel "
+                                  f"{v['first_us']:+.0f} us, last kernel ends {v['end_us']:+.0f} us, "
+                                  f"busy {v['busy_us']:.0f} us")
     print(f"wrote {path}")
     print(table, flush=True)
     if not ok:

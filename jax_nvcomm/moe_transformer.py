@@ -150,8 +150,7 @@ class Config:
                                     # None: the platform default, see CPU_/GPU_DEFAULTS)
     bound: bool = False             # also time the step with no communication at all
                                     # (impl "none": wrong numbers, same compute; the least a
-                                    # step can cost with any collectives), low-latency and
-                                    # dp-attn-tp-moe rows
+                                    # step can cost with any collectives)
 
     def model_dict(self):
         keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "shared_ffn", "tokens",
@@ -716,9 +715,22 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
 
         def moe(h, tw, ti, p):
             return experts_grouped(h, tw, ti, p["wg"], p["wu"], p["wd"]) + shared_expert(h, p)
-    elif impl == "none":
-        raise ConfigError("the no-communication bound is defined for the low-latency and "
-                          f"dp-attn-tp-moe layouts, not {layout!r}")
+    elif impl == "none":  # the no-communication bound (see Config.bound)
+        axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
+        ar_norm = add_rms_norm
+
+        def moe(h, tw, ti, p):
+            # the dispatched layout's shapes, filled locally: every local expert gets this
+            # rank's tokens in the first rows of its [world * tokens] capacity (the batched
+            # expert einsum costs the same whatever the rows hold); no combine exchange
+            from jax import lax
+            jnp = _jnp()
+            n_loc, (t, hid) = p["wg"].shape[0], h.shape
+            rows = lax.axis_size(axis) * t
+            ex = jnp.broadcast_to(jnp.pad(h, ((0, rows - t), (0, 0)))[None], (n_loc, rows, hid))
+            y = experts_dispatched(ex, jnp.full((n_loc,), t, jnp.int32), p["wg"], p["wu"],
+                                   p["wd"])
+            return y[0, :t] + shared_expert(h, p)
     else:
         axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
         ar_norm = add_rms_norm  # data-parallel attention: no all-reduce
@@ -942,7 +954,14 @@ def _trace_row(fn, args, trace_dir, name, main_proc):
             jax.block_until_ready(fn(*args))
         return None
     path = _trace.record(fn, args, os.path.join(trace_dir, name), steps=4)
-    return _trace.summarise(path) if path else None
+    if not path:
+        return None
+    s = _trace.summarise(path)
+    if s is not None:  # the other local devices against device 0 (one process, several GPUs)
+        others = [d.id for d in jax.local_devices()][1:]
+        if others:
+            s["skew"] = _trace.device_skew(path, range(len(others) + 1))
+    return s
 
 
 def run(cfg: Config, *, devices=None):
@@ -1051,7 +1070,7 @@ def run(cfg: Config, *, devices=None):
                     res[impl] = dict(ids=ids, rows=h.shape[0], h_np=to_host0(h),
                                      ids_np=to_host0(ids, "int32"))
                     prog.line(f"{what}: {sec * 1e3:.3f} ms/step", n)
-                if cfg.bound and layout != "high-throughput":
+                if cfg.bound:
                     timed["none"] = make_step(cfg, mesh, layout, phase, "none", comms).lower(
                         x, params, cs, ()).compile()
                 if len(timed) > 1:  # the reported times: all of the row's steps in turns

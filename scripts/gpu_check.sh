@@ -215,6 +215,17 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
   cp /tmp/step$tag/bench_*_step.json "$OUT/step$tag.json" 2>/dev/null
   cat /tmp/step$tag/bench_*_step.txt 2>&1 | sed "s/^/[$tag] /" | tee -a "$OUT/summary.txt"
   ;;
+kern13)  # issue 13: loop and device time per call (--device-time on) at the sizes of its targets:
+  # plain and fused all-reduce 8 KiB-1 MiB at hidden 4096 and 7168 (1-128 tokens); MoE at the
+  # example's decode shape and EP2 128 tokens x 7168; outputs in /tmp, JSON copied to $OUT
+  step ar13 400 $PY -m jax_nvcomm.bench allreduce --hidden 4096 7168 --max-bytes $((1 << 20)) \
+    --device-time on --out /tmp/ar13
+  step moe13 300 $PY -m jax_nvcomm.bench moe --tokens 4 128 --device-time on --out /tmp/moe13
+  step moe13x 300 $PY -m jax_nvcomm.bench moe --tokens 4 --moe-hidden 2048 --experts 128 \
+    --device-time on --out /tmp/moe13x
+  for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
+  grep -h "^#\|speedup\|^[0-9]" "$OUT/all.log" | grep -v "^\[" | tail -60 > "$OUT/kern13.txt"
+  ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
   tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
@@ -228,7 +239,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -1,0 +1,76 @@
+"""`python -m jax_nvcomm.bench step` on 8 CPU devices (the numbers mean nothing here; the
+structure does): every layout's decode row has both implementations' times from the pass in
+turns, the sequential pass beside it, the no-communication bound, and agreement; and the bound's
+step really has no communication in it (no collective, no jax_nvcomm call in its program)."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jax_nvcomm import bench
+from jax_nvcomm import moe_transformer as mt
+
+LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe")
+
+
+def test_bench_step_rows_have_turns_bound_and_agreement(tmp_path, capsys):
+    rc = bench.main(["step", "--presets", "example", "--phases", "decode", "--iters", "2",
+                     "--warmup", "1", "--no-trace", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads(next(tmp_path.glob("bench_*_step.json")).read_text())
+    rows = data["rows"]
+    assert sorted(r["layout"] for r in rows) == sorted(LAYOUTS)
+    for r in rows:
+        assert r["phase"] == "decode" and r["agree"] is True, r
+        for k in ("nvcomm_ms", "xla_ms", "bound_ms"):
+            assert r[k] is not None and r[k] > 0, (k, r)
+        assert r["ratio"] == pytest.approx(r["xla_ms"] / r["nvcomm_ms"])
+        assert r["bound_ratio"] == pytest.approx(r["xla_ms"] / r["bound_ms"])
+        # the first (sequential) pass is kept beside the medians of the pass in turns
+        assert set(r["sequential_ms"]) == {"jax_nvcomm", "xla"}, r
+    assert "env" in data["meta"]
+    text = capsys.readouterr().out
+    assert "XLA/bound" in text and "wrote" in text
+
+
+_COMM_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
+             "ragged-all-to-all", "nvc_")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_bound_step_has_no_communication(layout):
+    """impl "none": the same shapes as the real step, and not one collective or custom call
+    of ours in its compiled program; the jax_nvcomm and XLA steps of the same layout have
+    theirs (so the check can fail)."""
+    cfg = mt.resolve(mt.Config(layouts=(layout,), phases=("decode",)), "cpu", 8)
+    world = len(jax.devices())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (mt.AXES[layout],))
+    params = mt.init_params(cfg, mesh, layout)
+    caches = mt.init_caches(cfg, mesh, layout, world)
+    x, _ = mt.make_input(cfg, mesh, layout, "decode", world)
+    comms = {}
+    import jax_nvcomm as nvc
+    try:
+        if layout == "low-latency":
+            comms["tp"] = nvc.Communicator(mesh, "tp", max_message_bytes=1 << 20)
+        elif layout == "dp-attn-tp-moe":
+            comms["dp"] = nvc.Communicator(mesh, "dp", max_message_bytes=1 << 20)
+        else:
+            comms[("ep", "decode")] = nvc.MoECommunicator(
+                mesh, "ep", num_experts=cfg.experts, top_k=cfg.top_k,
+                max_tokens=cfg.decode_tokens, hidden=cfg.hidden, dtype=cfg.dtype)
+        texts = {impl: mt.make_step(cfg, mesh, layout, "decode", impl, comms)
+                 .lower(x, params, caches, ()).compile().as_text()
+                 for impl in ("none", "jax_nvcomm", "xla")}
+        out = mt.make_step(cfg, mesh, layout, "decode", "none", comms)(x, params, caches, ())
+    finally:
+        for c in comms.values():
+            c.close()
+    for op in _COMM_OPS:
+        assert op not in texts["none"], op
+    # the patterns do find communication: ours in our step, XLA's collectives in XLA's
+    assert 'custom_call_target="nvc_' in texts["jax_nvcomm"]
+    assert any(op in texts["xla"] for op in _COMM_OPS[:-1])
+    h, _ = out
+    assert np.isfinite(np.asarray(h, np.float32)).all()

@@ -11,7 +11,8 @@
 //
 // Grid: any size; blocks never wait on each other, so they need not be co-resident and the grid
 // may exceed the SM count (several blocks per SM hide the epilogue's barrier between its two
-// passes). Fused: block b owns rows [tokens*b/G, tokens*(b+1)/G).
+// passes; the launch bounds make two of them fit an SM's registers). Fused: block b owns rows
+// [tokens*b/G, tokens*(b+1)/G).
 //
 // Aliasing: out may alias x, residual_out may alias residual. Plain: each vector is read, then
 // written, by one thread. Fused: rmsnorm_rows reads every sum_vec of a row (pass 1) before it
@@ -30,8 +31,11 @@ __device__ __forceinline__ uint4 local_sum_v4(const char* x, size_t i) {
   return pack<T>(acc);
 }
 
+// Two resident blocks per SM (at most 64 registers) for the plain and fused kernels, so one
+// block's loads run while the other sits in the epilogue's barrier between its passes; the
+// quantised epilogue needs more registers (it would spill at 64) and keeps one.
 template <typename T, bool kFused, bool kQuant = false>
-__global__ void __launch_bounds__(kArThreads, 1)
+__global__ void __launch_bounds__(kArThreads, kQuant ? 1 : 2)
     local_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
   const char* x = static_cast<const char*>(t.x);
   if constexpr (!kFused) {

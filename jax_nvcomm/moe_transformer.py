@@ -160,7 +160,7 @@ class Config:
 
 GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=768,
                     shared_ffn=768, tokens=256, decode_tokens=4, context=256, dtype="bfloat16",
-                    iters=20, split=False)
+                    iters=20, split=True)
 # CPU: scaled down so that the default run (8 host devices, both layouts and phases, both
 # implementations) takes well under a minute on 2 cores.
 CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
@@ -1392,11 +1392,10 @@ def parse_args(argv=None, prog=None) -> Config:
     sp = r.add_mutually_exclusive_group()
     sp.add_argument("--split", dest="split", action="store_true", default=None,
                     help="high-throughput: the shared expert between moe_dispatch_send and "
-                         "moe_dispatch_recv (default on CPU devices)")
+                         "moe_dispatch_recv (the default)")
     sp.add_argument("--no-split", dest="split", action="store_false",
                     help="high-throughput: fused moe_dispatch, the shared expert outside it "
-                         "(default on GPUs until the split halves pass their GPU tests: "
-                         "README, 'Split-phase MoE')")
+                         "(for comparison: README, 'Split-phase MoE')")
     a = p.parse_args(argv)
 
     def split(s, allowed, flag):

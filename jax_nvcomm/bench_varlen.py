@@ -19,8 +19,9 @@ reduce-scatter (each rank gets the sum of the partial results of its own rows):
   xla padded             lax.psum_scatter of the partials in the padded [W, max_rows] layout
   xla psum+slice         lax.psum of the whole [W * max_rows] buffer, then this rank's rows
 Times: us per call, median (p10-p90) over programs of many chained calls (bench.py's loop
-programs: device time per call, host dispatch amortised). Bytes: what the busiest rank sends per
-call (ring all-reduce: 2 (W-1)/W of the buffer), and the total over ranks.
+programs: host dispatch amortised), and with --device-time (on for GPUs by default) "dN", the
+kernels' device time per call from a profiler trace (device 0). Bytes: what the busiest rank
+sends per call (ring all-reduce: 2 (W-1)/W of the buffer), and the total over ranks.
 Writes OUT/varlen.json, the tables on stdout and OUT/varlen.png.
 """
 from __future__ import annotations
@@ -180,6 +181,7 @@ def _plot(env, out, rows):
 def run_varlen(a):
     env = B.Env()
     env.header("varlen", a)
+    a.device_time_on = B._device_time_on(env, a)
     cpu = env.platform == "cpu"
     hidden = a.varlen_hidden or (256 if (a.quick or cpu) else 4096)
     W = env.world
@@ -201,8 +203,8 @@ def run_varlen(a):
     for op, methods, label in (("gather", GATHER, "all_gather_v"),
                                ("scatter", SCATTER, "reduce_scatter_v")):
         sel = [r for r in rows if r["op"] == op]
-        env.log(f"\n## {label}, bf16 hidden {hidden}, world {W}: us per call, median "
-                f"(p10-p90); speedup = best XLA / {methods[0]}")
+        env.log(f"\n## {label}, bf16 hidden {hidden}, world {W}: {B._units(a)}; "
+                f"speedup = best XLA / {methods[0]} (loop time)")
         B._pivot(env, sel, keys, methods, [
             ("speedup", lambda g, m=methods: B._ratio(g, min(
                 [k for k in m if k.startswith("xla")],
@@ -228,3 +230,6 @@ def add_arguments(s):
     s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
     s.add_argument("--steps", type=int, default=None, help="loop steps per program")
     s.add_argument("--varlen-hidden", type=int, default=None, help="row width (bf16 elements)")
+    s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
+                   help="also the kernels' device time per call, from a profiler trace of "
+                        "2 more runs of each program (device 0); auto: on for GPUs")

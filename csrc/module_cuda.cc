@@ -118,6 +118,9 @@ NB_MODULE(_cuda, m) {
     c->comm_id = comm_id;
     c->slot = device;
     c->device = device;
+    // the multicast kernels run only with a multicast address: none gets registered unless
+    // the environment allows multicast (the same interlock as creating the object)
+    if (multicast_base != 0) cuda::mc::multicast_interlock("registering a multicast address");
     c->multicast_base = reinterpret_cast<void*>(multicast_base);
     void* dev_err = nullptr;
     void* host_err = cuda::alloc_mapped_host(sizeof(ErrorInfo), &dev_err);

@@ -18,6 +18,7 @@ Per execution of the program (device 0's host thread, `...Execute(<program>)` ev
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -42,6 +43,15 @@ def record(fn, args, out_dir, steps=3):
 
 
 def _load(path):
+    """(complete events, {pid: process name}) of a trace. Cached per (path, mtime, size):
+    summarise, device_time and device_skew read the same large file one after another.
+    Callers must not mutate the result."""
+    st = os.stat(path)
+    return _load_file(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_file(path, _mtime_ns, _size):
     with gzip.open(path) as f:
         d = json.load(f)
     ev = d["traceEvents"] if isinstance(d, dict) else d

@@ -232,6 +232,16 @@ def _decode_rows(handle, moe):
     return valid, st // T, st % T, k
 
 
+def _dispatch_cotangents(cts, handle, moe, x, x_scale):
+    """(dx, dx_scale) of a dispatch (fused or its receive half) from the cotangents of its
+    (expert_x, expert_counts, expert_x_scale): each token's rows summed back to it. A non-float
+    or FP8 x gets zeros (no gradient flows into quantised inputs)."""
+    float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
+    dx = (_rows_to_tokens(cts[0], handle, moe).astype(x.dtype) if float_x
+          else jnp.zeros(x.shape, x.dtype))
+    return dx, (None if x_scale is None else _rows_to_tokens(cts[2], handle, moe))
+
+
 def _rows_to_tokens(rows, handle, moe):
     """sum over (e, i) of rows[e, i] into [T, H] at its (src, t), summed over ranks: the
     transpose of 'expert row = x[src][t]'. float32."""
@@ -336,7 +346,6 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
         from . import _fallback
         return _fallback.moe_dispatch(x, topk_ids, moe, num_tokens, x_scale)
     _inflight.check_fused(moe, what)
-    float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
 
@@ -351,10 +360,7 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
         return out, MoEHandle(td, es, cnt)
 
     def bwd(handle, cts):
-        dx = (_rows_to_tokens(cts[0], handle, moe).astype(x.dtype) if float_x
-              else jnp.zeros(x.shape, x.dtype))
-        ds = None if x_scale is None else _rows_to_tokens(cts[2], handle, moe)
-        return dx, ds, None, None, None
+        return (*_dispatch_cotangents(cts, handle, moe, x, x_scale), None, None, None)
 
     dispatch.defvjp(fwd, bwd)
     ex, cnt, exs, td, es, tok = dispatch(x, x_scale, topk_ids, nt, _order.token(moe.axis_name))

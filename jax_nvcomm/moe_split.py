@@ -39,7 +39,7 @@ from jax import lax
 
 from . import _inflight, _order, _shard
 from .moe import (Dispatched, MoECommunicator, MoEHandle, _check_combine_args,
-                  _check_dispatch_args, _combine_grads, _rows_to_tokens)
+                  _check_dispatch_args, _combine_grads, _dispatch_cotangents)
 
 
 @jax.tree_util.register_dataclass
@@ -181,7 +181,6 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
     W, T, H, S = moe.world_size, moe.max_tokens, moe.hidden, moe.scale_cols
     L, R = moe.num_local_experts, W * T
     x, x_scale = sent.x, sent.x_scale
-    float_x = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn
     seq_in = _after(sent.seq, after)
 
     @jax.custom_vjp
@@ -199,10 +198,7 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
         return out, MoEHandle(td, out[3], out[1])
 
     def bwd(handle, cts):
-        dx = (_rows_to_tokens(cts[0], handle, moe).astype(x.dtype) if float_x
-              else jnp.zeros(x.shape, x.dtype))
-        ds = None if x_scale is None else _rows_to_tokens(cts[2], handle, moe)
-        return dx, ds, None, None, None
+        return (*_dispatch_cotangents(cts, handle, moe, x, x_scale), None, None, None)
 
     recv.defvjp(fwd, bwd)
     ex, cnt, exs, es, tok = recv(x, x_scale, sent.token_dest, seq_in, _order.token(axis))

@@ -188,6 +188,9 @@ INTERLOCK_CHILD = textwrap.dedent("""
         "create": lambda: m.Multicast.create(0, 2 << 20, 2, False),
         "import": lambda: m.Multicast.import_from(0, os.getpid(), 0, 2 << 20, 2),
         "granularity": lambda: m.multicast_granularity(0, 1 << 20, 2, False),
+        # a rank context with a multicast address (what selects the multicast kernels)
+        "register": lambda: m.register_rank(987654, 0, 0, 2, [1 << 30, 1 << 31], 1, 4096,
+                                            1 << 40),
     }
     for name, call in calls.items():
         try:
@@ -215,9 +218,9 @@ def test_cxx_interlock_refuses_when_multicast_is_not_enabled(setting):
                        text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.splitlines()
-    # exactly the three "REFUSED <name>" lines: a "NOT REFUSED <name>" line fails the test
+    # exactly the four "REFUSED <name>" lines: a "NOT REFUSED <name>" line fails the test
     assert sorted(ln for ln in lines if ln.startswith("REFUSED ")) == [
-        "REFUSED create", "REFUSED granularity", "REFUSED import"], p.stdout
+        "REFUSED create", "REFUSED granularity", "REFUSED import", "REFUSED register"], p.stdout
     assert not [ln for ln in lines if ln.startswith("NOT REFUSED")], p.stdout
 
 

@@ -24,6 +24,12 @@
            {name "_nograph", reinterpret_cast<void*>(symbol##NoGraph)}), 0)
 
 namespace nvc {
+// The CUDA handlers' binding prefix (ffi_signatures.h adds each op's operands): the stream XLA
+// runs the call on and the device it is for.
+inline auto cuda_bind() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
 // A launch's cudaError_t as an FFI error naming what was launched.
 inline ffi::Error launch_result(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return ffi::Error::Success();

@@ -9,6 +9,7 @@
 #include "../cuda/allgather.h"
 #include "../cuda/allreduce.h"
 #include "cuda_ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
@@ -93,54 +94,14 @@ ffi::Error AllReduceRmsQuantCudaImpl(cudaStream_t stream, int32_t device, ffi::A
 }  // namespace
 
 NVC_CUDA_HANDLER(kAllReduceCuda, "nvc_cuda_all_reduce", AllReduceCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<int64_t>("strategy"));
+                 sig::all_reduce(cuda_bind).Attr<int64_t>("strategy"));
 NVC_CUDA_HANDLER(kAllReduceRmsCuda, "nvc_cuda_all_reduce_rms", AllReduceRmsCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<float>("eps")
-                           .Attr<int64_t>("strategy"));
+                 sig::all_reduce_rms(cuda_bind).Attr<int64_t>("strategy"));
 NVC_CUDA_HANDLER(kAllReduceRmsQuantCuda, "nvc_cuda_all_reduce_rms_quant", AllReduceRmsQuantCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // residual
-                           .Arg<ffi::AnyBuffer>()  // weight
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()  // q: float8_e4m3fn [T, H]
-                           .Ret<ffi::Buffer<ffi::F32>>()  // scale: float32 [T, 1]
-                           .Ret<ffi::AnyBuffer>()  // residual_out
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<float>("eps")
-                           .Attr<int64_t>("strategy"));
+                 sig::all_reduce_rms_quant(cuda_bind).Attr<int64_t>("strategy"));
 
 NVC_CUDA_HANDLER(kAllGatherCuda, "nvc_cuda_all_gather", AllGatherCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                 sig::all_gather(cuda_bind));
 
 
 }  // namespace nvc

@@ -7,6 +7,7 @@
 #include "../cuda/moe.h"
 #include "cuda_ffi_common.h"
 #include "moe_ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
@@ -60,33 +61,8 @@ ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 }  // namespace
 
 NVC_CUDA_HANDLER(kMoeDispatchCuda, "nvc_cuda_moe_dispatch", MoeDispatchCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_dispatch(cuda_bind));
 NVC_CUDA_HANDLER(kMoeCombineCuda, "nvc_cuda_moe_combine", MoeCombineCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_combine(cuda_bind));
 
 }  // namespace nvc

@@ -9,11 +9,12 @@
 #include "../cuda/moe.h"
 #include "cuda_ffi_common.h"
 #include "moe_ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
 
-using Seq = ffi::Buffer<ffi::U32>;
+using sig::Seq;
 
 ffi::Error DispatchSendCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                 ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
@@ -94,51 +95,12 @@ ffi::Error CombineRecvCudaImpl(cudaStream_t stream, int32_t device, Seq seq, ffi
 }  // namespace
 
 NVC_CUDA_HANDLER(kMoeDispatchSendCuda, "nvc_cuda_moe_dispatch_send", DispatchSendCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()         // x
-                           .Arg<ffi::AnyBuffer>()         // x_scale
-                           .Arg<ffi::AnyBuffer>()         // topk_ids
-                           .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
-                           .Arg<ffi::AnyBuffer>()         // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()         // token_dest (handle)
-                           .Ret<Seq>()                    // seq, for the RECV
-                           .Ret<ffi::AnyBuffer>()         // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_dispatch_send(cuda_bind));
 NVC_CUDA_HANDLER(kMoeDispatchRecvCuda, "nvc_cuda_moe_dispatch_recv", DispatchRecvCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<Seq>()                    // seq of the SEND
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<ffi::AnyBuffer>()         // expert_x
-                           .Ret<ffi::AnyBuffer>()         // expert_counts
-                           .Ret<ffi::AnyBuffer>()         // expert_x_scale
-                           .Ret<ffi::AnyBuffer>()         // expert_src (handle)
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_dispatch_recv(cuda_bind));
 NVC_CUDA_HANDLER(kMoeCombineSendCuda, "nvc_cuda_moe_combine_send", CombineSendCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()         // expert_y
-                           .Arg<ffi::AnyBuffer>()         // handle.expert_src
-                           .Arg<ffi::AnyBuffer>()         // handle.expert_counts
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<Seq>()                    // seq, for the RECV
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_combine_send(cuda_bind));
 NVC_CUDA_HANDLER(kMoeCombineRecvCuda, "nvc_cuda_moe_combine_recv", CombineRecvCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<Seq>()                    // seq of the SEND
-                           .Arg<ffi::AnyBuffer>()         // topk_weights
-                           .Arg<ffi::AnyBuffer>()         // handle.token_dest
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<ffi::AnyBuffer>()         // y
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                 sig::moe_combine_recv(cuda_bind));
 
 }  // namespace nvc

@@ -7,6 +7,8 @@
 #include "../common/ffi_targets.h"
 #include "../cuda/varlen.h"
 #include "cuda_ffi_common.h"
+#include "ffi_signatures.h"
+#include "varlen_ffi_common.h"
 
 namespace nvc {
 namespace {
@@ -19,20 +21,16 @@ ffi::Error AllGatherVCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               int64_t comm_id, int64_t zero_tail) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
-  auto dims = x.dimensions();
-  if (dims.size() < 1 || dims[0] < 1)
-    return precondition("jax_nvcomm: all_gather_v: x must be [max_rows >= 1, ...]");
-  const int64_t max_rows = dims[0];
-  const size_t row = x.size_bytes() / size_t(max_rows);
-  const int W = ctx->view.world;
-  if (out->size_bytes() != x.size_bytes() * size_t(W) || offsets->element_count() != size_t(W + 1))
-    return precondition("jax_nvcomm: all_gather_v: output sizes do not match world * x");
-  if (const char* why = cuda::varlen_check(ctx->view, max_rows, row, -1))
+  VarlenRows r;
+  if (auto e = check_gather_v(ctx->view.world, x, out->size_bytes(), offsets->element_count(), &r);
+      e.failure())
+    return e;
+  if (const char* why = cuda::varlen_check(ctx->view, r.max_rows, r.row, -1))
     return precondition(std::string("jax_nvcomm: all_gather_v: ") + why);
   return launch_result(
       cuda::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data(),
                          out->untyped_data(), offsets->typed_data(), total->typed_data(),
-                         max_rows, row, zero_tail != 0, stream),
+                         r.max_rows, r.row, zero_tail != 0, stream),
       "all_gather_v launch");
 }
 
@@ -41,47 +39,23 @@ ffi::Error ReduceScatterVCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyB
                                   ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
-  auto dims = out->dimensions();
-  const int W = ctx->view.world;
-  if (dims.size() < 1 || dims[0] < 1)
-    return precondition("jax_nvcomm: reduce_scatter_v: output must be [max_rows >= 1, ...]");
-  const int64_t max_rows = dims[0];
-  const size_t row = out->size_bytes() / size_t(max_rows);
-  if (y.size_bytes() != out->size_bytes() * size_t(W) || offsets.element_count() != size_t(W + 1))
-    return precondition("jax_nvcomm: reduce_scatter_v: y must be [world * max_rows, ...] and "
-                        "offsets [world + 1]");
-  const int dt = dtype_code(y.element_type());
-  if (const char* why = cuda::varlen_check(ctx->view, max_rows, row, dt < 0 ? 99 : dt))
+  VarlenRows r;
+  int dt = 0;
+  if (auto e = check_scatter_v(ctx->view.world, y, *out, offsets.element_count(), &r, &dt);
+      e.failure())
+    return e;
+  if (const char* why = cuda::varlen_check(ctx->view, r.max_rows, r.row, dt))
     return precondition(std::string("jax_nvcomm: reduce_scatter_v: ") + why);
   return launch_result(cuda::reduce_scatter_v(ctx->view, y.untyped_data(), offsets.typed_data(),
-                                              out->untyped_data(), max_rows, row, dt, stream),
+                                              out->untyped_data(), r.max_rows, r.row, dt, stream),
                        "reduce_scatter_v launch");
 }
 
 }  // namespace
 
 NVC_CUDA_HANDLER(kAllGatherVCuda, "nvc_cuda_all_gather_v", AllGatherVCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<int64_t>("zero_tail"));
+                 sig::all_gather_v(cuda_bind));
 NVC_CUDA_HANDLER(kReduceScatterVCuda, "nvc_cuda_reduce_scatter_v", ReduceScatterVCudaImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Ctx<ffi::DeviceOrdinal>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                 sig::reduce_scatter_v(cuda_bind));
 
 }  // namespace nvc

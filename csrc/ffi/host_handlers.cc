@@ -3,6 +3,7 @@
 #include "../common/ffi_targets.h"
 #include "../host/collectives_host.h"
 #include "ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
@@ -69,47 +70,14 @@ ffi::Error AllReduceRmsQuantHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kAllGatherHost, AllGatherHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::all_gather(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kAllReduceHost, AllReduceHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::all_reduce(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kAllReduceRmsHost, AllReduceRmsHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<float>("eps"));
+                       sig::all_reduce_rms(sig::host_bind));
 
 XLA_FFI_DEFINE_HANDLER(kAllReduceRmsQuantHost, AllReduceRmsQuantHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                           .Arg<ffi::AnyBuffer>()  // x
-                           .Arg<ffi::AnyBuffer>()  // residual
-                           .Arg<ffi::AnyBuffer>()  // weight
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()  // q: float8_e4m3fn [T, H]
-                           .Ret<ffi::Buffer<ffi::F32>>()  // scale: float32 [T, 1]
-                           .Ret<ffi::AnyBuffer>()  // residual_out
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<float>("eps"));
+                       sig::all_reduce_rms_quant(sig::host_bind));
 
 NVC_REGISTER_FFI("nvc_all_gather", kAllGatherHost);
 NVC_REGISTER_FFI("nvc_all_reduce_rms_quant", kAllReduceRmsQuantHost);

@@ -3,6 +3,7 @@
 #include "../common/ffi_targets.h"
 #include "../host/moe_host.h"
 #include "moe_ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
@@ -52,32 +53,9 @@ ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kMoeDispatchHost, MoeDispatchHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_dispatch(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kMoeCombineHost, MoeCombineHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_combine(sig::host_bind));
 NVC_REGISTER_FFI("nvc_moe_dispatch", kMoeDispatchHost);
 NVC_REGISTER_FFI("nvc_moe_combine", kMoeCombineHost);
 

@@ -5,11 +5,12 @@
 #include "../common/ffi_targets.h"
 #include "../host/moe_host.h"
 #include "moe_ffi_common.h"
+#include "ffi_signatures.h"
 
 namespace nvc {
 namespace {
 
-using Seq = ffi::Buffer<ffi::U32>;
+using sig::Seq;
 
 ffi::Error DispatchSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
                                 ffi::AnyBuffer x_scale, ffi::AnyBuffer ids,
@@ -80,48 +81,13 @@ ffi::Error CombineRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, ffi::AnyBuff
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kMoeDispatchSendHost, DispatchSendHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                           .Arg<ffi::AnyBuffer>()         // x
-                           .Arg<ffi::AnyBuffer>()         // x_scale
-                           .Arg<ffi::AnyBuffer>()         // topk_ids
-                           .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
-                           .Arg<ffi::AnyBuffer>()         // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()         // token_dest (handle)
-                           .Ret<Seq>()                    // seq, for the RECV
-                           .Ret<ffi::AnyBuffer>()         // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_dispatch_send(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kMoeDispatchRecvHost, DispatchRecvHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                           .Arg<Seq>()                    // seq of the SEND
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<ffi::AnyBuffer>()         // expert_x
-                           .Ret<ffi::AnyBuffer>()         // expert_counts
-                           .Ret<ffi::AnyBuffer>()         // expert_x_scale
-                           .Ret<ffi::AnyBuffer>()         // expert_src (handle)
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_dispatch_recv(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kMoeCombineSendHost, CombineSendHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                           .Arg<ffi::AnyBuffer>()         // expert_y
-                           .Arg<ffi::AnyBuffer>()         // handle.expert_src
-                           .Arg<ffi::AnyBuffer>()         // handle.expert_counts
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<Seq>()                    // seq, for the RECV
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_combine_send(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kMoeCombineRecvHost, CombineRecvHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()  // slot
-                           .Arg<Seq>()                    // seq of the SEND
-                           .Arg<ffi::AnyBuffer>()         // topk_weights
-                           .Arg<ffi::AnyBuffer>()         // handle.token_dest
-                           .Arg<ffi::AnyBuffer>()         // order_in
-                           .Ret<ffi::AnyBuffer>()         // y
-                           .Ret<ffi::AnyBuffer>()         // order_out
-                           .Attr<int64_t>("comm_id"));
+                       sig::moe_combine_recv(sig::host_bind));
 NVC_REGISTER_FFI("nvc_moe_dispatch_send", kMoeDispatchSendHost);
 NVC_REGISTER_FFI("nvc_moe_dispatch_recv", kMoeDispatchRecvHost);
 NVC_REGISTER_FFI("nvc_moe_combine_send", kMoeCombineSendHost);

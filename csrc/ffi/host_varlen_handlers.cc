@@ -3,6 +3,8 @@
 #include "../common/ffi_targets.h"
 #include "../host/varlen_host.h"
 #include "ffi_common.h"
+#include "ffi_signatures.h"
+#include "varlen_ffi_common.h"
 
 namespace nvc {
 namespace {
@@ -15,17 +17,14 @@ ffi::Error AllGatherVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
                               int64_t comm_id, int64_t zero_tail) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
-  auto dims = x.dimensions();
-  if (dims.size() < 1 || dims[0] < 1)
-    return precondition("jax_nvcomm: all_gather_v: x must be [max_rows >= 1, ...]");
-  const int W = ctx->view.world;
-  if (out->size_bytes() != x.size_bytes() * size_t(W) || offsets->element_count() != size_t(W + 1))
-    return precondition("jax_nvcomm: all_gather_v: output sizes do not match world * x");
-  const int64_t max_rows = dims[0];
+  VarlenRows r;
+  if (auto e = check_gather_v(ctx->view.world, x, out->size_bytes(), offsets->element_count(), &r);
+      e.failure())
+    return e;
   return from_text(host::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data()[0],
                                       out->untyped_data(), offsets->typed_data(),
-                                      total->typed_data(), max_rows,
-                                      x.size_bytes() / size_t(max_rows), zero_tail != 0));
+                                      total->typed_data(), r.max_rows, r.row,
+                                      zero_tail != 0));
 }
 
 ffi::Error ReduceScatterVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer y,
@@ -33,45 +32,21 @@ ffi::Error ReduceScatterVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer y,
                                   ffi::Result<ffi::AnyBuffer> out, OrderOut, int64_t comm_id) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
-  auto dims = out->dimensions();
-  const int W = ctx->view.world;
-  if (dims.size() < 1 || dims[0] < 1)
-    return precondition("jax_nvcomm: reduce_scatter_v: output must be [max_rows >= 1, ...]");
-  if (y.size_bytes() != out->size_bytes() * size_t(W) || offsets.element_count() != size_t(W + 1))
-    return precondition("jax_nvcomm: reduce_scatter_v: y must be [world * max_rows, ...] and "
-                        "offsets [world + 1]");
-  const int dt = dtype_code(y.element_type());
-  if (dt < 0 || dt > 2)
-    return precondition("jax_nvcomm: reduce_scatter_v: y must be float32, bfloat16 or float16");
-  const int64_t max_rows = dims[0];
+  VarlenRows r;
+  int dt = 0;
+  if (auto e = check_scatter_v(ctx->view.world, y, *out, offsets.element_count(), &r, &dt);
+      e.failure())
+    return e;
   return from_text(host::reduce_scatter_v(ctx->view, y.untyped_data(), offsets.typed_data(),
-                                          out->untyped_data(), max_rows,
-                                          out->size_bytes() / size_t(max_rows), dt));
+                                          out->untyped_data(), r.max_rows, r.row, dt));
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kAllGatherVHost, AllGatherVHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id")
-                           .Attr<int64_t>("zero_tail"));
+                       sig::all_gather_v(sig::host_bind));
 XLA_FFI_DEFINE_HANDLER(kReduceScatterVHost, ReduceScatterVHostImpl,
-                       ffi::Ffi::Bind()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Arg<ffi::AnyBuffer>()  // order_in: _order.py, never read
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()  // order_out: never written
-                           .Attr<int64_t>("comm_id"));
+                       sig::reduce_scatter_v(sig::host_bind));
 
 NVC_REGISTER_FFI("nvc_all_gather_v", kAllGatherVHost);
 NVC_REGISTER_FFI("nvc_reduce_scatter_v", kReduceScatterVHost);

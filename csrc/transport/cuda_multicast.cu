@@ -67,6 +67,8 @@ bool is_integer_zero(const char* s) {
   return *s == '\0' && zero;
 }
 
+}  // namespace
+
 // THE INTERLOCK. Re-reads the environment on every call: multicast only with
 // JAX_NVCOMM_MULTICAST=1 and NCCL_NVLS_ENABLE not 0, whatever the caller decided.
 void multicast_interlock(const char* what) {
@@ -78,8 +80,6 @@ void multicast_interlock(const char* what) {
                              " (multicast is opt-in and must never run on machines where it is "
                              "switched off)");
 }
-
-}  // namespace
 
 bool env_allows(const char* multicast, const char* nvls, std::string* why) {
   if (multicast == nullptr || std::strcmp(multicast, "1") != 0) {

@@ -44,6 +44,10 @@ namespace mc {
 // equal to 0 (surrounding blanks allowed). On refusal, *why (if given) names the variable.
 bool env_allows(const char* multicast, const char* nvls, std::string* why);
 
+// Throws unless the environment allows multicast (env_allows on the process's variables);
+// `what` names the refused action. Every interlocked function starts with it.
+void multicast_interlock(const char* what);
+
 // Minimum multicast granularity for an object of `bytes` over `world` devices (interlocked).
 size_t granularity(int device, size_t bytes, int world, bool exportable);
 

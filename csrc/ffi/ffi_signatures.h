@@ -1,0 +1,161 @@
+// The operands, results and attributes of every FFI target, in the order jax_nvcomm's Python
+// passes them (jax_nvcomm/_shard.py ffi_call): one function per op, used by both backends, so
+// that the host and CUDA handlers of one op cannot drift apart. Each backend puts its own
+// prefix in front (host_bind: the slot operand; cuda_bind: the stream and device ordinal)
+// and may append attributes only it takes (the CUDA all-reduces' "strategy").
+// Every op ends its operands with the order token and its results with the next one
+// (ffi_common.h OrderIn / OrderOut: never read, never written). Each function takes the
+// prefix as a function returning a fresh binding (bindings cannot be copied or moved outside
+// their own chain).
+#pragma once
+#include <cstdint>
+
+#include "ffi_common.h"
+
+namespace nvc {
+namespace sig {
+
+using Seq = ffi::Buffer<ffi::U32>;  // split MoE: the SEND's call number, for its RECV
+
+inline auto host_bind() { return ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>(); }  // slot
+
+// x -> out
+template <class P> auto all_reduce(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // out
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+// x -> gathered (same operands and results as the all-reduce)
+template <class P> auto all_gather(P prefix) { return all_reduce(prefix); }
+
+// x, residual, weight -> normed, residual_out
+template <class P> auto all_reduce_rms(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()       // residual
+      .template Arg<ffi::AnyBuffer>()       // weight
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // normed
+      .template Ret<ffi::AnyBuffer>()       // residual_out
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id")
+      .template Attr<float>("eps");
+}
+
+// x, residual, weight -> q (float8_e4m3fn [T, H]), scale (float32 [T, 1]), residual_out
+template <class P> auto all_reduce_rms_quant(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()       // residual
+      .template Arg<ffi::AnyBuffer>()       // weight
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // q
+      .template Ret<ffi::Buffer<ffi::F32>>()  // scale
+      .template Ret<ffi::AnyBuffer>()       // residual_out
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id")
+      .template Attr<float>("eps");
+}
+
+// x, x_scale, topk_ids, num_tokens -> expert_x, expert_counts, expert_x_scale, and the handle
+// (token_dest, expert_src)
+template <class P> auto moe_dispatch(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()       // x_scale
+      .template Arg<ffi::AnyBuffer>()       // topk_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // expert_x
+      .template Ret<ffi::AnyBuffer>()       // expert_counts
+      .template Ret<ffi::AnyBuffer>()       // expert_x_scale
+      .template Ret<ffi::AnyBuffer>()       // token_dest (handle)
+      .template Ret<ffi::AnyBuffer>()       // expert_src (handle)
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// expert_y, topk_weights, handle (token_dest, expert_src, expert_counts) -> y
+template <class P> auto moe_combine(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // expert_y
+      .template Arg<ffi::AnyBuffer>()       // topk_weights
+      .template Arg<ffi::AnyBuffer>()       // handle.token_dest
+      .template Arg<ffi::AnyBuffer>()       // handle.expert_src
+      .template Arg<ffi::AnyBuffer>()       // handle.expert_counts
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // y
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// x, x_scale, topk_ids, num_tokens -> token_dest (handle), seq
+template <class P> auto moe_dispatch_send(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::AnyBuffer>()       // x_scale
+      .template Arg<ffi::AnyBuffer>()       // topk_ids
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // token_dest (handle)
+      .template Ret<Seq>()                  // seq, for the RECV
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// seq -> expert_x, expert_counts, expert_x_scale, expert_src (handle)
+template <class P> auto moe_dispatch_recv(P prefix) {
+  return prefix().template Arg<Seq>()              // seq of the SEND
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // expert_x
+      .template Ret<ffi::AnyBuffer>()       // expert_counts
+      .template Ret<ffi::AnyBuffer>()       // expert_x_scale
+      .template Ret<ffi::AnyBuffer>()       // expert_src (handle)
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// expert_y, handle (expert_src, expert_counts) -> seq
+template <class P> auto moe_combine_send(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // expert_y
+      .template Arg<ffi::AnyBuffer>()       // handle.expert_src
+      .template Arg<ffi::AnyBuffer>()       // handle.expert_counts
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<Seq>()                  // seq, for the RECV
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// seq, topk_weights, handle.token_dest -> y
+template <class P> auto moe_combine_recv(P prefix) {
+  return prefix().template Arg<Seq>()              // seq of the SEND
+      .template Arg<ffi::AnyBuffer>()       // topk_weights
+      .template Arg<ffi::AnyBuffer>()       // handle.token_dest
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // y
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+// x, num_rows -> gathered, offsets, total
+template <class P> auto all_gather_v(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_rows
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // gathered
+      .template Ret<ffi::Buffer<ffi::S32>>()  // offsets
+      .template Ret<ffi::Buffer<ffi::S32>>()  // total
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id")
+      .template Attr<int64_t>("zero_tail");
+}
+
+// y, offsets -> this rank's rows
+template <class P> auto reduce_scatter_v(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // y
+      .template Arg<ffi::Buffer<ffi::S32>>()  // offsets
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // out
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
+}  // namespace sig
+}  // namespace nvc

@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: demo/test run from subfolders
 
 find_python() {
   for c in python3.13 python3.12 python3; do
@@ -86,7 +87,7 @@ case "$cmd" in
   deps) requirements ;;
   # run from examples/ so the source folder jax_nvcomm/ (no compiled modules) does not shadow
   # the installed package
-  demo) install; cd examples && exec "../$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
-  test) install; cd tests && exec "../$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
+  demo) install; cd examples && exec "$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
+  test) install; cd tests && exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "usage: $0 demo|test|install|deps [args]" >&2; exit 2 ;;
 esac

@@ -8,7 +8,8 @@
 //   build/allreduce_harness                 full run (W = 1, 2, 4, 8), exit 0 on PASS
 //   build/allreduce_harness --quick         fewer shapes
 //   build/allreduce_harness --gpus 2        ranks spread over 2 GPUs (peer access, NVLink)
-//   build/allreduce_harness --gpus 2 --bench  timing table, one rank per GPU (not a check)
+//   build/allreduce_harness --gpus 2 --bench  timing table, one rank per GPU (not a check):
+//                                             plain, fused and FP8 one-/two-shot, hidden 4096/7168
 //   build/allreduce_harness --timeout-test  one rank of two calls alone: expects the kernel to
 //                                           report kErrTimeout and trap (kills the context, so
 //                                           it runs alone)
@@ -29,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -882,83 +884,117 @@ int timeout_test(int sms, bool twoshot) {
   return ok ? 0 : 1;
 }
 
-// --bench: one rank per GPU, bf16, hidden 4096; per rank a CUDA graph of `iters` calls; the
-// time per call is the slowest rank's (graph time / iters). Not a check: prints a table.
+// --bench: one rank per GPU, bf16; per rank a CUDA graph of `iters` calls; the time per call is
+// the slowest rank's (graph time / iters), best of two timed rounds. Not a check: prints a table.
+// Columns: plain / fused / fused + FP8 output (quant), one-shot and two-shot; the first line is
+// the floor: a graph of `iters` empty kernels (the per-node cost every column includes).
+__global__ void empty_kernel() {}
+
+double time_graph(World& w, const std::function<void(int)>& body, int iters) {
+  const int W = w.W;
+  std::vector<cudaGraphExec_t> exec(W);
+  std::vector<cudaEvent_t> e0(W), e1(W);
+  for (int r = 0; r < W; ++r) {
+    set_dev(r);
+    cudaGraph_t g;
+    CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
+    for (int i = 0; i < iters; ++i) body(r);
+    CK(cudaStreamEndCapture(w.r[r].st, &g));
+    CK(cudaGraphInstantiate(&exec[r], g, 0));
+    CK(cudaGraphDestroy(g));
+    CK(cudaEventCreate(&e0[r]));
+    CK(cudaEventCreate(&e1[r]));
+  }
+  double best = -1;
+  for (int rep = 0; rep < 4; ++rep) {  // warm-up, then three timed rounds (keep the best)
+    for (int r = 0; r < W; ++r) {
+      set_dev(r);
+      CK(cudaEventRecord(e0[r], w.r[r].st));
+      CK(cudaGraphLaunch(exec[r], w.r[r].st));
+      CK(cudaEventRecord(e1[r], w.r[r].st));
+    }
+    sync_world(w);
+    if (rep == 0) continue;
+    float worst = 0;
+    for (int r = 0; r < W; ++r) {
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
+      worst = std::max(worst, ms);
+    }
+    const double t = 1000.0 * worst / iters;
+    if (best < 0 || t < best) best = t;
+  }
+  for (int r = 0; r < W; ++r) {
+    set_dev(r);
+    CK(cudaGraphExecDestroy(exec[r]));
+    CK(cudaEventDestroy(e0[r]));
+    CK(cudaEventDestroy(e1[r]));
+  }
+  return best;
+}
+
 void bench(int sms) {
   const int W = g_ngpu;
   const size_t M = 16 << 20;
   World w = make_world(W, M, 4ull * 1000 * 1000 * 1000, sms);
   g_world = &w;
   const int iters = 200;
-  const int64_t H = 4096;
-  const int64_t Ts[] = {1, 4, 16, 64, 128, 512, 2048};
-  std::printf("\nbench: W=%d (one rank per GPU), bf16, hidden %lld, us per call (CUDA graph of %d calls)\n",
-              W, (long long)H, iters);
-  std::printf("   bytes   | plain oneshot  twoshot | fused oneshot  twoshot\n");
-  for (int64_t T : Ts) {
-    double us[2][2] = {{-1, -1}, {-1, -1}};
-    for (int fused = 0; fused < 2; ++fused) {
-      Case c;
-      c.sh = {1, T, H, fused == 1, false, false};
-      c.W = W;
-      gen_inputs(c, 7);
-      upload(c);
-      for (int si = 0; si < 2; ++si) {
-        const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
-        const size_t bytes = size_t(T) * H * 2;
-        if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v) : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
-          continue;
-        std::vector<cudaGraphExec_t> exec(W);
-        std::vector<cudaEvent_t> e0(W), e1(W);
-        for (int r = 0; r < W; ++r) {
-          set_dev(r);
-          cudaGraph_t g;
-          CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
-          for (int i = 0; i < iters; ++i)
-            CK(nvc::cuda::all_reduce(w.r[r].v, args_of(c, r), st, nullptr, w.r[r].st, w.sms));
-          CK(cudaStreamEndCapture(w.r[r].st, &g));
-          CK(cudaGraphInstantiate(&exec[r], g, 0));
-          CK(cudaGraphDestroy(g));
-          CK(cudaEventCreate(&e0[r]));
-          CK(cudaEventCreate(&e1[r]));
-        }
-        for (int rep = 0; rep < 3; ++rep) {  // warm-up, then two timed rounds (keep the best)
+  std::printf("\nbench: W=%d (one rank per GPU), bf16, us per call (CUDA graph of %d calls, slowest "
+              "rank, best of 3)\n", W, iters);
+  std::printf("graph node floor (empty kernel): %.2f us\n",
+              time_graph(w, [&](int r) { empty_kernel<<<1, 32, 0, w.r[r].st>>>(); }, iters));
+  std::printf("%-12s %9s | %7s %7s | %7s %7s | %7s %7s\n", "shape", "bytes", "plain1", "plain2",
+              "fused1", "fused2", "quant1", "quant2");
+  const int64_t Hs[] = {4096, 7168};
+  const int64_t Ts[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+  for (int64_t H : Hs) {
+    for (int64_t T : Ts) {
+      const size_t bytes = size_t(T) * H * 2;
+      if (bytes > (2u << 20)) continue;
+      double us[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
+      for (int kind = 0; kind < 3; ++kind) {  // plain, fused, quant
+        Case c;
+        c.sh = {1, T, H, kind > 0, false, false};
+        c.W = W;
+        gen_inputs(c, 7);
+        upload(c);
+        std::vector<float*> sc(W, nullptr);
+        if (kind == 2)
           for (int r = 0; r < W; ++r) {
             set_dev(r);
-            CK(cudaEventRecord(e0[r], w.r[r].st));
-            CK(cudaGraphLaunch(exec[r], w.r[r].st));
-            CK(cudaEventRecord(e1[r], w.r[r].st));
+            CK(cudaMalloc(&sc[r], size_t(T) * sizeof(float)));
           }
-          sync_world(w);
-          if (rep == 0) continue;
-          float worst = 0;
-          for (int r = 0; r < W; ++r) {
-            float ms = 0;
-            CK(cudaEventElapsedTime(&ms, e0[r], e1[r]));
-            worst = std::max(worst, ms);
+        for (int si = 0; si < 2; ++si) {
+          const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
+          if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v)
+                          : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
+            continue;
+          us[kind][si] = time_graph(w, [&](int r) {
+            AllReduceArgs a = args_of(c, r);
+            a.scale = sc[r];
+            CK(nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms));
+          }, iters);
+        }
+        for (int r = 0; r < W; ++r)
+          if (sc[r] != nullptr) {
+            set_dev(r);
+            CK(cudaFree(sc[r]));
           }
-          const double t = 1000.0 * worst / iters;
-          if (us[fused][si] < 0 || t < us[fused][si]) us[fused][si] = t;
-        }
-        for (int r = 0; r < W; ++r) {
-          set_dev(r);
-          CK(cudaGraphExecDestroy(exec[r]));
-          CK(cudaEventDestroy(e0[r]));
-          CK(cudaEventDestroy(e1[r]));
-        }
+        release(c);
       }
-      release(c);
+      auto cell = [](double v) {
+        static char b[8][16];
+        static int k = 0;
+        char* p = b[k++ & 7];
+        if (v < 0) std::snprintf(p, 16, "%7s", "-");
+        else std::snprintf(p, 16, "%7.2f", v);
+        return p;
+      };
+      char shape[32];
+      std::snprintf(shape, sizeof shape, "%lldx%lld", (long long)T, (long long)H);
+      std::printf("%-12s %9zu | %s %s | %s %s | %s %s\n", shape, bytes, cell(us[0][0]),
+                  cell(us[0][1]), cell(us[1][0]), cell(us[1][1]), cell(us[2][0]), cell(us[2][1]));
     }
-    auto cell = [](double v) {
-      static char b[4][16];
-      static int k = 0;
-      char* p = b[k++ & 3];
-      if (v < 0) std::snprintf(p, 16, "%8s", "-");
-      else std::snprintf(p, 16, "%8.1f", v);
-      return p;
-    };
-    std::printf("%8lld B | %s %s | %s %s\n", (long long)(T * H * 2), cell(us[0][0]), cell(us[0][1]),
-                cell(us[1][0]), cell(us[1][1]));
   }
   free_world(w);
   g_world = nullptr;

@@ -727,8 +727,11 @@ def run_allreduce(a):
             env.log(f"# communicator: world {comm.world_size}, max_message_bytes "
                     f"{_human(comm.max_message_bytes)}, oneshot up to "
                     f"{_human(comm.lamport_slot_bytes)}")
+        only = set(a.methods) if getattr(a, "methods", None) else None
         for hidden, tokens in shapes:
-            result["rows"] += _ar_point(env, comm, mesh, hidden, tokens, a)
+            if getattr(a, "tokens", None) and tokens not in a.tokens:
+                continue
+            result["rows"] += _ar_point(env, comm, mesh, hidden, tokens, a, methods=only)
     finally:
         _close(comm)
     rows = result["rows"]
@@ -926,6 +929,8 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
         steps = max(2, -(-a.unroll * a.steps // unroll))
         for name, (disp, comb) in _moe_methods(env, moe, E, fp8,
                                                getattr(a, "split", False)).items():
+            if getattr(a, "methods", None) and name not in a.methods:
+                continue
             # carry (x, x_scale, topk_ids): the next call's x gets one row of this call's
             # output, its routing moves every id by one expert (ids + 1 mod E: rows stay
             # distinct), so no routing work can be hoisted out of the loop
@@ -987,7 +992,7 @@ def run_moe(a):
         env.log("# NOTE: nvc.moe_dispatch is not in this build yet: its rows are skipped")
     mesh = env.mesh()
     rows = []
-    for dtype_name in ("bf16", "fp8"):
+    for dtype_name in getattr(a, "dtypes", None) or ("bf16", "fp8"):
         for T in cfg["tokens"]:
             rows += _moe_point(env, mesh, cfg, T, dtype_name, a)
     env.log(f"\n## MoE dispatch/combine, world {env.world}: {_units(a)}; "
@@ -1048,8 +1053,17 @@ def _parser():
                            help="measure crossovers per world size; print THRESHOLDS")
             s.add_argument("--hidden", type=int, nargs="*", help="hidden sizes")
             s.add_argument("--max-bytes", type=int, default=None)
+            s.add_argument("--tokens", type=int, nargs="*",
+                           help="only shapes with these tokens per rank")
+            s.add_argument("--methods", nargs="*", choices=AR_METHODS + FUSED_METHODS
+                           + QUANT_METHODS, help="only these methods (default: all)")
         else:
             s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank")
+            s.add_argument("--methods", nargs="*",
+                           choices=("nvc", "nvc split", "xla ragged", "xla dense"),
+                           help="only these methods (default: all; nvc split needs --split)")
+            s.add_argument("--dtypes", nargs="*", choices=("bf16", "fp8"),
+                           help="dispatch dtypes (default: both)")
             s.add_argument("--moe-hidden", type=int, default=None)
             s.add_argument("--experts", type=int, default=None)
             s.add_argument("--split", action="store_true",

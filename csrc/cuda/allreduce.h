@@ -73,6 +73,11 @@ int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strate
 // communicator setup, next to all_gather_load_kernels / moe_load_kernels; all_reduce also does
 // it lazily, and is the only path that touches the multicast variants (when given a base).
 cudaError_t all_reduce_load_kernels();
+#ifdef NVC_PROBE
+// Timing experiments only (-DNVC_PROBE): the phase probes' cycle sums of this device
+// (dev::g_probe, kernels/common.cuh), then zeroes them.
+cudaError_t probe_take(unsigned long long* out);
+#endif
 
 size_t oneshot_max_bytes(const CommView& v);  // largest message one-shot can take (= slot L)
 size_t twoshot_max_bytes(const CommView& v);  // largest message two-shot can take (= M)

@@ -7,18 +7,21 @@
 // vectors) must fit one slot; the host API refuses larger ones and the kernel reports
 // kErrCapacity if one gets through.
 //
-// Call k = Ctrl::lamport_seq + 1 on rank `me` (every block reads the counters at its start):
+// Call k = Ctrl::lamport_seq + 1 on rank `me` (every block reads the counters at its start,
+// after requesting its first input vectors):
 //   1. push: every 16-byte vector of x is sanitised (-0.0 -> +0.0, lamport.cuh) and stored to
 //      slot [me] of buffer k % 3 of every rank, itself included (unicast: W stores; multicast:
 //      one multimem.st). Vectors are spread over all blocks of the grid.
 //   2. clear: buffer (k - 1) % 3 of this rank's own region (W slots x Ctrl::lamport_bytes, the
 //      size the previous call wrote) is reset to 0x80000000 words. Done while peers' data is in
 //      flight.
-//   3. reduce: poll the W slots of own buffer k % 3 (volatile 16-byte loads, every 32-bit word
+//   3. the block holding the last arrival ticket (taken by every block after reading the
+//      counters, common.cuh arrive_issue) stores lamport_bytes = this call's bytes and
+//      lamport_seq = k, while the peers' data is in flight: nothing on the kernel's tail.
+//   4. reduce: poll the W slots of own buffer k % 3 (volatile 16-byte loads, every 32-bit word
 //      compared with the sentinel as raw bits, deadline from %globaltimer -> kErrTimeout), sum in
 //      float32 in rank order 0..W-1 (rmsnorm.cuh), write T(sum) or run the fused epilogue. Fused:
 //      block b owns rows [tokens*b/G, tokens*(b+1)/G) so each row's reduction stays in a block.
-//   4. the last block to finish stores lamport_bytes = this call's bytes and lamport_seq = k.
 //
 // Why three buffers suffice: a peer writes buffer (k+1) % 3 of my region only in its call k+1,
 // i.e. after it consumed my call-k push, which I issued after finishing call k-1, whose step 2
@@ -98,29 +101,40 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   __shared__ float s_red[kEpiPairs * kArThreads / 32];
   extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
 
+  probe(0);
+  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
+  const size_t bytes = nv * 16;
+  const size_t tid = size_t(blockIdx.x) * kArThreads + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * kArThreads;
+  // This thread's first kU input vectors are requested before the counters: neither depends on
+  // the other, so the two load latencies overlap instead of adding up.
+  const char* x = static_cast<const char*>(t.x);
+  uint4 d0[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const size_t i = tid + u * nthreads;
+    if (i < nv) d0[u] = ld_nc_v4(x + i * 16);
+  }
   Ctrl* ctrl = v.ctrl();
   const uint64_t k = *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) + 1;
   const size_t prev_bytes = *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes);
   const int cur = int(k % 3), prv = int((k + 2) % 3);
-  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
-  const size_t bytes = nv * 16;
   if (bytes > v.lamport_slot || prev_bytes > v.lamport_slot)
     fail(v.err, kErrCapacity, desc, v.rank, -1, k, bytes);
   const uint64_t deadline = globaltimer() + v.timeout_ns;
-  const size_t tid = size_t(blockIdx.x) * kArThreads + threadIdx.x;
-  const size_t nthreads = size_t(gridDim.x) * kArThreads;
 
   if (threadIdx.x < v.world) Policy::setup(v, mc, cur, s_dst);
   __syncthreads();
+  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(v) : 0u;  // see step 3
+  probe(12);
 
   // 1. push
-  const char* x = static_cast<const char*>(t.x);
   for (size_t i0 = tid; i0 < nv; i0 += nthreads * kU) {
     uint4 d[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const size_t i = i0 + u * nthreads;
-      if (i < nv) d[u] = sanitize_v4<T>(ld_nc_v4(x + i * 16));
+      if (i < nv) d[u] = sanitize_v4<T>(i0 == tid ? d0[u] : ld_nc_v4(x + i * 16));
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -129,6 +143,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
     }
   }
 
+  probe(1);
   // 2. clear the previous call's buffer of the own region
   {
     const uint32_t nvp = uint32_t(prev_bytes / 16);
@@ -140,7 +155,16 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
     }
   }
 
-  // 3. reduce
+  // 3. advance the counters: every block read them before its arrival (issued after the
+  // first __syncthreads), so the block with the last ticket stores this call's values now, while
+  // the peers' data is in flight, instead of on the kernel's tail (arrive_issue, common.cuh).
+  if (threadIdx.x == 0 && arrive_is_last(v, ticket)) {
+    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
+    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
+  }
+
+  probe(2);
+  // 4. reduce
   const char* slot0 = v.lamport(v.rank, cur, 0);
   if constexpr (!kFused) {
     char* out = static_cast<char*>(t.out);
@@ -154,13 +178,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
     });
   }
 
-  // 4. advance the counters
-  __syncthreads();
-  if (threadIdx.x == 0 && arrive_last_block(v)) {
-    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
-    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
-    __threadfence();
-  }
+  probe(6);
 }
 
 template <typename T, bool kFused, bool kQuant = false>

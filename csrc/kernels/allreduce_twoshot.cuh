@@ -32,7 +32,8 @@
 //     epilogue thus runs on every rank for every row: it costs the same local traffic as copying
 //     gathered normed + residual_out rows, halves the all-gather bytes, keeps the AG zone at M
 //     bytes (no layout change) and gives one-shot's bits exactly.
-//   end: finish_call (last block stores Ctrl::seq = s).
+//   end: the block with the last arrival ticket (taken by every block at its start, after
+//   reading s: common.cuh arrive_issue) stores Ctrl::seq = s; no handshake on the tail.
 //
 // Safety of data reuse (two halves): rank j writes half p of my region for call s+2 only after
 // passing phase 0 of call s+1, which needs my phase-0 flag of call s+1, raised after my call s
@@ -150,6 +151,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   __shared__ float s_red[kEpiPairs * kArThreads / 32];
   extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
 
+  probe(0);
   const uint64_t seq = call_seq(v);
   const int p = int(seq & 1);
   const uint64_t flag = make_flag(seq, desc);
@@ -173,9 +175,12 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   c.grid = gridDim.x;
   c.block = b;
   __syncthreads();
+  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(v) : 0u;  // see the end
+  probe(12);
 
   // Phase 0: reduce-scatter.
   Policy::template scatter<T>(c, s_half);
+  probe(7);
   __syncthreads();
   if (threadIdx.x < W && int(threadIdx.x) != me) {
     publish_flag(&v.peer_ctrl(threadIdx.x)->flags[p][0][me][b], flag);
@@ -183,6 +188,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   }
   __syncthreads();
 
+  probe(8);
   // Phase 1: reduce own chunk, all-gather it.
   {
     size_t a, e;
@@ -192,6 +198,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   }
   __syncthreads();
   if (threadIdx.x < W) publish_flag(&v.peer_ctrl(threadIdx.x)->flags[p][1][me][b], flag);
+  probe(9);
 
   // Phase 2.
   const char* ag = c.my_half + c.ag;
@@ -219,10 +226,15 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
         wait_flag(&ctrl->flags[p][1][o][bb], seq, desc, v, o, deadline);
     }
     __syncthreads();
+    probe(10);
     rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
                             [&](size_t i) { return ld_cg_v4(ag + i * 16); });
   }
-  finish_call(v, seq);
+  probe(11);
+  // Every block read seq before taking its ticket: the last one advances Ctrl::seq (its atomic
+  // was issued at the start, so no round trip waits here).
+  if (threadIdx.x == 0 && arrive_is_last(v, ticket))
+    *reinterpret_cast<volatile uint64_t*>(&ctrl->seq) = seq;
 }
 
 template <typename T, bool kFused, bool kQuant = false>

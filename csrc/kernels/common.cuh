@@ -126,6 +126,22 @@ __device__ __forceinline__ bool arrive_last_block(const CommView& v) {
   return true;
 }
 
+// Early arrival, for kernels whose blocks only need every block to have READ the call's
+// counters before they advance (they publish no data through the arrival): thread 0 of every
+// block calls arrive_issue after a __syncthreads that follows the block's counter reads (their
+// values already used), and later tests the ticket with arrive_is_last. The atomic's round trip
+// overlaps the block's work instead of sitting on the kernel's tail; the block that gets the
+// last ticket stores the new counters (read by this rank's next kernels: kernel boundary). No
+// fence: nothing is published. One-block grids skip the atomic.
+__device__ __forceinline__ uint32_t arrive_issue(const CommView& v) {
+  return gridDim.x == 1 ? 0u : atomicAdd(&v.ctrl()->done_blocks, 1u);
+}
+__device__ __forceinline__ bool arrive_is_last(const CommView& v, uint32_t ticket) {
+  if (ticket != gridDim.x - 1) return false;
+  if (gridDim.x > 1) v.ctrl()->done_blocks = 0;
+  return true;
+}
+
 // Per-call end: the last block to get here publishes ctrl->seq = seq. Call from all threads
 // of every block, after the block's last access to communication buffers.
 __device__ __forceinline__ void finish_call(const CommView& v, uint64_t seq) {
@@ -142,6 +158,26 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
   fence_acq_rel_sys();
   st_release_sys(flag, value);
 }
+
+// Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
+// probe(i) syncs the block, then thread 0 of block 0 adds the SM cycles since the previous probe
+// of this call to g_probe[i] (probe(0) starts a call and counts it in g_probe[kProbeN - 1]).
+constexpr int kProbeN = 16;
+#ifdef NVC_PROBE
+__device__ unsigned long long g_probe[kProbeN];
+__device__ __forceinline__ void probe(int i) {
+  __shared__ long long s_probe_t;
+  __syncthreads();
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    const long long t = clock64();
+    if (i > 0) atomicAdd(&g_probe[i], static_cast<unsigned long long>(t - s_probe_t));
+    else atomicAdd(&g_probe[kProbeN - 1], 1ull);
+    s_probe_t = t;
+  }
+}
+#else
+__device__ __forceinline__ void probe(int) {}
+#endif
 
 // Read-only (non-coherent path) 16-byte load: for kernel inputs nobody writes during the call.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {

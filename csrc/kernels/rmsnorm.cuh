@@ -191,17 +191,28 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
     }
   }
   __syncthreads();
-  float qmul[kP];  // 448 / m of pair p's row
+  // Row q's amax (an integer max: order-free), its loads all issued before the first max; once
+  // per row, not per pair.
+  float qrow[kP];  // 448 / m of row q
 #pragma unroll
-  for (int p = 0; p < kP; ++p) {
-    const uint32_t* red = s_amax + (p % nr) * kWarps + group * warps_per_group;
-    uint32_t mb = kAmaxFloorBits;  // NaN bits exceed it: NaN propagates
-    for (int w = 0; w < warps_per_group; ++w) mb = max_u32(mb, red[w]);
-    const float m = __uint_as_float(mb);
-    qmul[p] = __fdiv_rn(kFp8E4M3Max, m);
-    if (lane == 0 && p < nr && rbase + p < row_end)
-      t.scale[rbase + p] = __fmul_rn(m, kInvFp8E4M3Max);
+  for (int q = 0; q < kP; ++q) {
+    if (q < nr) {
+      const uint32_t* red = s_amax + q * kWarps + group * warps_per_group;
+      uint32_t part[kWarps];
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) part[w] = w < warps_per_group ? red[w] : 0u;
+      uint32_t mb = kAmaxFloorBits;  // NaN bits exceed it: NaN propagates
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) mb = max_u32(mb, part[w]);
+      const float m = __uint_as_float(mb);
+      qrow[q] = __fdiv_rn(kFp8E4M3Max, m);
+      if (lane == 0 && rbase + q < row_end) t.scale[rbase + q] = __fmul_rn(m, kInvFp8E4M3Max);
+    }
   }
+  float qmul[kP];  // 448 / m of pair p's row (p % nr)
+#pragma unroll
+  for (int p = 0; p < kP; ++p)
+    qmul[p] = nr == 1 ? qrow[0] : nr == 2 ? qrow[p & 1] : qrow[p & 3];
   // Pass 3: q = e4m3fn(normed * (448 / m)), E bytes per 16-byte input vector.
   for (int c0 = lane; c0 < nvr; c0 += kb * tpr) {
 #pragma unroll
@@ -325,6 +336,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
     if (nr == 1) pass1(std::integral_constant<int, 1>());
     else if (nr == 2) pass1(std::integral_constant<int, 2>());
     else pass1(std::integral_constant<int, 4>());
+    probe(3);
     // Per-row totals: butterfly over the warp, then the group's warps in order.
 #pragma unroll
     for (int q = 0; q < kP; ++q) {
@@ -336,15 +348,33 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
       }
     }
     __syncthreads();
-    float inv[kP];
+    // Row q's total: the group's warp partials added in warp order. All of them are loaded
+    // before the first add (the adds depend on each other, the loads do not), and once per row,
+    // not per pair: the same additions in the same order as one load-add at a time.
+    float inv_row[kP];
 #pragma unroll
-    for (int p = 0; p < kP; ++p) {
-      const float* red = s_red + (p % nr) * kWarps + group * warps_per_group;
-      float tot = red[0];
-      for (int w = 1; w < warps_per_group; ++w) tot = __fadd_rn(tot, red[w]);
-      inv[p] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+    for (int q = 0; q < kP; ++q) {
+      if (q < nr) {
+        const float* red = s_red + q * kWarps + group * warps_per_group;
+        float tot = 0.f;
+#pragma unroll
+        for (int w0 = 0; w0 < kWarps; w0 += 4) {  // 4 loads in flight at least
+          float part[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) part[j] = w0 + j < warps_per_group ? red[w0 + j] : 0.f;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (w0 + j < warps_per_group) tot = w0 + j == 0 ? part[j] : __fadd_rn(tot, part[j]);
+        }
+        inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+      }
     }
+    float inv[kP];  // pair p's row is p % nr (p is a constant after unrolling: no local memory)
+#pragma unroll
+    for (int p = 0; p < kP; ++p)
+      inv[p] = nr == 1 ? inv_row[0] : nr == 2 ? inv_row[p & 1] : inv_row[p & 3];
     __syncthreads();  // s_red is reused by the next iteration
+    probe(4);
     if constexpr (kQuant) {
       quant_pass<T>(t, rc, rbase, row_end, inv, grp_r, s_amax);
       continue;
@@ -372,6 +402,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         }
       }
     }
+    probe(5);
   }
 }
 

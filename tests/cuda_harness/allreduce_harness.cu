@@ -1002,11 +1002,81 @@ void bench(int sms) {
 
 }  // namespace
 
+#ifdef NVC_PROBE
+// --probe (a build with -DNVC_PROBE): mean SM cycles per phase of block 0 of rank 0 (GPU 0),
+// over graphs of 200 calls. Phases: 0-12 start (counters, setup) | 12-1 push (one-shot) |
+// 1-2 clear | 2-3 poll + residual + pass 1 | 3-4 row sums, rsqrt | 4-5 pass 2 | ->6 end of the
+// reduce | two-shot: 12-7 scatter | 7-8 flag wait 0 | 8-9 reduce + gather + flag | 9-10 flag
+// wait 1 | 10-11 epilogue.
+void probe_run(int sms) {
+  const int W = g_ngpu;
+  World w = make_world(W, 16 << 20, 4ull * 1000 * 1000 * 1000, sms);
+  g_world = &w;
+  int khz = 0;
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  std::printf("\nprobe: W=%d, cycles per phase of block 0 / rank 0 (clock attr %d MHz)\n", W, khz / 1000);
+  std::printf("%-10s %-6s %-7s %7s | %6s %6s %6s %6s %6s %6s %6s | %6s %6s %6s %6s %6s\n", "shape", "kind",
+              "strat", "us/call", "start", "push", "clear", "pass1", "sums", "pass2", "end", "scat",
+              "wait0", "red+ag", "wait1", "epi");
+  struct PS { int64_t T, H; };
+  const PS shapes[] = {{1, 4096}, {2, 4096}, {8, 4096}, {64, 4096}, {1, 7168}, {64, 7168}, {128, 4096}};
+  for (const PS& ps : shapes) {
+    for (int kind = 0; kind < 3; ++kind) {
+      Case c;
+      c.sh = {1, ps.T, ps.H, kind > 0, false, false};
+      c.W = W;
+      gen_inputs(c, 7);
+      upload(c);
+      std::vector<float*> sc(W, nullptr);
+      if (kind == 2)
+        for (int r = 0; r < W; ++r) {
+          set_dev(r);
+          CK(cudaMalloc(&sc[r], size_t(ps.T) * sizeof(float)));
+        }
+      for (int si = 0; si < 2; ++si) {
+        const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
+        const size_t bytes = size_t(ps.T) * ps.H * 2;
+        if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v) : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
+          continue;
+        unsigned long long pr[16];
+        set_dev(0);
+        CK(nvc::cuda::probe_take(pr));  // zero
+        const double us = time_graph(w, [&](int r) {
+          AllReduceArgs a = args_of(c, r);
+          a.scale = sc[r];
+          CK(nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms));
+        }, 200);
+        set_dev(0);
+        CK(nvc::cuda::probe_take(pr));
+        const double n = pr[15] ? double(pr[15]) : 1.0;
+        auto cyc = [&](int i) { return double(pr[i]) / n; };
+        char shape[32];
+        std::snprintf(shape, sizeof shape, "%lldx%lld", (long long)ps.T, (long long)ps.H);
+        std::printf("%-10s %-6s %-7s %7.2f | %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.0f %6.0f\n",
+                    shape, kind == 0 ? "plain" : kind == 1 ? "fused" : "quant", si ? "twoshot" : "oneshot", us,
+                    cyc(12), cyc(1), cyc(2), cyc(3), cyc(4), cyc(5), cyc(6), cyc(7), cyc(8), cyc(9), cyc(10), cyc(11));
+      }
+      for (int r = 0; r < W; ++r)
+        if (sc[r] != nullptr) {
+          set_dev(r);
+          CK(cudaFree(sc[r]));
+        }
+      release(c);
+    }
+  }
+  free_world(w);
+  g_world = nullptr;
+}
+#endif
+
 int main(int argc, char** argv) {
-  bool quick = false, tmo = false, tmo_one = false, do_bench = false;
+  bool quick = false, tmo = false, tmo_one = false, do_bench = false, do_probe = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
+#ifdef NVC_PROBE
+    else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
+#endif
     else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
     else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
@@ -1054,6 +1124,12 @@ int main(int argc, char** argv) {
     bench(sms);
     return 0;
   }
+#ifdef NVC_PROBE
+  if (do_probe) {
+    probe_run(sms);
+    return 0;
+  }
+#endif
 
   const size_t M = 8 << 20;  // max_message_bytes: one-shot slot 1 MiB, two-shot 8 MiB
   const uint64_t timeout_ns = 4ull * 1000 * 1000 * 1000;

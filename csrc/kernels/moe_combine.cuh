@@ -16,7 +16,8 @@
 //   +0.0f, rounds once to the y dtype (RNE). Rows with no valid slot (t >= num_tokens) are zero.
 //   Loads of kCombU slots are issued together, their FMAs then run in k order (same bits).
 //   The conversions are moe_layout.h's, shared with the host protocol: bitwise-equal results.
-//   finish_call advances Ctrl::seq (last block).
+//   The handle and weights of each warp's first item are loaded before the wait. The block with
+//   the last arrival ticket advances Ctrl::seq (finish_recv, moe_dispatch.cuh).
 #pragma once
 #include "moe_dispatch.cuh"
 
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
   if (tid == 0) s_bad = -1;
   __syncthreads();
+  const uint32_t ticket = send_ticket(v);
   const int per = (L + blockDim.x - 1) / blockDim.x, lo = min(tid * per, L), hi = min(lo + per, L);
   int sum = 0;
   for (int i = lo; i < hi; ++i) {
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
               [&](int) { return dst; });
   }
   publish_all(v, c, s, desc);
-  finish_send(v, s);
+  finish_send(v, s, ticket);
 }
 
 struct CombineRecvArgs {
@@ -124,23 +126,37 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_combine_desc(c, YT);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
-  wait_all_sources(v, c, s, desc, moe_blocks(c));
-
-  char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
   // work items (token t, chunk ch of kRowChunk columns) over every warp of the grid
   const int nch = (nvec + kRowChunk - 1) / kRowChunk;
+  // The handle and weights of this warp's first item are local inputs: requested before the
+  // wait for the peers, so their latency hides behind it.
+  int e_next = -1;
+  float w_next = 0.f;
+  {
+    const int item = b * kWarps + warp;
+    if (item < T * nch && lane < K) {
+      const int t = item / nch;
+      e_next = __ldg(a.token_dest + size_t(t) * K + lane);
+      w_next = __ldg(a.weights + size_t(t) * K + lane);
+    }
+  }
+  wait_all_sources(v, c, s, desc, moe_blocks(c));
+  const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+
+  char* half = moe_half(v.bufs[v.rank], c, s);
   for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
     const int t = item / nch, ch = item - t * nch;
-    const int e = lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
+    const bool first = item == b * kWarps + warp;
+    const int e = first ? e_next : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
     if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {
       const int q = __popc(bal & lanemask_lt());
       s_k[warp][q] = lane;
-      s_w[warp][q] = __ldg(a.weights + size_t(t) * K + lane);
+      s_w[warp][q] = first ? w_next : __ldg(a.weights + size_t(t) * K + lane);
     }
     __syncwarp();
     for (int i = ch * kRowChunk + lane; i < min(nvec, (ch + 1) * kRowChunk); i += 32) {
@@ -179,7 +195,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
     }
     __syncwarp();
   }
-  dev::finish_call(v, s);
+  finish_recv(v, s, ticket);
 }
 
 }  // namespace moe

@@ -5,7 +5,7 @@
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
-// stores send_seq = s (finish_send). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
+// stores send_seq = s (finish_send; "last" = the last arrival ticket, taken early: send_ticket). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
 // seq (split) or against send_seq (fused), and its last block stores Ctrl::seq = s. Data and
 // flags of call s live in slot s % moe_slots(cfg).
 //
@@ -23,7 +23,8 @@
 //   block reads the W headers, off[e][src] = prefix over sources; one warp per (received row,
 //   chunk of kRowChunk vectors) copies that part of the payload to every listed local expert
 //   row off[e][src] + idx; the chunk-0 warp also copies the scales and writes the handle;
-//   block 0 writes expert_counts. finish_call advances Ctrl::seq (last block).
+//   block 0 writes expert_counts. The block with the last arrival ticket (taken after the
+//   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
 // Row copies (warp_copy): each lane keeps kCopyU 16-byte loads in flight before it stores them,
 // so a row costs nvec / (32 * kCopyU) load latencies rather than nvec / 32.
@@ -135,18 +136,26 @@ __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfi
   return s;
 }
 
-// SEND end, every thread of every block (after publish_all): the last block stores send_seq = s.
-__device__ __forceinline__ void finish_send(const CommView& v, uint64_t s) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
+// SEND arrival (the early-arrival pattern of kernels/common.cuh arrive_issue, on the send
+// counters): thread 0 of every block takes a ticket after a __syncthreads that follows the
+// block's reads of send_seq (begin_send), and the block with the last ticket stores send_seq = s
+// at the end (finish_send). The atomic's round trip overlaps the block's work.
+__device__ __forceinline__ uint32_t send_ticket(const CommView& v) {
+  if (threadIdx.x != 0 || gridDim.x == 1) return 0u;
+  return atomicAdd(&moe_ctrl(v.bufs[v.rank])->send_done_blocks, 1u);
+}
+__device__ __forceinline__ void finish_send(const CommView& v, uint64_t s, uint32_t ticket) {
+  if (threadIdx.x == 0 && ticket == gridDim.x - 1) {
     MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
-    __threadfence();
-    if (atomicAdd(&mc->send_done_blocks, 1u) == gridDim.x - 1) {
-      mc->send_done_blocks = 0;
-      *reinterpret_cast<volatile uint64_t*>(&mc->send_seq) = s;
-      __threadfence();
-    }
+    if (gridDim.x > 1) mc->send_done_blocks = 0;
+    *reinterpret_cast<volatile uint64_t*>(&mc->send_seq) = s;
   }
+}
+// RECV arrival: the same on Ctrl::seq / done_blocks (common.cuh), ticket taken after
+// wait_all_sources' __syncthreads (every block has read Ctrl::seq in begin_recv by then).
+__device__ __forceinline__ void finish_recv(const CommView& v, uint64_t s, uint32_t ticket) {
+  if (threadIdx.x == 0 && dev::arrive_is_last(v, ticket))
+    *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = s;
 }
 
 // RECV start, every thread: this call's s = Ctrl::seq + 1, checked against the SEND's seq
@@ -200,14 +209,22 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
   __syncthreads();
+  const uint32_t ticket = send_ticket(v);
 
   // A. validate [0, t1), count [0, t0).
   for (int base = 0; base < t1; base += blockDim.x) {
     const int t = base + tid;
     const bool act = t < t1, before = t < t0;
     uint32_t dmask = 0;
+    constexpr int kIdU = 8;  // ids requested together (the loop body syncs the warp)
+    int ebuf[kIdU];
     for (int k = 0; k < K; ++k) {
-      int e = act ? __ldg(a.ids + size_t(t) * K + k) : -1;
+      if (k % kIdU == 0) {
+#pragma unroll
+        for (int u = 0; u < kIdU; ++u)
+          ebuf[u] = act && k + u < K ? __ldg(a.ids + size_t(t) * K + k + u) : -1;
+      }
+      int e = ebuf[k % kIdU];
       if (e < -1 || e >= E) {
         if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 0; }
         e = -1;
@@ -279,6 +296,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
         s_drank[warp][q] = lane;
       }
       __syncwarp();
+      const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;  // before the copy
       const uint8_t* xr = a.x + size_t(t) * xrow;
       warp_copy(0, nvec, lane, nd, [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
                 [&](int j) { return s_dst[warp][j]; });
@@ -286,7 +304,6 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
         const float f = __ldg(a.x_scale + size_t(t) * S + i);
         for (int j = 0; j < nd; ++j) reinterpret_cast<float*>(s_dst[warp][j] + scale_off)[i] = f;
       }
-      const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;
       if (lane < K) a.token_dest[size_t(t) * K + lane] = e;
       const int idx = e >= 0 ? sub_idx[lt * K + lane] : 0;
       for (int j = 0; j < nd; ++j) {
@@ -316,7 +333,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     }
   }
   publish_all(v, c, s, desc);
-  finish_send(v, s);
+  finish_send(v, s, ticket);
 }
 
 struct DispatchRecvArgs {
@@ -342,6 +359,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   const uint32_t desc = moe_dispatch_desc(c);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   wait_all_sources(v, c, s, desc, moe_blocks(c));
+  const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
 
   char* half = moe_half(v.bufs[v.rank], c, s);
   if (tid == 0) {
@@ -402,7 +420,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
     }
     __syncwarp();
   }
-  dev::finish_call(v, s);
+  finish_recv(v, s, ticket);
 }
 
 }  // namespace moe

@@ -160,7 +160,8 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
 }
 
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
-// probe(i) syncs the block, then thread 0 of block 0 adds the SM cycles since the previous probe
+// probe(i) syncs the block, then thread 0 of block 0 (-DNVC_PROBE_LAST: of the last block, which
+// owns the fused one-shot's row when tokens < blocks) adds the SM cycles since the previous probe
 // of this call to g_probe[i] (probe(0) starts a call and counts it in g_probe[kProbeN - 1]).
 constexpr int kProbeN = 16;
 #ifdef NVC_PROBE
@@ -168,7 +169,12 @@ __device__ unsigned long long g_probe[kProbeN];
 __device__ __forceinline__ void probe(int i) {
   __shared__ long long s_probe_t;
   __syncthreads();
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
+#ifdef NVC_PROBE_LAST
+  const unsigned probe_block = gridDim.x - 1;
+#else
+  const unsigned probe_block = 0;
+#endif
+  if (threadIdx.x == 0 && blockIdx.x == probe_block) {
     const long long t = clock64();
     if (i > 0) atomicAdd(&g_probe[i], static_cast<unsigned long long>(t - s_probe_t));
     else atomicAdd(&g_probe[kProbeN - 1], 1ull);

@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
   if (tid == 0) s_bad = -1;
   __syncthreads();
-  const uint32_t ticket = send_ticket(v);
   const int per = (L + blockDim.x - 1) / blockDim.x, lo = min(tid * per, L), hi = min(lo + per, L);
   int sum = 0;
   for (int i = lo; i < hi; ++i) {
@@ -104,6 +103,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
     warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
               [&](int) { return dst; });
   }
+  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
 }
@@ -132,15 +132,16 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   const int nch = (nvec + kRowChunk - 1) / kRowChunk;
   // The handle and weights of this warp's first item are local inputs: requested before the
   // wait for the peers, so their latency hides behind it.
-  int e_next = -1;
-  float w_next = 0.f;
+  // Staged in shared memory (each lane reads back its own entry), not registers: values live
+  // across the wait would be spilled around its error call.
+  __shared__ int s_e0[kWarps][32];
+  __shared__ float s_w0[kWarps][32];
   {
     const int item = b * kWarps + warp;
-    if (item < T * nch && lane < K) {
-      const int t = item / nch;
-      e_next = __ldg(a.token_dest + size_t(t) * K + lane);
-      w_next = __ldg(a.weights + size_t(t) * K + lane);
-    }
+    const bool has = item < T * nch && lane < K;
+    const int t = item / nch;
+    s_e0[warp][lane] = has ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
+    s_w0[warp][lane] = has ? __ldg(a.weights + size_t(t) * K + lane) : 0.f;
   }
   wait_all_sources(v, c, s, desc, moe_blocks(c));
   const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
@@ -149,14 +150,14 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
     const int t = item / nch, ch = item - t * nch;
     const bool first = item == b * kWarps + warp;
-    const int e = first ? e_next : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
+    const int e = first ? s_e0[warp][lane] : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
     if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {
       const int q = __popc(bal & lanemask_lt());
       s_k[warp][q] = lane;
-      s_w[warp][q] = first ? w_next : __ldg(a.weights + size_t(t) * K + lane);
+      s_w[warp][q] = first ? s_w0[warp][lane] : __ldg(a.weights + size_t(t) * K + lane);
     }
     __syncwarp();
     for (int i = ch * kRowChunk + lane; i < min(nvec, (ch + 1) * kRowChunk); i += 32) {

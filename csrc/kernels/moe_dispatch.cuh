@@ -5,7 +5,7 @@
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
-// stores send_seq = s (finish_send; "last" = the last arrival ticket, taken early: send_ticket). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
+// stores send_seq = s (finish_send; "last" = the last arrival ticket: send_ticket). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
 // seq (split) or against send_seq (fused), and its last block stores Ctrl::seq = s. Data and
 // flags of call s live in slot s % moe_slots(cfg).
 //
@@ -136,10 +136,12 @@ __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfi
   return s;
 }
 
-// SEND arrival (the early-arrival pattern of kernels/common.cuh arrive_issue, on the send
+// SEND arrival (the arrival-ticket pattern of kernels/common.cuh arrive_issue, on the send
 // counters): thread 0 of every block takes a ticket after a __syncthreads that follows the
-// block's reads of send_seq (begin_send), and the block with the last ticket stores send_seq = s
-// at the end (finish_send). The atomic's round trip overlaps the block's work.
+// block's reads of send_seq (begin_send), just before publish_all, so the atomic's round trip
+// overlaps the fence there; the block with the last ticket stores send_seq = s (finish_send).
+// (Taken at the start, the ticket would live in a register across the error paths' calls and
+// be spilled.)
 __device__ __forceinline__ uint32_t send_ticket(const CommView& v) {
   if (threadIdx.x != 0 || gridDim.x == 1) return 0u;
   return atomicAdd(&moe_ctrl(v.bufs[v.rank])->send_done_blocks, 1u);
@@ -209,7 +211,6 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
   __syncthreads();
-  const uint32_t ticket = send_ticket(v);
 
   // A. validate [0, t1), count [0, t0).
   for (int base = 0; base < t1; base += blockDim.x) {
@@ -217,22 +218,25 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     const bool act = t < t1, before = t < t0;
     uint32_t dmask = 0;
     constexpr int kIdU = 8;  // ids requested together (the loop body syncs the warp)
-    int ebuf[kIdU];
-    for (int k = 0; k < K; ++k) {
-      if (k % kIdU == 0) {
+    for (int k0 = 0; k0 < K; k0 += kIdU) {
+      int ebuf[kIdU];
 #pragma unroll
-        for (int u = 0; u < kIdU; ++u)
-          ebuf[u] = act && k + u < K ? __ldg(a.ids + size_t(t) * K + k + u) : -1;
+      for (int u = 0; u < kIdU; ++u)
+        ebuf[u] = act && k0 + u < K ? __ldg(a.ids + size_t(t) * K + k0 + u) : -1;
+#pragma unroll
+      for (int u = 0; u < kIdU; ++u) {
+        const int k = k0 + u;
+        if (k >= K) break;  // K is the same in every lane: the warp stays converged
+        int e = ebuf[u];
+        if (e < -1 || e >= E) {
+          if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 0; }
+          e = -1;
+        }
+        const bool use = before && e >= 0;
+        const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
+        if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
+        if (use) dmask |= 1u << (e / L);
       }
-      int e = ebuf[k % kIdU];
-      if (e < -1 || e >= E) {
-        if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 0; }
-        e = -1;
-      }
-      const bool use = before && e >= 0;
-      const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
-      if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
-      if (use) dmask |= 1u << (e / L);
     }
     for (int d = 0; d < W; ++d) {
       const uint32_t bal = __ballot_sync(0xFFFFFFFFu, (dmask >> d) & 1u);
@@ -332,6 +336,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
       moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank)[j] = j == 0 ? cntD[d] : cntE[d * L + j - 1];
     }
   }
+  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
 }

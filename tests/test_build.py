@@ -1,5 +1,6 @@
 """Build-level checks of the CUDA code (need nvcc, not a GPU): the multicast variants hold the
-multimem instructions, no kernel spills registers to local memory, and only the multicast
+multimem instructions, no kernel spills registers to local memory (one measured exception,
+SPILL_ALLOWED), and only the multicast
 transport creates a multicast object, each of its entry points behind the environment interlock
 (multicast must never run on shared machines unless enabled)."""
 import os
@@ -32,16 +33,31 @@ def test_multicast_variants_hold_multimem(tmp_path):
     assert "multimem.ld_reduce" in text
 
 
+# The one measured exception: the world-1 fused epilogue (local_kernel<T, fused, not quant>)
+# runs two blocks per SM at 64 registers and spills 16-20 bytes (36 loaded) doing so, faster than
+# one block per SM without a spill (70-72% against 59-63% of the copy bandwidth, 2 x H200,
+# csrc/kernels/allreduce_local.cuh). It may spill up to this many bytes; nothing else may.
+SPILL_ALLOWED = (re.compile(r"local_kernel\w*Lb1ELb0E"), 40)
+
+
+def _spills_per_function(out):
+    """(mangled name, stack frame bytes, spill store bytes, spill load bytes) per function."""
+    return [(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in re.finditer(
+        r"Function properties for (\S+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill "
+        r"stores, (\d+) bytes spill loads", out)]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("src", ["csrc/cuda/allreduce.cu", "csrc/cuda/moe.cu",
-                                 "csrc/cuda/allgather.cu"])
+                                 "csrc/cuda/allgather.cu", "csrc/cuda/varlen.cu"])
 def test_no_register_spills(tmp_path, src):
     out = nvcc("-c", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                os.path.join(ROOT, src), "-o", str(tmp_path / "k.o"))
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
-    assert spills and max(spills) == 0, [l for l in out.splitlines() if "spill" in l][:10]
-    frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", out)]
-    assert max(frames, default=0) == 0, "a kernel uses a stack frame (local memory)"
+    funcs = _spills_per_function(out)
+    assert funcs, out[-2000:]
+    pattern, limit = SPILL_ALLOWED
+    bad = [f for f in funcs if max(f[1:]) > (limit if pattern.search(f[0]) else 0)]
+    assert not bad, bad[:10]
 
 
 MULTICAST_CU = "csrc/transport/cuda_multicast.cu"

@@ -215,16 +215,26 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
   cp /tmp/step$tag/bench_*_step.json "$OUT/step$tag.json" 2>/dev/null
   cat /tmp/step$tag/bench_*_step.txt 2>&1 | sed "s/^/[$tag] /" | tee -a "$OUT/summary.txt"
   ;;
-kern13)  # issue 13: loop and device time per call (--device-time on) at the sizes of its targets:
-  # plain and fused all-reduce 8 KiB-1 MiB at hidden 4096 and 7168 (1-128 tokens); MoE at the
-  # example's decode shape and EP2 128 tokens x 7168; outputs in /tmp, JSON copied to $OUT
-  step ar13 400 $PY -m jax_nvcomm.bench allreduce --hidden 4096 7168 --max-bytes $((1 << 20)) \
+kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
+  # one- and two-shot, hidden 4096 and 7168, 1-512 tokens) and its phase probes (a -DNVC_PROBE
+  # build); (2) device time per call (--device-time on) of the ops at the targets' sizes;
+  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/bench_h200x2_kern13.txt
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
+  AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
+  [ -x build/ar_h ] || $NV -o build/ar_h $AR
+  [ -x build/ar_probe ] || $NV -DNVC_PROBE -o build/ar_probe $AR
+  step ar13_graph 120 build/ar_h --gpus "$NG" --bench
+  step ar13_probe 120 build/ar_probe --gpus "$NG" --probe
+  step ar13 300 $PY -m jax_nvcomm.bench allreduce --hidden 4096 7168 --tokens 1 8 64 128 \
+    --methods "nvc oneshot" "nvc fused oneshot" "nvc quant oneshot" "nvc twoshot" "nvc fused twoshot" \
     --device-time on --out /tmp/ar13
-  step moe13 300 $PY -m jax_nvcomm.bench moe --tokens 4 128 --device-time on --out /tmp/moe13
-  step moe13x 300 $PY -m jax_nvcomm.bench moe --tokens 4 --moe-hidden 2048 --experts 128 \
-    --device-time on --out /tmp/moe13x
+  step moe13x 150 $PY -m jax_nvcomm.bench moe --tokens 4 --moe-hidden 2048 --experts 128 \
+    --methods nvc --dtypes bf16 --device-time on --out /tmp/moe13x
+  step moe13 200 $PY -m jax_nvcomm.bench moe --tokens 4 128 --methods nvc --dtypes bf16 \
+    --device-time on --out /tmp/moe13
   for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
-  grep -h "^#\|speedup\|^[0-9]" "$OUT/all.log" | grep -v "^\[" | tail -60 > "$OUT/kern13.txt"
+  grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kern13.txt"
   ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"

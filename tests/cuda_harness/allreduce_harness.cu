@@ -10,6 +10,8 @@
 //   build/allreduce_harness --gpus 2        ranks spread over 2 GPUs (peer access, NVLink)
 //   build/allreduce_harness --gpus 2 --bench  timing table, one rank per GPU (not a check):
 //                                             plain, fused and FP8 one-/two-shot, hidden 4096/7168
+//   a build with -DNVC_PROBE [-DNVC_PROBE_LAST], --gpus 2 --probe: SM cycles per kernel phase
+//                                             (kernels/common.cuh probe(); not a check)
 //   build/allreduce_harness --timeout-test  one rank of two calls alone: expects the kernel to
 //                                           report kErrTimeout and trap (kills the context, so
 //                                           it runs alone)
@@ -933,6 +935,44 @@ double time_graph(World& w, const std::function<void(int)>& body, int iters) {
   return best;
 }
 
+// One bf16 case of --bench / --probe on every rank: kind 0 plain, 1 fused, 2 fused with the
+// FP8 output (float32 row scales); time(st) = time_graph of its calls.
+struct TimedCase {
+  World& w;
+  Case c;
+  std::vector<float*> sc;
+  TimedCase(World& world, int64_t T, int64_t H, int kind) : w(world), sc(world.W, nullptr) {
+    c.sh = {1, T, H, kind > 0, false, false};
+    c.W = w.W;
+    gen_inputs(c, 7);
+    upload(c);
+    for (int r = 0; kind == 2 && r < w.W; ++r) {
+      set_dev(r);
+      CK(cudaMalloc(&sc[r], size_t(T) * sizeof(float)));
+    }
+  }
+  ~TimedCase() {
+    for (int r = 0; r < w.W; ++r)
+      if (sc[r] != nullptr) {
+        set_dev(r);
+        CK(cudaFree(sc[r]));
+      }
+    release(c);
+  }
+  bool fits(Strategy st) const {
+    const size_t bytes = size_t(c.sh.T) * c.sh.H * 2;
+    return bytes <= (st == Strategy::kTwoShot ? nvc::cuda::twoshot_max_bytes(w.r[0].v)
+                                              : nvc::cuda::oneshot_max_bytes(w.r[0].v));
+  }
+  double time(Strategy st, int iters) {
+    return time_graph(w, [&](int r) {
+      AllReduceArgs a = args_of(c, r);
+      a.scale = sc[r];
+      CK(nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms));
+    }, iters);
+  }
+};
+
 void bench(int sms) {
   const int W = g_ngpu;
   const size_t M = 16 << 20;
@@ -953,34 +993,11 @@ void bench(int sms) {
       if (bytes > (2u << 20)) continue;
       double us[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};
       for (int kind = 0; kind < 3; ++kind) {  // plain, fused, quant
-        Case c;
-        c.sh = {1, T, H, kind > 0, false, false};
-        c.W = W;
-        gen_inputs(c, 7);
-        upload(c);
-        std::vector<float*> sc(W, nullptr);
-        if (kind == 2)
-          for (int r = 0; r < W; ++r) {
-            set_dev(r);
-            CK(cudaMalloc(&sc[r], size_t(T) * sizeof(float)));
-          }
+        TimedCase tc(w, T, H, kind);
         for (int si = 0; si < 2; ++si) {
           const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
-          if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v)
-                          : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
-            continue;
-          us[kind][si] = time_graph(w, [&](int r) {
-            AllReduceArgs a = args_of(c, r);
-            a.scale = sc[r];
-            CK(nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms));
-          }, iters);
+          if (tc.fits(st)) us[kind][si] = tc.time(st, iters);
         }
-        for (int r = 0; r < W; ++r)
-          if (sc[r] != nullptr) {
-            set_dev(r);
-            CK(cudaFree(sc[r]));
-          }
-        release(c);
       }
       auto cell = [](double v) {
         static char b[8][16];
@@ -1022,30 +1039,14 @@ void probe_run(int sms) {
   const PS shapes[] = {{1, 4096}, {2, 4096}, {8, 4096}, {64, 4096}, {1, 7168}, {64, 7168}, {128, 4096}};
   for (const PS& ps : shapes) {
     for (int kind = 0; kind < 3; ++kind) {
-      Case c;
-      c.sh = {1, ps.T, ps.H, kind > 0, false, false};
-      c.W = W;
-      gen_inputs(c, 7);
-      upload(c);
-      std::vector<float*> sc(W, nullptr);
-      if (kind == 2)
-        for (int r = 0; r < W; ++r) {
-          set_dev(r);
-          CK(cudaMalloc(&sc[r], size_t(ps.T) * sizeof(float)));
-        }
+      TimedCase tc(w, ps.T, ps.H, kind);
       for (int si = 0; si < 2; ++si) {
         const Strategy st = si ? Strategy::kTwoShot : Strategy::kOneShot;
-        const size_t bytes = size_t(ps.T) * ps.H * 2;
-        if (bytes > (si ? nvc::cuda::twoshot_max_bytes(w.r[0].v) : nvc::cuda::oneshot_max_bytes(w.r[0].v)))
-          continue;
+        if (!tc.fits(st)) continue;
         unsigned long long pr[16];
         set_dev(0);
         CK(nvc::cuda::probe_take(pr));  // zero
-        const double us = time_graph(w, [&](int r) {
-          AllReduceArgs a = args_of(c, r);
-          a.scale = sc[r];
-          CK(nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms));
-        }, 200);
+        const double us = tc.time(st, 200);
         set_dev(0);
         CK(nvc::cuda::probe_take(pr));
         const double n = pr[15] ? double(pr[15]) : 1.0;
@@ -1056,12 +1057,6 @@ void probe_run(int sms) {
                     shape, kind == 0 ? "plain" : kind == 1 ? "fused" : "quant", si ? "twoshot" : "oneshot", us,
                     cyc(12), cyc(1), cyc(2), cyc(3), cyc(4), cyc(5), cyc(6), cyc(7), cyc(8), cyc(9), cyc(10), cyc(11));
       }
-      for (int r = 0; r < W; ++r)
-        if (sc[r] != nullptr) {
-          set_dev(r);
-          CK(cudaFree(sc[r]));
-        }
-      release(c);
     }
   }
   free_world(w);
@@ -1074,14 +1069,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
-#ifdef NVC_PROBE
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
-#endif
     else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
     else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
     else {
-      std::printf("usage: %s [--gpus N] [--quick | --bench | --timeout-test | --timeout-test-oneshot]\n",
+      std::printf("usage: %s [--gpus N] [--quick | --bench | --probe | --timeout-test | --timeout-test-oneshot]\n",
                   argv[0]);
       return 2;
     }
@@ -1124,12 +1117,15 @@ int main(int argc, char** argv) {
     bench(sms);
     return 0;
   }
-#ifdef NVC_PROBE
   if (do_probe) {
+#ifdef NVC_PROBE
     probe_run(sms);
     return 0;
-  }
+#else
+    std::printf("--probe needs a build with -DNVC_PROBE\n");
+    return 2;
 #endif
+  }
 
   const size_t M = 8 << 20;  // max_message_bytes: one-shot slot 1 MiB, two-shot 8 MiB
   const uint64_t timeout_ns = 4ull * 1000 * 1000 * 1000;

@@ -3,10 +3,12 @@
 #include "allreduce.h"
 
 #include <atomic>
+#include <cstdlib>
 
 #include "../kernels/allreduce_local.cuh"
 #include "../kernels/allreduce_multicast.cuh"
 #include "../kernels/allreduce_oneshot.cuh"
+#include "../kernels/allreduce_oneshot_cluster.cuh"
 #include "../kernels/allreduce_twoshot.cuh"
 
 namespace nvc {
@@ -117,6 +119,90 @@ cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
+// Used for fused, unicast, non-FP8 one-shot calls of at most kClusterMaxTokens tokens whose rows
+// qualify (cluster_rows_ok). JAX_NVCOMM_AR_CLUSTER=0 turns it off (A/B measurements); every
+// rank of a job must see the same setting only for speed: both kernels run the same protocol on
+// the same buffers and give the same bits.
+constexpr int64_t kClusterMaxTokens = 64;
+
+bool cluster_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
+    return !(e != nullptr && e[0] == '0');
+  }();
+  return on;
+}
+
+// Clusters of the kernel that fit the device at once (occupancy API), once per device; 0 when
+// the query fails (then the cluster kernel is not used).
+template <typename T>
+int max_active_clusters() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  const int c = cache[dev].load(std::memory_order_relaxed);
+  if (c != 0) return c < 0 ? 0 : c;
+  int n = 0;
+  if (prepare_kernel<dev::oneshot_cluster_kernel<T>>() == cudaSuccess) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(dev::kClBlocks);
+    cfg.blockDim = dim3(dev::kClThreads);
+    cfg.dynamicSmemBytes = size_t(dev::kClMaxCols) * dev::kClThreads * 8 * sizeof(float);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = dev::kClBlocks;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T>, &cfg) != cudaSuccess) n = 0;
+    cudaGetLastError();
+  }
+  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
+  return n;
+}
+
+// Clusters for a call: one per row, and enough threads for the push (one 16-byte vector x W
+// stores per thread, as all_reduce_grid); at most what is co-resident within the SM budget.
+int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_active) {
+  const int64_t push = (int64_t(nv) * world + dev::kArThreads - 1) / dev::kArThreads;
+  int64_t n = tokens > push ? tokens : push;
+  int64_t cap = sm_count / dev::kClBlocks;
+  if (cap > max_active) cap = max_active;
+  if (cap > kMaxArBlocks) cap = kMaxArBlocks;
+  return int(n > cap ? cap : n);
+}
+
+// Launches the cluster kernel and returns true, or returns false (nothing launched) when the
+// call does not qualify.
+template <typename T>
+bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
+                    cudaStream_t st, cudaError_t* err) {
+  if (!cluster_enabled() || v.world < 2 || t.tokens > kClusterMaxTokens) return false;
+  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
+  if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
+  const int max_active = max_active_clusters<T>();
+  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
+  const int ncl = cluster_count(t.tokens, nv, v.world, sm_count, max_active);
+  if (ncl < 1) return false;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(ncl * dev::kClBlocks));
+  cfg.blockDim = dim3(dev::kClThreads);
+  cfg.dynamicSmemBytes = dev::cluster_smem_bytes(rc, dev::Vec<T>::kElems);
+  cfg.stream = st;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = dev::kClBlocks;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T>, v, t, rc, desc);
+  if (*err == cudaSuccess) *err = cudaGetLastError();
+  return true;
+}
+
 }  // namespace
 
 size_t dtype_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
@@ -197,6 +283,13 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                   (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
                                       (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
+  if (fused && a.scale == nullptr && s == Strategy::kOneShot && mc == nullptr) {
+    cudaError_t e = cudaSuccess;
+    const bool done = a.dtype == kF32    ? launch_cluster<float>(v, t, desc, sm_count, stream, &e)
+                      : a.dtype == kBF16 ? launch_cluster<__nv_bfloat16>(v, t, desc, sm_count, stream, &e)
+                                         : launch_cluster<__half>(v, t, desc, sm_count, stream, &e);
+    if (done) return e;
+  }
   switch (a.dtype) {
     case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream);
     case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream);
@@ -205,6 +298,9 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 }
 
 cudaError_t all_reduce_load_kernels() {
+  max_active_clusters<float>();  // loads and prepares the cluster kernels (0 if unsupported)
+  max_active_clusters<__nv_bfloat16>();
+  max_active_clusters<__half>();
   for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
                         prepare_all<float, true, true>(), prepare_all<__nv_bfloat16, false>(),
                         prepare_all<__nv_bfloat16, true>(), prepare_all<__nv_bfloat16, true, true>(),

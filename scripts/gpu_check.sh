@@ -236,6 +236,20 @@ kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain /
   for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
   grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kern13.txt"
   ;;
+clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): bitwise harness
+  # checks, then graph timing with it off and on, in turns (JAX_NVCOMM_AR_CLUSTER=0 / 1)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
+  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
+  step cl_harness1 120 build/ar_h --quick
+  [ "$NG" -ge 2 ] && step cl_harness2 120 build/ar_h --gpus 2 --quick
+  for i in 1 2; do
+    for on in 0 1; do
+      step cl_bench_$on$i 120 env JAX_NVCOMM_AR_CLUSTER=$on build/ar_h --gpus "$NG" --bench
+    done
+  done
+  grep -A22 "=== cl_bench" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape" > "$OUT/clusterab.txt"
+  ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
   tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
@@ -249,7 +263,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|clusterab|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

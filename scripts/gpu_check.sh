@@ -250,6 +250,19 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   done
   grep -A22 "=== cl_bench" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape" > "$OUT/clusterab.txt"
   ;;
+probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block (2 GPUs), MoE
+  # kernels (2 virtual ranks on one GPU); docs/kernel_latency.md reads them
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
+  $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  $NV -DNVC_PROBE_LAST -o build/ar_probe_last tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  $NV -o build/moe_probe tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
+  wait
+  step probe_ar 120 build/ar_probe --gpus "$NG" --probe
+  step probe_ar_last 120 build/ar_probe_last --gpus "$NG" --probe
+  step probe_moe 120 build/moe_probe --probe
+  grep -E "^[0-9]+x|^shape|^config|^(example|EP2)" "$OUT/all.log" > "$OUT/probes.txt"
+  ;;
 stepmp)  # one process per GPU, the way multi-host jobs run
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/stepmp" --iters 30 --no-trace --machine "h200x${NG}_mp"
   tail -5 "$OUT"/stepmp/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
@@ -263,7 +276,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|clusterab|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -33,6 +33,11 @@ namespace cuda {
 //   wants another split is never scheduled and the call times out.
 // Both matter when several ranks share a GPU; harmless otherwise.
 cudaError_t moe_load_kernels();
+#ifdef NVC_PROBE
+// Timing experiments only (-DNVC_PROBE): the MoE kernels' phase probe sums on this device
+// (kernels/common.cuh dev::g_probe of this file's kernels), then zeroes them.
+cudaError_t moe_probe_take(unsigned long long* out);
+#endif
 
 // x [T,H] of cfg.dtype; x_scale [T,S] f32 (null iff S == 0); topk_ids [T,K] int32;
 // num_tokens: device int32 scalar (null = T). Outputs: expert_x [L, W*T, H] of cfg.dtype,

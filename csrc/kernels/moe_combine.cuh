@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_combine_desc(c, a.y_dtype);
+  dev::probe(0);
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int64_t erows = int64_t(W) * T;
 
@@ -85,6 +86,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   }
   __syncthreads();
 
+  dev::probe(8);
   const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
   const int nvec = int(yrow / 16), total = pre[L];
   const int64_t slots = int64_t(T) * K;
@@ -103,9 +105,11 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
     warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
               [&](int) { return dst; });
   }
+  dev::probe(9);
   const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
+  dev::probe(10);
 }
 
 struct CombineRecvArgs {
@@ -125,6 +129,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_combine_desc(c, YT);
+  dev::probe(0);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
@@ -145,6 +150,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   }
   wait_all_sources(v, c, s, desc, moe_blocks(c));
   const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+  dev::probe(11);
 
   char* half = moe_half(v.bufs[v.rank], c, s);
   for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
@@ -196,6 +202,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
     }
     __syncwarp();
   }
+  dev::probe(12);
   finish_recv(v, s, ticket);
 }
 

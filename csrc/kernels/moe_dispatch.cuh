@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_dispatch_desc(c);
+  dev::probe(0);
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int n = a.num_tokens ? __ldg(a.num_tokens) : T;
   if (n < 0 || n > T) {
@@ -212,6 +213,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   if (tid == 0) s_bad = 0;
   __syncthreads();
 
+  dev::probe(1);
   // A. validate [0, t1), count [0, t0).
   for (int base = 0; base < t1; base += blockDim.x) {
     const int t = base + tid;
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     return;
   }
 
+  dev::probe(2);
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
   const int nvec = int(xrow / 16), S = c.scale_cols;
   // B. the chunk, kMoeSubTokens tokens at a time.
@@ -326,6 +329,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     }
     __syncthreads();
   }
+  dev::probe(3);
   // Handle rows past num_tokens.
   for (size_t i = size_t(n) * K + size_t(b) * blockDim.x + tid; i < size_t(T) * K; i += size_t(G) * blockDim.x)
     a.token_dest[i] = -1;
@@ -339,6 +343,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
+  dev::probe(4);
 }
 
 struct DispatchRecvArgs {
@@ -362,9 +367,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   __shared__ size_t s_erow[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_dispatch_desc(c);
+  dev::probe(0);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   wait_all_sources(v, c, s, desc, moe_blocks(c));
   const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+  dev::probe(5);
 
   char* half = moe_half(v.bufs[v.rank], c, s);
   if (tid == 0) {
@@ -391,6 +398,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   __syncthreads();
 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  dev::probe(6);
   const size_t erows = moe_expert_rows(c);
   const int nvec = int(xrow / 16), S = c.scale_cols, maxent = moe_max_entries(c), R = s_rows[W];
   // work items (row g, chunk ch of kRowChunk vectors) over every warp of the grid; each item
@@ -425,6 +433,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
     }
     __syncwarp();
   }
+  dev::probe(7);
   finish_recv(v, s, ticket);
 }
 

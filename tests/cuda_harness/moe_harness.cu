@@ -9,6 +9,9 @@
 //        tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu -o build/moe_harness
 // Run:  build/moe_harness            PASS/FAIL table, exit 1 on any failure
 //       build/moe_harness --perf     + timing of one large EP8 configuration (all ranks share the GPU)
+//       build/moe_harness --probe    (a build with -DNVC_PROBE) SM cycles per phase of each MoE
+//                                    kernel, block 0, mean over ranks and calls; W=2 on ONE GPU,
+//                                    so waits show the other virtual rank, not NVLink
 //       build/moe_harness --error    bad expert id: expects kErrBadExpert recorded + a failed launch
 //                                    (kills the CUDA context, hence a separate invocation)
 #include <algorithm>
@@ -357,6 +360,56 @@ void run_perf() {
               "(wall incl. launch+sync, all 8 ranks share the GPU)\n", tot[0] / iters, tot[1] / iters);
 }
 
+#ifdef NVC_PROBE
+// --probe: the phases of the four kernels of a fused dispatch + combine (probe indices in
+// kernels/moe_dispatch.cuh and moe_combine.cuh), 200 rounds per configuration.
+void run_probe() {
+  struct PC { const char* name; int E, T, H; };
+  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 128, 4, 2048},
+                    {"EP2 4 tok, H 7168, E 64", 64, 4, 7168},
+                    {"EP2 128 tok, H 7168, E 64", 64, 128, 7168}};
+  int khz = 0;
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  std::printf("\nprobe: W=2 on one GPU, top-8, bf16; mean SM cycles per phase, block 0 (clock attr %d MHz)\n",
+              khz / 1000);
+  std::printf("%-38s | dsend: %5s %5s %5s %5s | drecv: %5s %5s %5s | csend: %5s %5s %5s | crecv: %5s %5s\n",
+              "config", "begin", "A", "B", "pub", "wait", "hdrs", "copy", "scan", "copy", "pub", "wait", "sum");
+  for (const PC& pc : pcs) {
+    Case cs{pc.name, 2, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
+    cs.full = true;
+    cs.p_neg = 0;
+    MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
+    World w(c0);
+    std::vector<std::vector<Slot>> slots(cs.W);
+    for (int r = 0; r < cs.W; ++r) {
+      slots[r].push_back(make_slot(cs, c0));
+      RankIn in = make_input(cs, c0, r);
+      CK(cudaMemcpy(slots[r][0].x, in.x.data(), in.x.size(), cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(slots[r][0].ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(slots[r][0].w, in.w.data(), in.w.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemset(slots[r][0].ey, 0, in.ey.size()));
+    }
+    CK(cudaDeviceSynchronize());
+    unsigned long long pr[16];
+    const int rounds = 200;
+    for (int pass = 0; pass < 2; ++pass) {  // a warm-up pass, then the measured one
+      CK(cuda::moe_probe_take(pr));
+      for (int it = 0; it < rounds; ++it)
+        for (int r = 0; r < cs.W; ++r) enqueue(cs, w, r, slots[r]);
+      CK(cudaDeviceSynchronize());
+    }
+    CK(cuda::moe_probe_take(pr));
+    const double n = pr[15] ? double(pr[15]) / 4.0 : 1.0;  // 4 kernels per round and rank
+    auto cy = [&](int i) { return double(pr[i]) / n; };
+    std::printf("%-38s | %12.0f %5.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f\n",
+                pc.name, cy(1), cy(2), cy(3), cy(4), cy(5), cy(6), cy(7), cy(8), cy(9), cy(10), cy(11),
+                cy(12));
+    for (auto& v : slots)
+      for (Slot& s : v) free_slot(s);
+  }
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -373,6 +426,16 @@ int main(int argc, char** argv) {
       return run_error_mode();
     }
     if (!std::strcmp(argv[i], "--perf")) perf = true;
+    if (!std::strcmp(argv[i], "--probe")) {
+#ifdef NVC_PROBE
+      CK(cuda::moe_load_kernels());
+      run_probe();
+      return 0;
+#else
+      std::printf("--probe needs a build with -DNVC_PROBE\n");
+      return 2;
+#endif
+    }
   }
   std::vector<Case> cases = {
       {"W2 bf16 scales", 2, 8, 2, 64, 256, kMoeBF16, 4, kMoeBF16},

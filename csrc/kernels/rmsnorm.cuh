@@ -175,6 +175,7 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
       }
     }
   }
+  probe(13);
   // Row q's amax: pairs p = q, q + nr, ... of this thread, then the warp, then the group's warps.
 #pragma unroll
   for (int p = 0; p < kP; ++p)
@@ -213,6 +214,7 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
 #pragma unroll
   for (int p = 0; p < kP; ++p)
     qmul[p] = nr == 1 ? qrow[0] : nr == 2 ? qrow[p & 1] : qrow[p & 3];
+  probe(14);
   // Pass 3: q = e4m3fn(normed * (448 / m)), E bytes per 16-byte input vector.
   for (int c0 = lane; c0 < nvr; c0 += kb * tpr) {
 #pragma unroll

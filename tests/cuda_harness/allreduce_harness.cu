@@ -1024,7 +1024,7 @@ void bench(int sms) {
 // over graphs of 200 calls. Phases: 0-12 start (counters, setup) | 12-1 push (one-shot) |
 // 1-2 clear | 2-3 poll + residual + pass 1 | 3-4 row sums, rsqrt | 4-5 pass 2 | ->6 end of the
 // reduce | two-shot: 12-7 scatter | 7-8 flag wait 0 | 8-9 reduce + gather + flag | 9-10 flag
-// wait 1 | 10-11 epilogue.
+// wait 1 | 10-11 epilogue; FP8 (quant) epilogue: 4-13 pass 2, 13-14 row amax, 14-end pass 3.
 void probe_run(int sms) {
   const int W = g_ngpu;
   World w = make_world(W, 16 << 20, 4ull * 1000 * 1000 * 1000, sms);
@@ -1032,9 +1032,9 @@ void probe_run(int sms) {
   int khz = 0;
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
   std::printf("\nprobe: W=%d, cycles per phase of block 0 / rank 0 (clock attr %d MHz)\n", W, khz / 1000);
-  std::printf("%-10s %-6s %-7s %7s | %6s %6s %6s %6s %6s %6s %6s | %6s %6s %6s %6s %6s\n", "shape", "kind",
-              "strat", "us/call", "start", "push", "clear", "pass1", "sums", "pass2", "end", "scat",
-              "wait0", "red+ag", "wait1", "epi");
+  std::printf("%-10s %-6s %-7s %7s | %6s %6s %6s %6s %6s %6s %6s | %6s %6s %6s %6s %6s | %6s %6s\n",
+              "shape", "kind", "strat", "us/call", "start", "push", "clear", "pass1", "sums", "pass2",
+              "end", "scat", "wait0", "red+ag", "wait1", "epi", "q:p2", "q:amax");
   struct PS { int64_t T, H; };
   const PS shapes[] = {{1, 4096}, {2, 4096}, {8, 4096}, {64, 4096}, {1, 7168}, {64, 7168}, {128, 4096}};
   for (const PS& ps : shapes) {
@@ -1053,9 +1053,10 @@ void probe_run(int sms) {
         auto cyc = [&](int i) { return double(pr[i]) / n; };
         char shape[32];
         std::snprintf(shape, sizeof shape, "%lldx%lld", (long long)ps.T, (long long)ps.H);
-        std::printf("%-10s %-6s %-7s %7.2f | %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.0f %6.0f\n",
+        std::printf("%-10s %-6s %-7s %7.2f | %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f %6.0f | %6.0f %6.0f %6.0f %6.0f %6.0f | %6.0f %6.0f\n",
                     shape, kind == 0 ? "plain" : kind == 1 ? "fused" : "quant", si ? "twoshot" : "oneshot", us,
-                    cyc(12), cyc(1), cyc(2), cyc(3), cyc(4), cyc(5), cyc(6), cyc(7), cyc(8), cyc(9), cyc(10), cyc(11));
+                    cyc(12), cyc(1), cyc(2), cyc(3), cyc(4), cyc(5), cyc(6), cyc(7), cyc(8), cyc(9), cyc(10), cyc(11),
+                    cyc(13), cyc(14));
       }
     }
   }

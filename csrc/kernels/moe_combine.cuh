@@ -156,7 +156,9 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
     const int t = item / nch, ch = item - t * nch;
     const bool first = item == b * kWarps + warp;
-    const int e = first ? s_e0[warp][lane] : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
+    const int e = first    ? s_e0[warp][lane]
+                  : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane)
+                             : -1;
     if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);

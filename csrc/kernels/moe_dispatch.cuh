@@ -5,8 +5,9 @@
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
-// stores send_seq = s (finish_send; "last" = the last arrival ticket: send_ticket). RECV takes s = Ctrl::seq + 1, checks it against the SEND's
-// seq (split) or against send_seq (fused), and its last block stores Ctrl::seq = s. Data and
+// stores send_seq = s (finish_send; "last" = the holder of the last arrival ticket,
+// send_ticket). RECV takes s = Ctrl::seq + 1, checks it against the SEND's seq (split) or
+// against send_seq (fused), and its last block stores Ctrl::seq = s (finish_recv). Data and
 // flags of call s live in slot s % moe_slots(cfg).
 //
 // SEND, block b of G owns tokens [n*b/G, n*(b+1)/G) (n = *num_tokens):

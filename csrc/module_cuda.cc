@@ -14,6 +14,7 @@
 #include "common/bindings.h"
 #include "cuda/allgather.h"
 #include "cuda/allreduce.h"
+#include "cuda/build_info.h"
 #include "cuda/moe.h"
 #include "cuda/varlen.h"
 #include "transport/cuda_mem.h"
@@ -25,6 +26,19 @@ using namespace nvc;
 
 NB_MODULE(_cuda, m) {
   add_common_bindings(m);
+  // nvcc's __CUDA_ARCH_LIST__ of this build as ints, e.g. [900, 1000]
+  m.def("compiled_archs", [] {
+    nb::list out;
+    const std::string s = cuda::compiled_archs();
+    size_t i = 0;
+    while (i < s.size()) {
+      const size_t j = s.find(',', i);
+      out.append(std::stoi(s.substr(i, j == std::string::npos ? std::string::npos : j - i)));
+      if (j == std::string::npos) break;
+      i = j + 1;
+    }
+    return out;
+  });
   m.def("device_count", &cuda::device_count);
   m.def("alloc_buffer", [](int device, uint64_t bytes, uint64_t zero_bytes, uint64_t fill_off,
                            uint64_t fill_len, uint32_t fill_word) {

@@ -21,6 +21,9 @@ def moe_buffer_bytes(world: int, num_experts: int, top_k: int, max_tokens: int, 
 
 def layout(max_message_bytes: int, world: int, /) -> dict[str, int]: ...
 
+def compiled_archs() -> list[int]:
+    """nvcc's __CUDA_ARCH_LIST__ of this build, e.g. [900, 1000] (CMake's JAX_NVCOMM_CUDA_ARCHS)."""
+
 def device_count() -> int: ...
 
 def alloc_buffer(device: int, nbytes: int, zero_bytes: int, fill_offset: int, fill_bytes: int, fill_word: int, /) -> int: ...

@@ -121,6 +121,9 @@ class Env:
         from ._platform import platform_lines
         for line in platform_lines(self.devices):
             self.log(f"# {line}")
+        from . import _ffi
+        if _ffi._cuda is not None:
+            self.log(f"# CUDA build targets (__CUDA_ARCH_LIST__): {_ffi._cuda.compiled_archs()}")
         for d in self.topology().get("devices", []):
             self.log(f"# GPU {d['ordinal']}: {d['name']} ({d['pci_bus_id']}, {d['sm_count']} SMs)")
         if self.topology().get("links"):

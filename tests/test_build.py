@@ -60,6 +60,19 @@ def test_no_register_spills(tmp_path, src):
     assert not bad, bad[:10]
 
 
+def test_installed_cuda_module_holds_hopper_code():
+    """The installed CUDA module is compiled for Hopper (sm_90a), not for nvcc's default target:
+    CMake fills in sm_52 (CUDA 12) or sm_75 (CUDA 13) unless told otherwise, and then every
+    H100/H200 JIT-compiles old PTX without Hopper's instructions (CMakeLists.txt,
+    JAX_NVCOMM_CUDA_ARCHS)."""
+    from jax_nvcomm import _ffi
+    if _ffi._cuda is None:
+        pytest.skip("the package was built without its CUDA part")
+    archs = _ffi._cuda.compiled_archs()
+    assert 900 in archs, f"compiled for {archs}, not sm_90a"
+    assert all(a >= 900 for a in archs), archs
+
+
 MULTICAST_CU = "csrc/transport/cuda_multicast.cu"
 # Calls that create, import, export, join, bind, map or size a multicast object.
 GUARDED = ("cuMulticastCreate(", "cuMulticastAddDevice(", "cuMulticastBindMem(",

@@ -1,0 +1,12 @@
+// What the CUDA part of this build was compiled for (reported by jax_nvcomm, checked by tests).
+#pragma once
+
+namespace nvc {
+namespace cuda {
+
+// nvcc's __CUDA_ARCH_LIST__ of this build, e.g. "900,1000" (virtual architectures, 'a' variants
+// included as their number).
+const char* compiled_archs();
+
+}  // namespace cuda
+}  // namespace nvc

@@ -180,6 +180,11 @@ template <typename T>
 bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
                     cudaStream_t st, cudaError_t* err) {
   if (!cluster_enabled() || v.world < 2 || t.tokens > kClusterMaxTokens) return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      major < 9)
+    return false;  // thread-block clusters: sm_90+
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
   if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
   const int max_active = max_active_clusters<T>();

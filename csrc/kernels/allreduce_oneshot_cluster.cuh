@@ -58,6 +58,9 @@ template <typename T>
 __global__ void __launch_bounds__(kClThreads)
     oneshot_cluster_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                            RowCfg rc, uint32_t desc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90; the host never launches this kernel below it
+#else
   namespace cg = cooperative_groups;
   constexpr int E = Vec<T>::kElems;
   constexpr int F4 = E / 4;
@@ -193,6 +196,7 @@ __global__ void __launch_bounds__(kClThreads)
     }
     cluster.sync();  // s_part reuse, and no block exits while a peer reads its shared memory
   }
+#endif
 }
 
 }  // namespace dev

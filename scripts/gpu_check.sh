@@ -61,7 +61,7 @@ ensure_built() {
     # modules, in front of it
     build_pkg "" && export PYTHONPATH=/tmp/nvc_site:$PYTHONPATH PYTHONSAFEPATH=1
   fi
-  (cd /tmp && $PY -c "import jax_nvcomm as n, jax; print('CUDA built:', n.CUDA_BUILT, n.__file__, jax.devices())") \
+  (cd /tmp && $PY -c "import jax_nvcomm as n, jax; from jax_nvcomm import _ffi; print('CUDA built:', n.CUDA_BUILT, _ffi._cuda.compiled_archs() if _ffi._cuda else '', n.__file__, jax.devices())") \
     2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 }
 

@@ -144,20 +144,20 @@ __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfi
 // (Taken at the start, the ticket would live in a register across the error paths' calls and
 // be spilled.)
 __device__ __forceinline__ uint32_t send_ticket(const CommView& v) {
-  if (threadIdx.x != 0 || gridDim.x == 1) return 0u;
-  return atomicAdd(&moe_ctrl(v.bufs[v.rank])->send_done_blocks, 1u);
+  return threadIdx.x == 0 ? dev::arrive_issue(&moe_ctrl(v.bufs[v.rank])->send_done_blocks) : 0u;
 }
 __device__ __forceinline__ void finish_send(const CommView& v, uint64_t s, uint32_t ticket) {
-  if (threadIdx.x == 0 && ticket == gridDim.x - 1) {
-    MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
-    if (gridDim.x > 1) mc->send_done_blocks = 0;
+  MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
+  if (threadIdx.x == 0 && dev::arrive_is_last(&mc->send_done_blocks, ticket))
     *reinterpret_cast<volatile uint64_t*>(&mc->send_seq) = s;
-  }
 }
 // RECV arrival: the same on Ctrl::seq / done_blocks (common.cuh), ticket taken after
 // wait_all_sources' __syncthreads (every block has read Ctrl::seq in begin_recv by then).
+__device__ __forceinline__ uint32_t recv_ticket(const CommView& v) {
+  return threadIdx.x == 0 ? dev::arrive_issue(&v.ctrl()->done_blocks) : 0u;
+}
 __device__ __forceinline__ void finish_recv(const CommView& v, uint64_t s, uint32_t ticket) {
-  if (threadIdx.x == 0 && dev::arrive_is_last(v, ticket))
+  if (threadIdx.x == 0 && dev::arrive_is_last(&v.ctrl()->done_blocks, ticket))
     *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = s;
 }
 
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   const uint32_t desc = moe_dispatch_desc(c);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   wait_all_sources(v, c, s, desc, moe_blocks(c));
-  const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+  const uint32_t ticket = recv_ticket(v);
 
   char* half = moe_half(v.bufs[v.rank], c, s);
   if (tid == 0) {

@@ -58,16 +58,15 @@ constexpr int kRowChunk = 32 * kCopyU;
 // before their stores. Same stores as a one-vector-at-a-time loop, in another order.
 template <class Ld, class Dst>
 __device__ __forceinline__ void warp_copy(int begin, int end, int lane, int n, Ld&& ld, Dst&& dst) {
-  const int nvec = end;
-  for (int i0 = begin + lane; i0 < nvec; i0 += 32 * kCopyU) {
+  for (int i0 = begin + lane; i0 < end; i0 += 32 * kCopyU) {
     uint4 val[kCopyU];
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u)
-      if (i0 + 32 * u < nvec) val[u] = ld(i0 + 32 * u);
+      if (i0 + 32 * u < end) val[u] = ld(i0 + 32 * u);
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u) {
       const int i = i0 + 32 * u;
-      if (i < nvec)
+      if (i < end)
         for (int j = 0; j < n; ++j) dev::st_v4(dst(j) + size_t(i) * 16, val[u]);
     }
   }

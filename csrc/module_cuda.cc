@@ -28,15 +28,10 @@ NB_MODULE(_cuda, m) {
   add_common_bindings(m);
   // nvcc's __CUDA_ARCH_LIST__ of this build as ints, e.g. [900, 1000]
   m.def("compiled_archs", [] {
+    int n = 0;
+    const int* a = cuda::compiled_archs(&n);
     nb::list out;
-    const std::string s = cuda::compiled_archs();
-    size_t i = 0;
-    while (i < s.size()) {
-      const size_t j = s.find(',', i);
-      out.append(std::stoi(s.substr(i, j == std::string::npos ? std::string::npos : j - i)));
-      if (j == std::string::npos) break;
-      i = j + 1;
-    }
+    for (int i = 0; i < n; ++i) out.append(a[i]);
     return out;
   });
   m.def("device_count", &cuda::device_count);

@@ -321,6 +321,13 @@ def _device_time_on(env, a) -> bool:
     return mode == "on" or (mode == "auto" and env.platform == "gpu")
 
 
+def add_device_time_argument(s):
+    """--device-time, for every bench subcommand that times loop programs."""
+    s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
+                   help="also the kernels' device time per call, from a profiler trace of "
+                        "2 more runs of each program (device 0); auto: on for GPUs")
+
+
 def _units(a) -> str:
     """What a table cell holds (see `_cell`)."""
     s = "loop us per call, median (p10-p90)"
@@ -1048,9 +1055,7 @@ def _parser():
         s.add_argument("--reps", type=int, default=None, help="program runs per method")
         s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
         s.add_argument("--steps", type=int, default=None, help="loop steps per program")
-        s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
-                       help="also the kernels' device time per call, from a profiler trace of "
-                            "2 more runs of each program (device 0); auto: on for GPUs")
+        add_device_time_argument(s)
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
                            help="measure crossovers per world size; print THRESHOLDS")

@@ -180,8 +180,8 @@ def _plot(env, out, rows):
 
 def run_varlen(a):
     env = B.Env()
+    a.device_time_on = B._device_time_on(env, a)  # before the header, which reports it
     env.header("varlen", a)
-    a.device_time_on = B._device_time_on(env, a)
     cpu = env.platform == "cpu"
     hidden = a.varlen_hidden or (256 if (a.quick or cpu) else 4096)
     W = env.world
@@ -230,6 +230,4 @@ def add_arguments(s):
     s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
     s.add_argument("--steps", type=int, default=None, help="loop steps per program")
     s.add_argument("--varlen-hidden", type=int, default=None, help="row width (bf16 elements)")
-    s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
-                   help="also the kernels' device time per call, from a profiler trace of "
-                        "2 more runs of each program (device 0); auto: on for GPUs")
+    B.add_device_time_argument(s)

@@ -447,11 +447,9 @@ def dp_tp_collectives(impl, axis, num_rows, max_rows, comm=None):
         def gather(a):
             return jnp.concatenate([a] * lax.axis_size(axis), axis=0), None
 
-        def scatter(y, _):
-            return lax.dynamic_slice_in_dim(y, lax.axis_index(axis) * max_rows, max_rows, axis=0)
-
         def my_rows(a, _):
             return lax.dynamic_slice_in_dim(a, lax.axis_index(axis) * max_rows, max_rows, axis=0)
+        scatter = my_rows  # this rank's rows of the (locally complete) result
     else:
         def gather(a):
             return lax.all_gather(a, axis, tiled=True), None

@@ -26,6 +26,20 @@ static_assert(kMaxArBlocks <= dev::kEpiMaxBlocks, "row configuration assumes at 
 constexpr int64_t kMaxFusedHidden = 32768;
 constexpr int kMaxDynSmem = int(kMaxFusedHidden * 4);
 
+// 16-byte vectors per thread (x W stores for one-shot's push) that size the grids: the push is
+// bound by each SM's store rate, so one-shot spreads small messages over one block per
+// kArThreads stores (2 x H200: 16-64 KiB one-shot 5.0-5.7 -> 4.2-4.4 us with 1 instead of 4
+// vectors per thread); two-shot measured best at 4 (1, 2 and 4 tried). -DNVC_AR_ONESHOT_VECS /
+// -DNVC_AR_TWOSHOT_VECS override them for experiments (tests/cuda_harness builds).
+#ifndef NVC_AR_ONESHOT_VECS
+#define NVC_AR_ONESHOT_VECS 1
+#endif
+#ifndef NVC_AR_TWOSHOT_VECS
+#define NVC_AR_TWOSHOT_VECS 4
+#endif
+constexpr int64_t kOneShotVecs = NVC_AR_ONESHOT_VECS;
+constexpr int64_t kTwoShotVecs = NVC_AR_TWOSHOT_VECS;
+
 // World size 1: blocks per SM of the local kernel's grid (several hide the epilogue's barrier).
 constexpr int64_t kLocalBlocksPerSm = 4;
 
@@ -218,18 +232,10 @@ int64_t max_fused_hidden(int) { return kMaxFusedHidden; }
 int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strategy s, bool fused,
                     int sm_count) {
   const int64_t nv = tokens * hidden / elems_per_vec(dtype);
-  // Blocks by data volume, ~kVecs 16-byte vectors (x W stores for one-shot's push) per thread:
-  // the push is bound by each SM's store rate, so small one-shot messages spread over one block
-  // per kArThreads stores (measured on 2 x H200: 16-64 KiB one-shot 5.0-5.7 -> 4.2-4.4 us with 1
-  // instead of 4 vectors per thread). -DNVC_AR_ONESHOT_VECS / _TWOSHOT_VECS: experiments.
-#ifndef NVC_AR_ONESHOT_VECS
-#define NVC_AR_ONESHOT_VECS 1
-#endif
-#ifndef NVC_AR_TWOSHOT_VECS
-#define NVC_AR_TWOSHOT_VECS 4
-#endif
+  // Blocks by data volume (kOneShotVecs / kTwoShotVecs above), and for the fused epilogue at
+  // least one block per iteration's worth of rows.
   const int64_t per_block =
-      int64_t(kArThreads) * (s == Strategy::kOneShot ? NVC_AR_ONESHOT_VECS : NVC_AR_TWOSHOT_VECS);
+      int64_t(kArThreads) * (s == Strategy::kOneShot ? kOneShotVecs : kTwoShotVecs);
   int64_t g = (nv * (world > 1 && s == Strategy::kOneShot ? world : 1) + per_block - 1) / per_block;
   if (fused) {
     const RowCfg rc = dev::make_row_cfg(tokens, hidden, elems_per_vec(dtype));

@@ -1,17 +1,17 @@
-// What the CUDA part of this build was compiled for: nvcc's architecture list, as a string.
+// What the CUDA part of this build was compiled for: nvcc's architecture list.
 #include "build_info.h"
-
-#define NVC_STR2(...) #__VA_ARGS__
-#define NVC_STR(...) NVC_STR2(__VA_ARGS__)
 
 namespace nvc {
 namespace cuda {
 
-const char* compiled_archs() {
+const int* compiled_archs(int* count) {
 #ifdef __CUDA_ARCH_LIST__
-  return NVC_STR(__CUDA_ARCH_LIST__);
+  static const int archs[] = {__CUDA_ARCH_LIST__};  // e.g. 900,1000
+  *count = int(sizeof(archs) / sizeof(archs[0]));
+  return archs;
 #else
-  return "";
+  *count = 0;
+  return nullptr;
 #endif
 }
 

@@ -4,9 +4,9 @@
 namespace nvc {
 namespace cuda {
 
-// nvcc's __CUDA_ARCH_LIST__ of this build, e.g. "900,1000" (virtual architectures, 'a' variants
-// included as their number).
-const char* compiled_archs();
+// nvcc's __CUDA_ARCH_LIST__ of this build, e.g. {900, 1000} ('a' variants as their number):
+// *count entries.
+const int* compiled_archs(int* count);
 
 }  // namespace cuda
 }  // namespace nvc

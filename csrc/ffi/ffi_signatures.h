@@ -30,12 +30,17 @@ template <class P> auto all_reduce(P prefix) {
 // x -> gathered (same operands and results as the all-reduce)
 template <class P> auto all_gather(P prefix) { return all_reduce(prefix); }
 
-// x, residual, weight -> normed, residual_out
-template <class P> auto all_reduce_rms(P prefix) {
+// x, residual, weight (the operands of both fused all-reduces)
+template <class P> auto rms_operands(P prefix) {
   return prefix().template Arg<ffi::AnyBuffer>()   // x
       .template Arg<ffi::AnyBuffer>()       // residual
       .template Arg<ffi::AnyBuffer>()       // weight
-      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Arg<ffi::AnyBuffer>();      // order_in
+}
+
+// x, residual, weight -> normed, residual_out
+template <class P> auto all_reduce_rms(P prefix) {
+  return rms_operands(prefix)
       .template Ret<ffi::AnyBuffer>()       // normed
       .template Ret<ffi::AnyBuffer>()       // residual_out
       .template Ret<ffi::AnyBuffer>()       // order_out
@@ -45,10 +50,7 @@ template <class P> auto all_reduce_rms(P prefix) {
 
 // x, residual, weight -> q (float8_e4m3fn [T, H]), scale (float32 [T, 1]), residual_out
 template <class P> auto all_reduce_rms_quant(P prefix) {
-  return prefix().template Arg<ffi::AnyBuffer>()   // x
-      .template Arg<ffi::AnyBuffer>()       // residual
-      .template Arg<ffi::AnyBuffer>()       // weight
-      .template Arg<ffi::AnyBuffer>()       // order_in
+  return rms_operands(prefix)
       .template Ret<ffi::AnyBuffer>()       // q
       .template Ret<ffi::Buffer<ffi::F32>>()  // scale
       .template Ret<ffi::AnyBuffer>()       // residual_out

@@ -125,7 +125,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
 
   if (threadIdx.x < v.world) Policy::setup(v, mc, cur, s_dst);
   __syncthreads();
-  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(v) : 0u;  // see step 3
+  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;  // step 3
   probe(12);
 
   // 1. push
@@ -158,7 +158,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   // 3. advance the counters: every block read them before its arrival (issued after the
   // first __syncthreads), so the block with the last ticket stores this call's values now, while
   // the peers' data is in flight, instead of on the kernel's tail (arrive_issue, common.cuh).
-  if (threadIdx.x == 0 && arrive_is_last(v, ticket)) {
+  if (threadIdx.x == 0 && arrive_is_last(&ctrl->done_blocks, ticket)) {
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
   }

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kClThreads)
   const uint64_t deadline = globaltimer() + v.timeout_ns;
   if (threadIdx.x < v.world) OneShotUnicast::setup(v, nullptr, cur, s_dst);
   __syncthreads();
-  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(v) : 0u;
+  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;
 
   // 1. push
   for (size_t i0 = tid; i0 < nv; i0 += nthreads * kU) {
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kClThreads)
     }
   }
   // 3. counters (see allreduce_oneshot.cuh)
-  if (threadIdx.x == 0 && arrive_is_last(v, ticket)) {
+  if (threadIdx.x == 0 && arrive_is_last(&ctrl->done_blocks, ticket)) {
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
   }

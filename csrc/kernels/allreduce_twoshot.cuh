@@ -175,7 +175,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   c.grid = gridDim.x;
   c.block = b;
   __syncthreads();
-  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(v) : 0u;  // see the end
+  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;  // the end
   probe(12);
 
   // Phase 0: reduce-scatter.
@@ -233,7 +233,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   probe(11);
   // Every block read seq before taking its ticket: the last one advances Ctrl::seq (its atomic
   // was issued at the start, so no round trip waits here).
-  if (threadIdx.x == 0 && arrive_is_last(v, ticket))
+  if (threadIdx.x == 0 && arrive_is_last(&ctrl->done_blocks, ticket))
     *reinterpret_cast<volatile uint64_t*>(&ctrl->seq) = seq;
 }
 

@@ -111,44 +111,36 @@ __device__ __forceinline__ uint64_t call_seq(const CommView& v) {
   return *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) + 1;
 }
 
-// Thread 0 of a block, after the block's last access to communication buffers (and a
-// __syncthreads): counts the block as done; true for the last block of the grid, which has
-// then reset done_blocks to 0 for the next call and may advance this rank's counters.
-__device__ __forceinline__ bool arrive_last_block(const CommView& v) {
-  // A grid of one block (decode-sized messages) is its own last block: no fence, no atomic
-  // round trip to L2 on the kernel's tail. done_blocks stays 0; the counters this block then
-  // writes are read by this rank's later kernels, ordered by the kernel boundary.
-  if (gridDim.x == 1) return true;
-  __threadfence();
-  uint32_t prev = atomicAdd(&v.ctrl()->done_blocks, 1u);
-  if (prev != gridDim.x - 1) return false;
-  v.ctrl()->done_blocks = 0;
-  return true;
+// Arrival tickets: how the blocks of a kernel pick the one that advances a counter every block
+// reads at its start (Ctrl::seq, the Lamport counters, MoeCtrl::send_seq). Thread 0 of every
+// block takes a ticket from the kernel's arrival counter (`done`: Ctrl::done_blocks or
+// MoeCtrl::send_done_blocks) after a __syncthreads that follows the block's reads of the
+// counters it will advance (their values already used); the holder of the last ticket resets
+// `done` for the next call and stores the new counters, which this rank's later kernels read
+// (kernel boundary). Taken early, the atomic's round trip overlaps the block's work; the
+// result is only tested (arrive_is_last) where the counters are stored. One-block grids take
+// ticket 0 without an atomic. No fence: nothing is published through an arrival.
+__device__ __forceinline__ uint32_t arrive_issue(uint32_t* done) {
+  return gridDim.x == 1 ? 0u : atomicAdd(done, 1u);
 }
-
-// Early arrival, for kernels whose blocks only need every block to have READ the call's
-// counters before they advance (they publish no data through the arrival): thread 0 of every
-// block calls arrive_issue after a __syncthreads that follows the block's counter reads (their
-// values already used), and later tests the ticket with arrive_is_last. The atomic's round trip
-// overlaps the block's work instead of sitting on the kernel's tail; the block that gets the
-// last ticket stores the new counters (read by this rank's next kernels: kernel boundary). No
-// fence: nothing is published. One-block grids skip the atomic.
-__device__ __forceinline__ uint32_t arrive_issue(const CommView& v) {
-  return gridDim.x == 1 ? 0u : atomicAdd(&v.ctrl()->done_blocks, 1u);
-}
-__device__ __forceinline__ bool arrive_is_last(const CommView& v, uint32_t ticket) {
+__device__ __forceinline__ bool arrive_is_last(uint32_t* done, uint32_t ticket) {
   if (ticket != gridDim.x - 1) return false;
-  if (gridDim.x > 1) v.ctrl()->done_blocks = 0;
+  if (gridDim.x > 1) *done = 0;
   return true;
 }
 
-// Per-call end: the last block to get here publishes ctrl->seq = seq. Call from all threads
-// of every block, after the block's last access to communication buffers.
+// Per-call end (kernels that take their ticket last): the last block to get here stores
+// ctrl->seq = seq. Call from all threads of every block, after the block's last access to
+// communication buffers.
 __device__ __forceinline__ void finish_call(const CommView& v, uint64_t seq) {
   __syncthreads();
-  if (threadIdx.x == 0 && arrive_last_block(v)) {
-    *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = seq;
-    __threadfence();
+  if (threadIdx.x == 0) {
+    if (gridDim.x > 1) __threadfence();
+    uint32_t* done = &v.ctrl()->done_blocks;
+    if (arrive_is_last(done, arrive_issue(done))) {
+      *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = seq;
+      __threadfence();
+    }
   }
 }
 

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
     s_w0[warp][lane] = has ? __ldg(a.weights + size_t(t) * K + lane) : 0.f;
   }
   wait_all_sources(v, c, s, desc, moe_blocks(c));
-  const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+  const uint32_t ticket = recv_ticket(v);
   dev::probe(11);
 
   char* half = moe_half(v.bufs[v.rank], c, s);

@@ -58,16 +58,15 @@ constexpr int kRowChunk = 32 * kCopyU;
 // before their stores. Same stores as a one-vector-at-a-time loop, in another order.
 template <class Ld, class Dst>
 __device__ __forceinline__ void warp_copy(int begin, int end, int lane, int n, Ld&& ld, Dst&& dst) {
-  const int nvec = end;
-  for (int i0 = begin + lane; i0 < nvec; i0 += 32 * kCopyU) {
+  for (int i0 = begin + lane; i0 < end; i0 += 32 * kCopyU) {
     uint4 val[kCopyU];
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u)
-      if (i0 + 32 * u < nvec) val[u] = ld(i0 + 32 * u);
+      if (i0 + 32 * u < end) val[u] = ld(i0 + 32 * u);
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u) {
       const int i = i0 + 32 * u;
-      if (i < nvec)
+      if (i < end)
         for (int j = 0; j < n; ++j) dev::st_v4(dst(j) + size_t(i) * 16, val[u]);
     }
   }
@@ -144,20 +143,20 @@ __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfi
 // (Taken at the start, the ticket would live in a register across the error paths' calls and
 // be spilled.)
 __device__ __forceinline__ uint32_t send_ticket(const CommView& v) {
-  if (threadIdx.x != 0 || gridDim.x == 1) return 0u;
-  return atomicAdd(&moe_ctrl(v.bufs[v.rank])->send_done_blocks, 1u);
+  return threadIdx.x == 0 ? dev::arrive_issue(&moe_ctrl(v.bufs[v.rank])->send_done_blocks) : 0u;
 }
 __device__ __forceinline__ void finish_send(const CommView& v, uint64_t s, uint32_t ticket) {
-  if (threadIdx.x == 0 && ticket == gridDim.x - 1) {
-    MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
-    if (gridDim.x > 1) mc->send_done_blocks = 0;
+  MoeCtrl* mc = moe_ctrl(v.bufs[v.rank]);
+  if (threadIdx.x == 0 && dev::arrive_is_last(&mc->send_done_blocks, ticket))
     *reinterpret_cast<volatile uint64_t*>(&mc->send_seq) = s;
-  }
 }
 // RECV arrival: the same on Ctrl::seq / done_blocks (common.cuh), ticket taken after
 // wait_all_sources' __syncthreads (every block has read Ctrl::seq in begin_recv by then).
+__device__ __forceinline__ uint32_t recv_ticket(const CommView& v) {
+  return threadIdx.x == 0 ? dev::arrive_issue(&v.ctrl()->done_blocks) : 0u;
+}
 __device__ __forceinline__ void finish_recv(const CommView& v, uint64_t s, uint32_t ticket) {
-  if (threadIdx.x == 0 && dev::arrive_is_last(v, ticket))
+  if (threadIdx.x == 0 && dev::arrive_is_last(&v.ctrl()->done_blocks, ticket))
     *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq) = s;
 }
 
@@ -371,7 +370,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   dev::probe(0);
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   wait_all_sources(v, c, s, desc, moe_blocks(c));
-  const uint32_t ticket = tid == 0 ? dev::arrive_issue(v) : 0u;
+  const uint32_t ticket = recv_ticket(v);
   dev::probe(5);
 
   char* half = moe_half(v.bufs[v.rank], c, s);

@@ -88,6 +88,25 @@ NVC_HD RowCfg make_row_cfg(int64_t tokens, int64_t hidden, int elems_per_vec) {
   return c;
 }
 
+// v[0] op v[1] op ... op v[n-1], left to right (1 <= n <= kWarps): a row's warp partials from
+// shared memory. The loads, 4 at a time at least, are issued before the ops that use them (the
+// ops depend on each other, the loads do not): the same ops in the same order as one load-op
+// at a time.
+template <int kWarps, typename V, class Op>
+__device__ __forceinline__ V fold_warp_partials(const V* v, int n, Op op) {
+  V acc = V(0);
+#pragma unroll
+  for (int w0 = 0; w0 < kWarps; w0 += 4) {
+    V part[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part[j] = w0 + j < n ? v[w0 + j] : V(0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (w0 + j < n) acc = w0 + j == 0 ? part[j] : op(acc, part[j]);
+  }
+  return acc;
+}
+
 // acc (+)= the elements of vector v, in the order callers present the ranks.
 template <typename T>
 __device__ __forceinline__ void accumulate(float* acc, const uint4& v, bool first) {
@@ -192,19 +211,16 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
     }
   }
   __syncthreads();
-  // Row q's amax (an integer max: order-free), its loads all issued before the first max; once
-  // per row, not per pair.
+  // Row q's amax (an integer max: order-free), once per row, not per pair.
   float qrow[kP];  // 448 / m of row q
 #pragma unroll
   for (int q = 0; q < kP; ++q) {
     if (q < nr) {
-      const uint32_t* red = s_amax + q * kWarps + group * warps_per_group;
-      uint32_t part[kWarps];
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) part[w] = w < warps_per_group ? red[w] : 0u;
-      uint32_t mb = kAmaxFloorBits;  // NaN bits exceed it: NaN propagates
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) mb = max_u32(mb, part[w]);
+      const uint32_t mb = max_u32(  // the floor; NaN bits exceed it: NaN propagates
+          kAmaxFloorBits,
+          fold_warp_partials<kWarps>(s_amax + q * kWarps + group * warps_per_group,
+                                     warps_per_group,
+                                     [](uint32_t a, uint32_t b) { return max_u32(a, b); }));
       const float m = __uint_as_float(mb);
       qrow[q] = __fdiv_rn(kFp8E4M3Max, m);
       if (lane == 0 && rbase + q < row_end) t.scale[rbase + q] = __fmul_rn(m, kInvFp8E4M3Max);
@@ -350,24 +366,14 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
       }
     }
     __syncthreads();
-    // Row q's total: the group's warp partials added in warp order. All of them are loaded
-    // before the first add (the adds depend on each other, the loads do not), and once per row,
-    // not per pair: the same additions in the same order as one load-add at a time.
+    // Row q's total: the group's warp partials added in warp order, once per row, not per pair.
     float inv_row[kP];
 #pragma unroll
     for (int q = 0; q < kP; ++q) {
       if (q < nr) {
-        const float* red = s_red + q * kWarps + group * warps_per_group;
-        float tot = 0.f;
-#pragma unroll
-        for (int w0 = 0; w0 < kWarps; w0 += 4) {  // 4 loads in flight at least
-          float part[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) part[j] = w0 + j < warps_per_group ? red[w0 + j] : 0.f;
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            if (w0 + j < warps_per_group) tot = w0 + j == 0 ? part[j] : __fadd_rn(tot, part[j]);
-        }
+        const float tot = fold_warp_partials<kWarps>(
+            s_red + q * kWarps + group * warps_per_group, warps_per_group,
+            [](float a, float b) { return __fadd_rn(a, b); });
         inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
       }
     }

@@ -254,9 +254,9 @@ probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block 
   # kernels (2 virtual ranks on one GPU); docs/kernel_latency.md reads them
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
-  $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
-  $NV -DNVC_PROBE_LAST -o build/ar_probe_last tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
-  $NV -o build/moe_probe tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
+  [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  [ -x build/ar_probe_last ] || $NV -DNVC_PROBE_LAST -o build/ar_probe_last tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  [ -x build/moe_probe ] || $NV -o build/moe_probe tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
   wait
   step probe_ar 120 build/ar_probe --gpus "$NG" --probe
   step probe_ar_last 120 build/ar_probe_last --gpus "$NG" --probe

@@ -134,12 +134,12 @@ cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
-// Used for fused, unicast, non-FP8 one-shot calls of at most kClusterMaxTokens tokens whose rows
-// qualify (cluster_rows_ok). JAX_NVCOMM_AR_CLUSTER=0 turns it off (A/B measurements); every
-// rank of a job must see the same setting only for speed: both kernels run the same protocol on
-// the same buffers and give the same bits.
-constexpr int64_t kClusterMaxTokens = 64;
-
+// Used for fused (plain or FP8 output), unicast one-shot calls whose rows qualify
+// (cluster_rows_ok) and when every row gets a cluster of its own (tokens <= the co-resident
+// clusters, about 33 on an H200): with two rows per cluster the one-block epilogue is faster
+// (measured, 2 x H200: 64 x 4096 9.1 us against 6.3). JAX_NVCOMM_AR_CLUSTER=0 turns it off (A/B
+// measurements); every rank of a job must see the same setting only for speed: both kernels
+// run the same protocol on the same buffers and give the same bits.
 bool cluster_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
@@ -148,78 +148,82 @@ bool cluster_enabled() {
   return on;
 }
 
+template <typename T, bool kQuant>
+cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(clusters * dev::kClBlocks);
+  cfg.blockDim = dim3(dev::kClThreads);
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = dev::kClBlocks;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // Clusters of the kernel that fit the device at once (occupancy API), once per device; 0 when
-// the query fails (then the cluster kernel is not used).
-template <typename T>
+// the query fails or the device has no clusters (then the cluster kernel is not used).
+template <typename T, bool kQuant>
 int max_active_clusters() {
   static std::atomic<int> cache[64];
-  int dev = 0;
+  int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   const int c = cache[dev].load(std::memory_order_relaxed);
   if (c != 0) return c < 0 ? 0 : c;
   int n = 0;
-  if (prepare_kernel<dev::oneshot_cluster_kernel<T>>() == cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(dev::kClBlocks);
-    cfg.blockDim = dim3(dev::kClThreads);
-    cfg.dynamicSmemBytes = size_t(dev::kClMaxCols) * dev::kClThreads * 8 * sizeof(float);
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+      major >= 9 && prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant>>() == cudaSuccess) {
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = dev::kClBlocks;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T>, &cfg) != cudaSuccess) n = 0;
-    cudaGetLastError();
+    const cudaLaunchConfig_t cfg = cluster_config<T, kQuant>(1, &attr);
+    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant>, &cfg) !=
+        cudaSuccess)
+      n = 0;
   }
+  cudaGetLastError();
   cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
 
 // Clusters for a call: one per row, and enough threads for the push (one 16-byte vector x W
 // stores per thread, as all_reduce_grid); at most what is co-resident within the SM budget.
+// 0 (not used) when the rows outnumber that.
 int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_active) {
   const int64_t push = (int64_t(nv) * world + dev::kArThreads - 1) / dev::kArThreads;
-  int64_t n = tokens > push ? tokens : push;
   int64_t cap = sm_count / dev::kClBlocks;
   if (cap > max_active) cap = max_active;
   if (cap > kMaxArBlocks) cap = kMaxArBlocks;
+  if (tokens > cap) return 0;
+  const int64_t n = tokens > push ? tokens : push;
   return int(n > cap ? cap : n);
 }
 
 // Launches the cluster kernel and returns true, or returns false (nothing launched) when the
 // call does not qualify.
-template <typename T>
+template <typename T, bool kQuant>
 bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
                     cudaStream_t st, cudaError_t* err) {
-  if (!cluster_enabled() || v.world < 2 || t.tokens > kClusterMaxTokens) return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      major < 9)
-    return false;  // thread-block clusters: sm_90+
+  if (!cluster_enabled() || v.world < 2) return false;
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
   if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
-  const int max_active = max_active_clusters<T>();
+  const int max_active = max_active_clusters<T, kQuant>();  // 0 below sm_90
+  if (max_active < 1) return false;
   const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
   const int ncl = cluster_count(t.tokens, nv, v.world, sm_count, max_active);
   if (ncl < 1) return false;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(ncl * dev::kClBlocks));
-  cfg.blockDim = dim3(dev::kClThreads);
-  cfg.dynamicSmemBytes = dev::cluster_smem_bytes(rc, dev::Vec<T>::kElems);
-  cfg.stream = st;
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = dev::kClBlocks;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T>, v, t, rc, desc);
+  cudaLaunchConfig_t cfg = cluster_config<T, kQuant>(unsigned(ncl), &attr);
+  cfg.stream = st;
+  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant>, v, t, rc, desc);
   if (*err == cudaSuccess) *err = cudaGetLastError();
   return true;
+}
+
+template <typename T>
+bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
+                    cudaStream_t st, cudaError_t* err) {
+  return t.scale != nullptr ? launch_cluster<T, true>(v, t, desc, sm_count, st, err)
+                            : launch_cluster<T, false>(v, t, desc, sm_count, st, err);
 }
 
 }  // namespace
@@ -294,7 +298,7 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                   (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
                                       (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
-  if (fused && a.scale == nullptr && s == Strategy::kOneShot && mc == nullptr) {
+  if (fused && s == Strategy::kOneShot && mc == nullptr) {
     cudaError_t e = cudaSuccess;
     const bool done = a.dtype == kF32    ? launch_cluster<float>(v, t, desc, sm_count, stream, &e)
                       : a.dtype == kBF16 ? launch_cluster<__nv_bfloat16>(v, t, desc, sm_count, stream, &e)
@@ -309,9 +313,12 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 }
 
 cudaError_t all_reduce_load_kernels() {
-  max_active_clusters<float>();  // loads and prepares the cluster kernels (0 if unsupported)
-  max_active_clusters<__nv_bfloat16>();
-  max_active_clusters<__half>();
+  max_active_clusters<float, false>();  // loads and prepares the cluster kernels (0 below sm_90)
+  max_active_clusters<__nv_bfloat16, false>();
+  max_active_clusters<__half, false>();
+  max_active_clusters<float, true>();
+  max_active_clusters<__nv_bfloat16, true>();
+  max_active_clusters<__half, true>();
   for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
                         prepare_all<float, true, true>(), prepare_all<__nv_bfloat16, false>(),
                         prepare_all<__nv_bfloat16, true>(), prepare_all<__nv_bfloat16, true, true>(),

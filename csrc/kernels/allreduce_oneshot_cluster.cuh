@@ -5,8 +5,11 @@
 // epilogue (rmsnorm.cuh), hence of two-shot, world 1 and every token count.
 //
 // Applies to rows whose RowCfg has tpr == kArThreads and nr == 1 (more than kArThreads / 2
-// vectors per row: hidden > 2048 for 16-bit types, > 1024 for f32; nr == 1 below 128 tokens),
-// plain (not FP8) output, unicast. The host (allreduce.cu) picks it.
+// vectors per row: hidden > 2048 for 16-bit types, > 1024 for f32; nr == 1 below 128 tokens)
+// and at most kClMaxCols vectors per virtual lane (hidden <= 16384 for 16-bit types), unicast,
+// plain or FP8 (kQuant) output. The host (allreduce.cu) picks it when every row gets a cluster
+// of its own (tokens <= co-resident clusters): with rows queued per cluster the one-block
+// epilogue is faster (measured: 64 tokens).
 //
 // Grid: G = C * nclusters blocks of kClThreads = kArThreads / C threads, cluster dims (C, 1, 1),
 // C = kClBlocks; identical on every rank; all blocks co-resident (the host caps nclusters by the
@@ -15,19 +18,26 @@
 // Steps 1-3 (push, clear, counters) are those of allreduce_oneshot.cuh over the G * kClThreads
 // threads of the grid. Step 4, cluster c (of nclusters) owns rows c, c + nclusters, ...; block j
 // of the cluster plays virtual lanes l = j * kClThreads + threadIdx.x of the row group of
-// rmsnorm.cuh (tpr = kArThreads):
-//   pass 1: lane l polls and sums (rank order, float32) columns l, l + kArThreads, ... of the row,
-//     adds the residual, stores residual_out, keeps r in shared memory and accumulates its sum
-//     of squares over its columns in increasing order (fmaf, from +0.0f);
+// rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
+// registers before the first row (every row uses the same columns).
+//   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time (all slot loads
+//     of a round issued before any check), sums each in rank order (float32), adds the
+//     residual (loaded before the poll), stores residual_out, keeps r in registers and
+//     accumulates its sum of squares over its columns in increasing order (fmaf, from +0.0f);
 //   the virtual warp l / 32 reduces with the same xor butterfly; its lane 0 stores the partial
 //     in this block's s_part; cluster barrier (arrive.release / wait.acquire);
 //   every thread reads the kArThreads / 32 partials through distributed shared memory (partial
 //     w lives in block w / warps-per-block) and adds them in order 0, 1, ...: the sums and the
 //     order of rmsnorm.cuh's "group's warps in order";
-//   pass 2: normed = (r * inv) * weight for the thread's columns;
-//   cluster barrier at the end of every row: the next row's partials overwrite s_part only
-//     after every block of the cluster has read them, and no block exits while a peer may
-//     still read its shared memory.
+//   pass 2: normed = (r * inv) * weight for the thread's columns, stored as T; or (kQuant) kept
+//     as float32 with the lane's amax bits, which the virtual warps reduce as rmsnorm.cuh's
+//     quant_pass does (integer max: order-free) into s_amax; second cluster barrier; every
+//     thread folds the partials through distributed shared memory, m = max(amax, floor),
+//     block 0's thread 0 writes scale = m / 448, and the lane stores e4m3fn(normed * (448 / m));
+//   the row ends with a split cluster barrier: arrive (release) once the thread's last read of
+//     a peer's shared memory is done, wait (acquire) before the next row writes s_part / s_amax
+//     or the block exits, so no block overwrites or frees shared memory a peer still reads,
+//     and the arrival's latency overlaps the stores.
 // Aliasing (out / x, residual_out / residual): as allreduce_oneshot.cuh: a row's outputs are
 // written after all of its W slot vectors (this rank's own pushed copy included) were observed.
 #pragma once
@@ -40,13 +50,7 @@ namespace dev {
 
 constexpr int kClBlocks = 4;                        // blocks per cluster (one row)
 constexpr int kClThreads = kArThreads / kClBlocks;  // threads per block
-constexpr int kClMaxCols = 8;                       // columns per virtual lane (hidden <= 32768)
-
-// Dynamic shared memory of one block: the float32 r of its columns of one row.
-NVC_HD size_t cluster_smem_bytes(const RowCfg& rc, int elems_per_vec) {
-  const int cols = (rc.nvr + kArThreads - 1) / kArThreads;
-  return size_t(cols) * kClThreads * size_t(elems_per_vec) * sizeof(float);
-}
+constexpr int kClMaxCols = 4;                       // columns per virtual lane (registers)
 
 // True when a fused call may use the cluster kernel (a function of the shape only, so every
 // rank decides alike).
@@ -54,7 +58,59 @@ NVC_HD bool cluster_rows_ok(const RowCfg& rc, int64_t tokens) {
   return rc.tpr == kArThreads && rc.nr == 1 && rc.nvr <= kClMaxCols * kArThreads && tokens >= 1;
 }
 
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The T-packed rank-order sums of slot vectors i0 and (when two) i1, polled together: every
+// load of a round (up to kR ranks x 2 vectors) is issued before any check. Same additions in the
+// same order as lamport_sum_v4, so the same bits.
 template <typename T>
+__device__ __forceinline__ void lamport_sum_pair(const CommView& v, const char* slot0, size_t i0,
+                                                 size_t i1, bool two, uint64_t k, uint32_t desc,
+                                                 uint64_t deadline, uint4& o0, uint4& o1) {
+  constexpr int kR = 4;
+  float a0[Vec<T>::kElems], a1[Vec<T>::kElems];
+  for (int s0 = 0; s0 < v.world; s0 += kR) {
+    const int n = v.world - s0 < kR ? v.world - s0 : kR;
+    const char* p0 = slot0 + i0 * 16 + size_t(s0) * v.lamport_slot;
+    const char* p1 = slot0 + i1 * 16 + size_t(s0) * v.lamport_slot;
+    uint4 d0[kR], d1[kR];
+    bool empty;
+    do {
+      empty = false;
+#pragma unroll
+      for (int c = 0; c < kR; ++c) {
+        if (c < n) {
+          d0[c] = ld_volatile_v4(p0 + size_t(c) * v.lamport_slot);
+          if (two) d1[c] = ld_volatile_v4(p1 + size_t(c) * v.lamport_slot);
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kR; ++c)
+        if (c < n) empty |= lamport_any_empty(d0[c]) || (two && lamport_any_empty(d1[c]));
+      if (empty && globaltimer() > deadline) {
+        int c = 0;
+        while (c + 1 < n && !lamport_any_empty(d0[c]) && !(two && lamport_any_empty(d1[c]))) ++c;
+        fail(v.err, kErrTimeout, desc, v.rank, s0 + c, k, 0);
+      }
+    } while (empty);
+#pragma unroll
+    for (int c = 0; c < kR; ++c) {
+      if (c < n) {
+        accumulate<T>(a0, d0[c], s0 + c == 0);
+        if (two) accumulate<T>(a1, d1[c], s0 + c == 0);
+      }
+    }
+  }
+  o0 = pack<T>(a0);
+  if (two) o1 = pack<T>(a1);
+}
+
+template <typename T, bool kQuant>
 __global__ void __launch_bounds__(kClThreads)
     oneshot_cluster_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                            RowCfg rc, uint32_t desc) {
@@ -63,13 +119,13 @@ __global__ void __launch_bounds__(kClThreads)
 #else
   namespace cg = cooperative_groups;
   constexpr int E = Vec<T>::kElems;
-  constexpr int F4 = E / 4;
   constexpr int kWarpsPerBlock = kClThreads / 32;
   constexpr int kVWarps = kArThreads / 32;  // virtual warps of a row
   constexpr int kU = 4;
+  static_assert(kClMaxCols % 2 == 0, "columns are polled in pairs");
   __shared__ char* s_dst[kMaxWorld];
   __shared__ float s_part[kWarpsPerBlock];
-  extern __shared__ float4 s_r[];  // [column k][thread][F4]
+  __shared__ uint32_t s_amax[kQuant ? kWarpsPerBlock : 1];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int crank = int(cluster.block_rank());
@@ -136,6 +192,14 @@ __global__ void __launch_bounds__(kClThreads)
   const int nvr = rc.nvr;
   const int vl = crank * kClThreads + int(threadIdx.x);  // virtual lane of the row group
   const int warp = int(threadIdx.x) / 32;
+  uint4 wv[kClMaxCols];  // the lane's weight vectors: the same for every row
+  if (cid < t.tokens) {
+#pragma unroll
+    for (int c = 0; c < kClMaxCols; ++c) {
+      const int col = vl + c * kArThreads;
+      if (col < nvr) wv[c] = ld_nc_v4(wgt + size_t(col) * 16);
+    }
+  }
   for (int64_t row = cid; row < t.tokens; row += ncl) {
     const size_t rbase = size_t(row) * nvr;
     uint4 rv[kClMaxCols];
@@ -145,23 +209,29 @@ __global__ void __launch_bounds__(kClThreads)
       if (col < nvr) rv[c] = *reinterpret_cast<const uint4*>(res + (rbase + col) * 16);
     }
     float ss = 0.f;
+    float r[kClMaxCols][E];
 #pragma unroll
-    for (int c = 0; c < kClMaxCols; ++c) {
+    for (int c = 0; c < kClMaxCols; c += 2) {
       const int col = vl + c * kArThreads;
       if (col < nvr) {
-        float fs[E], fr[E], r[E];
-        unpack<T>(lamport_sum_v4<T, 4>(v, slot0, rbase + col, k, desc, deadline), fs);
-        unpack<T>(rv[c], fr);
+        const bool two = col + kArThreads < nvr;
+        uint4 sv[2];
+        lamport_sum_pair<T>(v, slot0, rbase + col, rbase + col + kArThreads, two, k, desc,
+                            deadline, sv[0], sv[1]);
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-          r[e] = __fadd_rn(fs[e], fr[e]);
-          ss = __fmaf_rn(r[e], r[e], ss);
+        for (int h = 0; h < 2; ++h) {
+          if (h == 0 || two) {
+            float fs[E], fr[E];
+            unpack<T>(sv[h], fs);
+            unpack<T>(rv[c + h], fr);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+              r[c + h][e] = __fadd_rn(fs[e], fr[e]);
+              ss = __fmaf_rn(r[c + h][e], r[c + h][e], ss);
+            }
+            st_v4(res_out + (rbase + col + h * kArThreads) * 16, pack<T>(r[c + h]));
+          }
         }
-        float4* dst = s_r + (size_t(c) * kClThreads + threadIdx.x) * F4;
-#pragma unroll
-        for (int f = 0; f < F4; ++f)
-          dst[f] = make_float4(r[4 * f], r[4 * f + 1], r[4 * f + 2], r[4 * f + 3]);
-        st_v4(res_out + (rbase + col) * 16, pack<T>(r));
       }
     }
 #pragma unroll
@@ -172,29 +242,54 @@ __global__ void __launch_bounds__(kClThreads)
 #pragma unroll
     for (int w = 0; w < kVWarps; ++w)
       part[w] = cluster.map_shared_rank(s_part, w / kWarpsPerBlock)[w % kWarpsPerBlock];
+    if constexpr (!kQuant) cluster_arrive();  // the last read of a peer's shared memory
     float tot = part[0];
 #pragma unroll
     for (int w = 1; w < kVWarps; ++w) tot = __fadd_rn(tot, part[w]);
     const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+    uint32_t am = 0u;
 #pragma unroll
     for (int c = 0; c < kClMaxCols; ++c) {
       const int col = vl + c * kArThreads;
       if (col < nvr) {
         float fw[E], o[E];
-        unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
-        const float4* src = s_r + (size_t(c) * kClThreads + threadIdx.x) * F4;
+        unpack<T>(wv[c], fw);
 #pragma unroll
-        for (int f = 0; f < F4; ++f) {
-          const float4 r4 = src[f];
-          o[4 * f] = __fmul_rn(__fmul_rn(r4.x, inv), fw[4 * f]);
-          o[4 * f + 1] = __fmul_rn(__fmul_rn(r4.y, inv), fw[4 * f + 1]);
-          o[4 * f + 2] = __fmul_rn(__fmul_rn(r4.z, inv), fw[4 * f + 2]);
-          o[4 * f + 3] = __fmul_rn(__fmul_rn(r4.w, inv), fw[4 * f + 3]);
+        for (int e = 0; e < E; ++e) o[e] = __fmul_rn(__fmul_rn(r[c][e], inv), fw[e]);
+        if constexpr (kQuant) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            r[c][e] = o[e];
+            am = max_u32(am, abs_bits_f32(__float_as_uint(o[e])));
+          }
+        } else {
+          st_v4(out + (rbase + col) * 16, pack<T>(o));
         }
-        st_v4(out + (rbase + col) * 16, pack<T>(o));
       }
     }
-    cluster.sync();  // s_part reuse, and no block exits while a peer reads its shared memory
+    if constexpr (kQuant) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) am = max_u32(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
+      if ((threadIdx.x & 31) == 0) s_amax[warp] = am;
+      cluster.sync();
+      uint32_t ap[kVWarps];
+#pragma unroll
+      for (int w = 0; w < kVWarps; ++w)
+        ap[w] = cluster.map_shared_rank(s_amax, w / kWarpsPerBlock)[w % kWarpsPerBlock];
+      cluster_arrive();  // the last read of a peer's shared memory
+      uint32_t mb = kAmaxFloorBits;  // the floor; NaN bits exceed it: NaN propagates
+#pragma unroll
+      for (int w = 0; w < kVWarps; ++w) mb = max_u32(mb, ap[w]);
+      const float m = __uint_as_float(mb);
+      const float qmul = __fdiv_rn(kFp8E4M3Max, m);
+      if (vl == 0) t.scale[row] = __fmul_rn(m, kInvFp8E4M3Max);
+#pragma unroll
+      for (int c = 0; c < kClMaxCols; ++c) {
+        const int col = vl + c * kArThreads;
+        if (col < nvr) store_e4m3<E>(out + (rbase + col) * E, r[c], qmul);
+      }
+    }
+    cluster_wait();  // s_part / s_amax reuse, and no block exits while a peer reads them
   }
 #endif
 }

@@ -187,3 +187,49 @@ def test_loop_of_quant_and_fused_calls(comms, rng):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(once[0]).view(np.uint8),
                                   np.asarray(once[3]).view(np.uint8))
+
+
+# Shapes of the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh: rows of more than
+# 2048 16-bit / 1024 f32 elements, up to 16384 / 8192, tokens up to the co-resident clusters,
+# about 33 on an H200; 1 to 4 columns per virtual lane, polled in pairs) and just past its token
+# limit (the one-block epilogue again).
+CLUSTER_SHAPES = [(jnp.bfloat16, 1, 7168), (jnp.bfloat16, 3, 4096), (jnp.bfloat16, 32, 7168),
+                  (jnp.bfloat16, 40, 4096), (jnp.float16, 17, 16384), (jnp.float32, 5, 8192),
+                  (jnp.float32, 2, 2560)]
+
+
+@pytest.mark.parametrize("dtype,tokens,hidden", CLUSTER_SHAPES)
+def test_cluster_rows_bitwise_twoshot(comms, rng, dtype, tokens, hidden):
+    """Fused and FP8 one-shot at the cluster kernel's shapes: every output bitwise equal to
+    two-shot's (whose epilogue is the one-block rmsnorm.cuh), per rank; normed and q against
+    float64; a NaN row (first token of rank 0's x) gives NaN normed and a NaN scale."""
+    c = comms[max(comms)]
+    W = c.world_size
+    if W < 2:
+        pytest.skip("the cluster kernel runs for groups of 2+ GPUs")
+    eps = 1e-6
+    x = rng.standard_normal((W * tokens, hidden)).astype(np.float32)
+    x[0, 7] = np.nan
+    x = jnp.asarray(x, dtype)
+    res = jnp.asarray(rng.standard_normal((W * tokens, hidden)), dtype)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype)
+    got = _run(c, ["oneshot", "twoshot"], eps, x, res, w)
+    for a, b in zip(got["oneshot"], got["twoshot"]):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    q, sc, ro, n, _, total = got["oneshot"]
+    parts = f64(x).reshape(W, tokens, hidden)
+    res64 = f64(res).reshape(W, tokens, hidden)
+    for rank in range(W):
+        assert np.isnan(sc[rank, 0]).all() and np.isnan(f64(n[rank, 0])).all()
+        r64 = f64(total[rank]) + res64[rank]
+        n64 = r64 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + eps) * f64(w)
+        r32 = np.asarray(total[rank], np.float32) + np.asarray(res, np.float32).reshape(
+            W, tokens, hidden)[rank]  # the kernels' float32 add, then rounded to dtype
+        np.testing.assert_array_equal(ro[rank].view(np.uint8),
+                                      np.asarray(jnp.asarray(r32, dtype)).view(np.uint8))
+        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(f64(n[rank, 1:]), n64[1:], rtol=tol,
+                                   atol=tol * np.abs(n64[1:]).max())
+        err = quant_ref.normed_err(parts[:, 1:], res64[rank, 1:], f64(w), r64[1:], n64[1:],
+                                   0.0, W)
+        quant_ref.check(q[rank, 1:], sc[rank, 1:], n64[1:], err)

@@ -10,11 +10,13 @@
 //   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
 //   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
-//   kRowChunk columns): the valid k of
+//   32 * u columns, u = combine_cols_per_lane: the rows spread over all the grid's lanes, so at
+//   decode sizes a row's columns go to several warps): the valid k of
 //   token_dest[t] (in k order) and their weights go to shared memory; each lane owns 16-B
 //   columns and accumulates acc = fmaf(w_k, float(row_k), acc) for k ascending, starting from
 //   +0.0f, rounds once to the y dtype (RNE). Rows with no valid slot (t >= num_tokens) are zero.
-//   Loads of kCombU slots are issued together, their FMAs then run in k order (same bits).
+//   Loads of kCombU slots x 2 columns are issued together, their FMAs then run in k order per
+//   column (same bits).
 //   The conversions are moe_layout.h's, shared with the host protocol: bitwise-equal results.
 //   The handle and weights of each warp's first item are loaded before the wait. The block with
 //   the last arrival ticket advances Ctrl::seq (finish_recv, moe_dispatch.cuh).
@@ -121,6 +123,40 @@ struct CombineRecvArgs {
 
 constexpr int kCombU = 8;  // landing slots' loads in flight per lane in the combine receive
 
+// Columns (16-byte vectors) per lane of one combine-receive work item: the T rows' nvec columns
+// spread over the G * kWarps * 32 lanes of the grid, at least 1, at most a whole row.
+__device__ __forceinline__ int combine_cols_per_lane(int T, int nvec, int G) {
+  const int64_t lanes = int64_t(G) * kWarps * 32;
+  const int64_t u = (int64_t(T) * nvec + lanes - 1) / lanes;
+  const int umax = (nvec + 31) / 32;
+  return u < 1 ? 1 : u > umax ? umax : int(u);
+}
+
+// acc[q] = fmaf(w, float(element q of v), acc[q]) for the kElems elements of one 16-byte vector.
+template <int YT>
+__device__ __forceinline__ void combine_fma(float* acc, const uint4& v, float w) {
+  constexpr int kElems = YT == kMoeF32 ? 4 : 8;
+  const uint32_t* wd = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+  for (int q = 0; q < kElems; ++q) {
+    const uint32_t bits = kElems == 4 ? wd[q] : (wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
+    acc[q] = fmaf(w, moe_to_f32(bits, YT), acc[q]);
+  }
+}
+
+// The kElems sums rounded to the y dtype (RNE), packed into one 16-byte vector.
+template <int YT>
+__device__ __forceinline__ uint4 combine_pack(const float* acc) {
+  constexpr int kElems = YT == kMoeF32 ? 4 : 8;
+  uint4 out;
+  uint32_t* od = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    od[q] = kElems == 4 ? moe_from_f32(acc[q], YT)
+                        : moe_from_f32(acc[2 * q], YT) | (moe_from_f32(acc[2 * q + 1], YT) << 16);
+  return out;
+}
+
 template <int YT>
 __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
   constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
@@ -133,8 +169,11 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   const uint64_t s = begin_recv(v, desc, a.seq_in);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
-  // work items (token t, chunk ch of kRowChunk columns) over every warp of the grid
-  const int nch = (nvec + kRowChunk - 1) / kRowChunk;
+  // work items (token t, chunk ch of cw = 32 * u columns) over every warp of the grid, u the
+  // columns per lane that spread the T rows over all of the grid's lanes (at decode sizes a
+  // row's columns go to several warps instead of one warp walking them)
+  const int cw = 32 * combine_cols_per_lane(T, nvec, G);
+  const int nch = (nvec + cw - 1) / cw;
   // The handle and weights of this warp's first item are local inputs: requested before the
   // wait for the peers, so their latency hides behind it.
   // Staged in shared memory (each lane reads back its own entry), not registers: values live
@@ -168,39 +207,36 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
       s_w[warp][q] = first ? s_w0[warp][lane] : __ldg(a.weights + size_t(t) * K + lane);
     }
     __syncwarp();
-    for (int i = ch * kRowChunk + lane; i < min(nvec, (ch + 1) * kRowChunk); i += 32) {
-      float acc[kElems];
+    // Two columns i and i + 32 per step: kCombU slots x 2 columns of loads in flight, then
+    // each column's FMAs in k order (the order of the sum and so the bits are those of one
+    // slot and one column at a time).
+    const int iend = min(nvec, (ch + 1) * cw);
+    for (int i = ch * cw + lane; i < iend; i += 64) {
+      const bool two = i + 32 < iend;
+      float acc0[kElems], acc1[kElems];
 #pragma unroll
-      for (int q = 0; q < kElems; ++q) acc[q] = 0.0f;
-      // kCombU slots' loads in flight, then their FMAs in k order (the order of the sum and
-      // so the bits are those of one slot at a time)
+      for (int q = 0; q < kElems; ++q) acc0[q] = acc1[q] = 0.0f;
       for (int j0 = 0; j0 < m; j0 += kCombU) {
-        uint4 vals[kCombU];
+        uint4 v0[kCombU], v1[kCombU];
 #pragma unroll
-        for (int u = 0; u < kCombU; ++u)
-          if (j0 + u < m)
-            vals[u] = dev::ld_cg_v4(moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j0 + u]) +
-                                    size_t(i) * 16);
+        for (int u = 0; u < kCombU; ++u) {
+          if (j0 + u < m) {
+            const char* base = moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j0 + u]);
+            v0[u] = dev::ld_cg_v4(base + size_t(i) * 16);
+            if (two) v1[u] = dev::ld_cg_v4(base + size_t(i + 32) * 16);
+          }
+        }
 #pragma unroll
         for (int u = 0; u < kCombU; ++u) {
           if (j0 + u < m) {
             const float w = s_w[warp][j0 + u];
-            const uint32_t* wd = reinterpret_cast<const uint32_t*>(&vals[u]);
-#pragma unroll
-            for (int q = 0; q < kElems; ++q) {
-              const uint32_t bits = kElems == 4 ? wd[q] : (wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
-              acc[q] = fmaf(w, moe_to_f32(bits, YT), acc[q]);
-            }
+            combine_fma<YT>(acc0, v0[u], w);
+            if (two) combine_fma<YT>(acc1, v1[u], w);
           }
         }
       }
-      uint4 out;
-      uint32_t* od = reinterpret_cast<uint32_t*>(&out);
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        od[q] = kElems == 4 ? moe_from_f32(acc[q], YT)
-                            : moe_from_f32(acc[2 * q], YT) | (moe_from_f32(acc[2 * q + 1], YT) << 16);
-      dev::st_v4(a.y + size_t(t) * yrow + size_t(i) * 16, out);
+      dev::st_v4(a.y + size_t(t) * yrow + size_t(i) * 16, combine_pack<YT>(acc0));
+      if (two) dev::st_v4(a.y + size_t(t) * yrow + size_t(i + 32) * 16, combine_pack<YT>(acc1));
     }
     __syncwarp();
   }

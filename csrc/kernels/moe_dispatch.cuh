@@ -21,9 +21,11 @@
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
 //   block: __syncthreads, fence.acq_rel.sys, st.release.sys moe_flag(s, me, b) in every rank.
 // RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
-//   block reads the W headers, off[e][src] = prefix over sources; one warp per (received row,
-//   chunk of kRowChunk vectors) copies that part of the payload to every listed local expert
-//   row off[e][src] + idx; the chunk-0 warp also copies the scales and writes the handle;
+//   block stages the W headers in shared memory (one round of loads), off[src][e] = prefix
+//   over sources (in place); one warp per (received row, chunk of 32 * u vectors, u <= kCopyU
+//   spreading the rows over the grid's lanes) loads its part of the payload together with the
+//   row's metadata, checks the metadata, and stores the part to every listed local expert row
+//   off[src][e] + idx; the chunk-0 warp also copies the scales and writes the handle;
 //   block 0 writes expert_counts. The block with the last arrival ticket (taken after the
 //   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
@@ -49,9 +51,6 @@ __device__ __forceinline__ uint32_t lanemask_lt() {
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 constexpr int kCopyU = 8;  // 16-byte loads in flight per lane in a row copy
-
-// Vectors of a row one warp copies per chunk in the receive kernels (one warp_copy round).
-constexpr int kRowChunk = 32 * kCopyU;
 
 // One warp copies vectors [begin, end) of a row, vector i = ld(i), to the n destinations
 // dst(j) (char*, j < n): lane l handles i = begin + l, + 32, ...; kCopyU loads are issued
@@ -201,8 +200,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_dispatch_desc(c);
   dev::probe(0);
+  const int n = a.num_tokens ? __ldg(a.num_tokens) : T;  // requested with the counters
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
-  const int n = a.num_tokens ? __ldg(a.num_tokens) : T;
   if (n < 0 || n > T) {
     if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
     return;
@@ -235,8 +234,10 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
           e = -1;
         }
         const bool use = before && e >= 0;
-        const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
-        if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
+        if (__any_sync(0xFFFFFFFFu, use)) {  // warp-uniform: no match when nothing counts
+          const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
+          if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
+        }
         if (use) dmask |= 1u << (e / L);
       }
     }
@@ -346,6 +347,14 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   dev::probe(4);
 }
 
+// Vectors per lane of one dispatch-receive work item: the R received rows' nvec vectors spread
+// over the G * kWarps * 32 lanes of the grid, at least 1, at most kCopyU (one round of loads).
+__device__ __forceinline__ int recv_cols_per_lane(int R, int nvec, int G) {
+  const int64_t lanes = int64_t(G) * kWarps * 32;
+  const int64_t u = (int64_t(R) * nvec + lanes - 1) / lanes;
+  return u < 1 ? 1 : u > kCopyU ? kCopyU : int(u);
+}
+
 struct DispatchRecvArgs {
   uint8_t* expert_x;       // [L, W*T, H]
   int32_t* expert_counts;  // [L]
@@ -355,14 +364,16 @@ struct DispatchRecvArgs {
 };
 
 __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
-  return 4 * (size_t(c.num_experts) + moe_local_experts(c));
+  // tot [L], the W headers [W][1 + L] (their counts become the offsets off[src][le])
+  return 4 * (size_t(moe_local_experts(c)) + size_t(c.world) * (1 + moe_local_experts(c)));
 }
 
 __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, MoeConfig c, DispatchRecvArgs a) {
   extern __shared__ int32_t smem[];
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
-  int32_t* off = smem;     // [L][W] first expert row of (expert, src)
-  int32_t* tot = off + E;  // [L]
+  int32_t* tot = smem;     // [L] rows of each local expert
+  int32_t* hdr = tot + L;  // [W][1 + L]: row count of src, then per expert the count, which the
+                           // prefix over sources turns into off = the first expert row of src
   __shared__ int32_t s_rows[kMaxWorld + 1];
   __shared__ size_t s_erow[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
@@ -374,10 +385,17 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   dev::probe(5);
 
   char* half = moe_half(v.bufs[v.rank], c, s);
+  // The W headers into shared memory in one round of loads (every word is independent), then
+  // checked and summed from there.
+  for (int i = tid; i < W * (1 + L); i += blockDim.x) {
+    const int src = i / (1 + L);
+    hdr[i] = __ldcg(moe_hdr(half, c, src) + (i - src * (1 + L)));
+  }
+  __syncthreads();
   if (tid == 0) {
     int acc = 0;
     for (int src = 0; src < W; ++src) {
-      const int r = __ldcg(moe_hdr(half, c, src));
+      const int r = hdr[src * (1 + L)];
       if (r < 0 || r > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(r)));
       s_rows[src] = acc;
       acc += r;
@@ -387,9 +405,10 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   for (int le = tid; le < L; le += blockDim.x) {
     int acc = 0;
     for (int src = 0; src < W; ++src) {
-      const int cnt = __ldcg(moe_hdr(half, c, src) + 1 + le);
+      int32_t* h = hdr + src * (1 + L) + 1 + le;  // this thread's column only: no race
+      const int cnt = *h;
       if (cnt < 0 || cnt > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(cnt)));
-      off[le * W + src] = acc;
+      *h = acc;
       acc += cnt;
     }
     tot[le] = acc;
@@ -401,32 +420,48 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   dev::probe(6);
   const size_t erows = moe_expert_rows(c);
   const int nvec = int(xrow / 16), S = c.scale_cols, maxent = moe_max_entries(c), R = s_rows[W];
-  // work items (row g, chunk ch of kRowChunk vectors) over every warp of the grid; each item
-  // reads and checks the row's metadata, chunk 0 also writes the handle and the scales
-  const int nch = (nvec + kRowChunk - 1) / kRowChunk;
+  // work items (row g, chunk ch of cw = 32 * u vectors, u <= kCopyU the vectors per lane that
+  // spread the R rows over the grid's lanes) over every warp of the grid; each lane issues its
+  // u payload loads together with the row's metadata loads (the payload's address depends on
+  // the headers only), then checks the metadata and stores; chunk 0 also writes the handle and
+  // the scales
+  const int cw = 32 * recv_cols_per_lane(R, nvec, G);
+  const int nch = (nvec + cw - 1) / cw;
   for (int item = b * kWarps + warp; item < R * nch; item += G * kWarps) {
     const int g = item / nch, ch = item - g * nch;
     int src = 0;
     while (g >= s_rows[src + 1]) ++src;
     const char* row = moe_drow(half, c, src, g - s_rows[src]);
     const int32_t* meta = reinterpret_cast<const int32_t*>(row + meta_off);
+    const int i0 = ch * cw + lane, iend = min(nvec, (ch + 1) * cw);
+    uint4 val[kCopyU];
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (i0 + 32 * u < iend) val[u] = dev::ld_cg_v4(row + size_t(i0 + 32 * u) * 16);
     const int t = __ldcg(meta), m = __ldcg(meta + 1);
+    const int lek = lane < maxent ? __ldcg(meta + 2 + 2 * lane) : 0;
+    const int idx = lane < maxent ? __ldcg(meta + 3 + 2 * lane) : 0;
     if (t < 0 || t >= T || m < 1 || m > maxent)
       die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
     if (lane < m) {
-      const int lek = __ldcg(meta + 2 + 2 * lane), idx = __ldcg(meta + 3 + 2 * lane);
       const int le = lek & 0xFFFF, k = lek >> 16;
+      const int32_t* off = hdr + 1 + le;  // off[src * (1 + L)]: first row of (le, src)
       if (le >= L || k >= K || idx < 0 ||
-          idx >= (src + 1 < W ? off[le * W + src + 1] : tot[le]) - off[le * W + src])
+          idx >= (src + 1 < W ? off[(src + 1) * (1 + L)] : tot[le]) - off[src * (1 + L)])
         die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(lek)) << 32) | uint32_t(idx));
-      const size_t er = size_t(le) * erows + off[le * W + src] + idx;
+      const size_t er = size_t(le) * erows + off[src * (1 + L)] + idx;
       if (ch == 0) a.expert_src[er] = (src * T + t) * K + k;
       s_erow[warp][lane] = er;
     }
     __syncwarp();
-    warp_copy(ch * kRowChunk, min(nvec, (ch + 1) * kRowChunk), lane, m,
-              [&](int i) { return dev::ld_cg_v4(row + size_t(i) * 16); },
-              [&](int j) { return reinterpret_cast<char*>(a.expert_x + s_erow[warp][j] * xrow); });
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u) {
+      const int i = i0 + 32 * u;
+      if (i < iend)
+        for (int j = 0; j < m; ++j)
+          dev::st_v4(reinterpret_cast<char*>(a.expert_x + s_erow[warp][j] * xrow) + size_t(i) * 16,
+                     val[u]);
+    }
     for (int i = lane; ch == 0 && i < S; i += 32) {
       const float f = __ldcg(reinterpret_cast<const float*>(row + scale_off) + i);
       for (int j = 0; j < m; ++j) a.expert_x_scale[s_erow[warp][j] * S + i] = f;

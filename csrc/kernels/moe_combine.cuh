@@ -6,7 +6,8 @@
 // SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
 //   slot = expert_src[e][i] = (src*T + t)*K + k (range-checked); copies the row of expert_y
-//   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s.
+//   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s;
+//   the row's first 32 * kCopyU vectors are requested together with its slot.
 //   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
 //   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
@@ -99,12 +100,19 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
       if (pre[mid] <= g) l = mid; else h = mid - 1;
     }
     const int64_t er = int64_t(l) * erows + (g - pre[l]);
+    const uint8_t* yr = a.expert_y + size_t(er) * yrow;
+    uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
     const int slot = __ldg(a.expert_src + er);
     if (slot < 0 || slot >= W * slots) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
     const int src = int(slot / slots);
     char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
-    const uint8_t* yr = a.expert_y + size_t(er) * yrow;
-    warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (lane + 32 * u < nvec) dev::st_v4(dst + size_t(lane + 32 * u) * 16, val[u]);
+    warp_copy(32 * kCopyU, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
               [&](int) { return dst; });
   }
   dev::probe(9);

@@ -625,6 +625,76 @@ bool run_case(World& w, const Shape& sh, uint64_t seed) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP8 output (all_reduce_rms_norm_quant): one-shot (the cluster-split kernel where it applies,
+// allreduce_oneshot_cluster.cuh) and two-shot (the one-block epilogue) give the same q, scale
+// and residual_out bytes on every rank, and every rank the same (one residual). The float64
+// reference of the FP8 epilogue is the pytest suite's (tests/gpu/test_gpu_quant.py).
+Tally g_quant[4];
+
+bool quant_cross(World& w, int dt, int64_t T, int64_t H, uint64_t seed) {
+  Case c;
+  c.sh = Shape{dt, T, H, true, false, false};
+  c.W = w.W;
+  gen_inputs(c, seed);
+  upload(c);
+  const size_t n = size_t(T) * H, rbytes = n * esize(dt);
+  std::vector<float*> d_scale(w.W);
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    CK(cudaMalloc(&d_scale[r], size_t(T) * sizeof(float)));
+  }
+  std::vector<std::vector<uint8_t>> got[2];  // [strategy][rank]: q | scale | residual_out
+  for (int si = 0; si < 2; ++si) {
+    const Strategy st = si == 0 ? Strategy::kOneShot : Strategy::kTwoShot;
+    for (int r = 0; r < w.W; ++r) {
+      set_dev(r);
+      CK(cudaMemset(c.d_out[r], 0xFF, n));
+      CK(cudaMemset(c.d_rout[r], 0xFF, rbytes));
+      CK(cudaMemset(d_scale[r], 0xFF, size_t(T) * sizeof(float)));
+    }
+    sync_devices();
+    for (int r = 0; r < w.W; ++r) {
+      set_dev(r);
+      AllReduceArgs a = args_of(c, r);
+      a.scale = d_scale[r];
+      const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms);
+      if (e != cudaSuccess) {
+        std::printf("quant all_reduce launch failed: %s\nRESULT: FAIL\n", cudaGetErrorName(e));
+        std::exit(2);
+      }
+    }
+    if (w.W > 1) (si ? w.twoshot_calls : w.oneshot_calls) += 1;
+    sync_world(w);
+    got[si].resize(w.W);
+    for (int r = 0; r < w.W; ++r) {
+      set_dev(r);
+      std::vector<uint8_t>& b = got[si][r];
+      b.resize(n + size_t(T) * 4 + rbytes);
+      CK(cudaMemcpy(b.data(), c.d_out[r], n, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data() + n, d_scale[r], size_t(T) * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(b.data() + n + T * 4, c.d_rout[r], rbytes, cudaMemcpyDeviceToHost));
+    }
+  }
+  bool ok = true;
+  for (int r = 0; r < w.W; ++r) ok &= got[0][r] == got[1][r] && got[0][r] == got[0][0];
+  // the scale of a finite row is finite and > 0 (not the 0xFF poison)
+  float sc0;
+  std::memcpy(&sc0, got[0][0].data() + n, 4);
+  ok &= std::isfinite(sc0) && sc0 > 0.f;
+  g_quant[widx(w.W)].total++;
+  g_quant[widx(w.W)].pass += ok;
+  if (!ok && g_fail_lines++ < 12)
+    std::printf("  FAIL quant oneshot!=twoshot bytes W=%d %s T=%lld H=%lld\n", w.W,
+                dtype_name(dt), (long long)T, (long long)H);
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    CK(cudaFree(d_scale[r]));
+  }
+  release(c);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Many queued calls with changing sizes and alternating strategies (no sync in between).
 
 bool stress(World& w, int ncalls, uint64_t seed) {
@@ -1163,6 +1233,12 @@ int main(int argc, char** argv) {
         }
       }
     }
+    {  // FP8 output: the cluster kernel's shapes (1 to 4 columns per lane) and one-block ones
+      const TH qs[] = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {5, 8192}, {34, 4096}, {16, 1024}};
+      for (int dt = 0; dt < 3; ++dt)
+        for (const TH& th : qs)
+          if (size_t(th.T) * th.H * esize(dt) <= M / 8) all_ok &= quant_cross(w, dt, th.T, th.H, ++seed);
+    }
     stress_ok[widx(W)] = stress(w, nstress, 77 + W);
     const bool inv_ok = batch_invariance(w, 555 + W);
     batch_ok[widx(W)] = inv_ok;
@@ -1187,8 +1263,10 @@ int main(int argc, char** argv) {
       }
   for (int W : Ws) {
     const Tally& x = g_cross[widx(W)];
-    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | %d queued calls %s | graph replays %s | batch-invariant rows %s | counters %s\n",
-                W, x.pass, x.total, x.pass == x.total ? "ok" : "FAIL", nstress,
+    const Tally& q = g_quant[widx(W)];
+    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | FP8 %d/%d %s | %d queued calls %s | graph replays %s | batch-invariant rows %s | counters %s\n",
+                W, x.pass, x.total, x.pass == x.total ? "ok" : "FAIL", q.pass, q.total,
+                q.pass == q.total ? "ok" : "FAIL", nstress,
                 stress_ok[widx(W)] ? "ok" : "FAIL", graph_ok[widx(W)] ? "ok" : "FAIL",
                 batch_ok[widx(W)] ? "ok" : "FAIL", counters[widx(W)] ? "ok" : "FAIL");
   }

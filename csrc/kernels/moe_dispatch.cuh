@@ -17,8 +17,7 @@
 //   B. warp 0 walks the chunk in token order, 32/top_k tokens per step (lanes = (token, k)):
 //      duplicate check, idx = cntE[e] + earlier lanes with the same e, pos = cntD[d] + earlier
 //      tokens of the step going to d (__match_any_sync); whole block then copies each token once
-//      per destination: payload (16-B vectors), scales, meta (entries in k order). Each warp
-//      requests its first token's first 32 * kCopyU payload vectors before the routing.
+//      per destination: payload (16-B vectors), scales, meta (entries in k order).
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
 //   block: __syncthreads, fence.acq_rel.sys, st.release.sys moe_flag(s, me, b) in every rank.
 // RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
@@ -260,13 +259,6 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   // B. the chunk, kMoeSubTokens tokens at a time.
   for (int sb = t0; sb < t1; sb += kMoeSubTokens) {
     const int se = min(sb + kMoeSubTokens, t1);
-    uint4 pre[kCopyU];  // this warp's first token's first vectors, requested before the routing
-    if (sb + warp < se) {
-      const uint8_t* xr = a.x + size_t(sb + warp) * xrow;
-#pragma unroll
-      for (int u = 0; u < kCopyU; ++u)
-        if (lane + 32 * u < nvec) pre[u] = ld_nc_v4(xr + size_t(lane + 32 * u) * 16);
-    }
     for (int i = tid; i < kMoeSubTokens * 16; i += blockDim.x) sub_pos[i] = -1;
     __syncthreads();
     if (warp == 0) {
@@ -314,15 +306,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
       __syncwarp();
       const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;  // before the copy
       const uint8_t* xr = a.x + size_t(t) * xrow;
-      int from = 0;
-      if (t == sb + warp) {  // the prefetched vectors
-#pragma unroll
-        for (int u = 0; u < kCopyU; ++u)
-          if (lane + 32 * u < nvec)
-            for (int j = 0; j < nd; ++j) dev::st_v4(s_dst[warp][j] + size_t(lane + 32 * u) * 16, pre[u]);
-        from = 32 * kCopyU;
-      }
-      warp_copy(from, nvec, lane, nd, [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
+      warp_copy(0, nvec, lane, nd, [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
                 [&](int j) { return s_dst[warp][j]; });
       for (int i = lane; i < S; i += 32) {
         const float f = __ldg(a.x_scale + size_t(t) * S + i);

@@ -135,26 +135,27 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 // ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
 // Used for fused (plain or FP8 output), unicast one-shot calls whose rows qualify
-// (cluster_rows_ok) and when every row gets a cluster of its own (tokens <= the co-resident
-// clusters, about 33 on an H200): with two rows per cluster the one-block epilogue is faster
-// (measured, 2 x H200: 64 x 4096 9.1 us against 6.3). JAX_NVCOMM_AR_CLUSTER=0 turns it off (A/B
-// measurements); every rank of a job must see the same setting only for speed: both kernels
-// run the same protocol on the same buffers and give the same bits.
-bool cluster_enabled() {
-  static const bool on = [] {
+// (cluster_rows_ok) when every row gets a cluster of its own: clusters of 4 blocks while the
+// rows fit (about 33 on an H200), else of 2 blocks (about 66). With two rows per cluster in turn
+// the one-block epilogue was faster (measured, 2 x H200: 64 x 4096 9.1 us against 6.3).
+// JAX_NVCOMM_AR_CLUSTER: 0 = off, 4 = clusters of 4 only, unset or anything else = both (A/B
+// measurements); every rank of a job must see the same setting only for speed: all variants run
+// the same protocol on the same buffers and give the same bits.
+int cluster_mode() {
+  static const int mode = [] {
     const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
-    return !(e != nullptr && e[0] == '0');
+    return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == '4' ? 4 : 1;
   }();
-  return on;
+  return mode;
 }
 
-template <typename T, bool kQuant>
+template <typename T, bool kQuant, int kC>
 cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(clusters * dev::kClBlocks);
-  cfg.blockDim = dim3(dev::kClThreads);
+  cfg.gridDim = dim3(clusters * kC);
+  cfg.blockDim = dim3(dev::kArThreads / kC);
   attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = dev::kClBlocks;
+  attr->val.clusterDim.x = kC;
   attr->val.clusterDim.y = 1;
   attr->val.clusterDim.z = 1;
   cfg.attrs = attr;
@@ -164,7 +165,7 @@ cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) 
 
 // Clusters of the kernel that fit the device at once (occupancy API), once per device; 0 when
 // the query fails or the device has no clusters (then the cluster kernel is not used).
-template <typename T, bool kQuant>
+template <typename T, bool kQuant, int kC>
 int max_active_clusters() {
   static std::atomic<int> cache[64];
   int dev = 0, major = 0;
@@ -173,10 +174,10 @@ int max_active_clusters() {
   if (c != 0) return c < 0 ? 0 : c;
   int n = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      major >= 9 && prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant>>() == cudaSuccess) {
+      major >= 9 && prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() == cudaSuccess) {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config<T, kQuant>(1, &attr);
-    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant>, &cfg) !=
+    const cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(1, &attr);
+    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC>, &cfg) !=
         cudaSuccess)
       n = 0;
   }
@@ -185,17 +186,34 @@ int max_active_clusters() {
   return n;
 }
 
-// Clusters for a call: one per row, and enough threads for the push (one 16-byte vector x W
-// stores per thread, as all_reduce_grid); at most what is co-resident within the SM budget.
-// 0 (not used) when the rows outnumber that.
+// Clusters of kC blocks for a call: one per row, and enough threads for the push (one 16-byte
+// vector x W stores per thread, as all_reduce_grid); at most what is co-resident within the SM
+// budget. 0 (not used) when the rows outnumber that.
+template <int kC>
 int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_active) {
   const int64_t push = (int64_t(nv) * world + dev::kArThreads - 1) / dev::kArThreads;
-  int64_t cap = sm_count / dev::kClBlocks;
+  int64_t cap = sm_count / kC;
   if (cap > max_active) cap = max_active;
-  if (cap > kMaxArBlocks) cap = kMaxArBlocks;
+  if (cap > kMaxArBlocks) cap = kMaxArBlocks;  // clusters (no per-block flags in one-shot)
   if (tokens > cap) return 0;
   const int64_t n = tokens > push ? tokens : push;
   return int(n > cap ? cap : n);
+}
+
+template <typename T, bool kQuant, int kC>
+bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
+                        int sm_count, cudaStream_t st, cudaError_t* err) {
+  const int max_active = max_active_clusters<T, kQuant, kC>();  // 0 below sm_90
+  if (max_active < 1) return false;
+  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
+  const int ncl = cluster_count<kC>(t.tokens, nv, v.world, sm_count, max_active);
+  if (ncl < 1) return false;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(unsigned(ncl), &attr);
+  cfg.stream = st;
+  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant, kC>, v, t, rc, desc);
+  if (*err == cudaSuccess) *err = cudaGetLastError();
+  return true;
 }
 
 // Launches the cluster kernel and returns true, or returns false (nothing launched) when the
@@ -203,20 +221,14 @@ int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_ac
 template <typename T, bool kQuant>
 bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
                     cudaStream_t st, cudaError_t* err) {
-  if (!cluster_enabled() || v.world < 2) return false;
+  const int mode = cluster_mode();
+  if (mode == 0 || v.world < 2) return false;
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
   if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
-  const int max_active = max_active_clusters<T, kQuant>();  // 0 below sm_90
-  if (max_active < 1) return false;
-  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
-  const int ncl = cluster_count(t.tokens, nv, v.world, sm_count, max_active);
-  if (ncl < 1) return false;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = cluster_config<T, kQuant>(unsigned(ncl), &attr);
-  cfg.stream = st;
-  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant>, v, t, rc, desc);
-  if (*err == cudaSuccess) *err = cudaGetLastError();
-  return true;
+  if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
+    return true;
+  return mode != 4 &&
+         try_launch_cluster<T, kQuant, dev::kClBlocksLarge>(v, t, rc, desc, sm_count, st, err);
 }
 
 template <typename T>
@@ -224,6 +236,14 @@ bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm
                     cudaStream_t st, cudaError_t* err) {
   return t.scale != nullptr ? launch_cluster<T, true>(v, t, desc, sm_count, st, err)
                             : launch_cluster<T, false>(v, t, desc, sm_count, st, err);
+}
+
+template <typename T>
+void load_cluster_kernels() {  // loads and prepares them (0 clusters below sm_90)
+  max_active_clusters<T, false, dev::kClBlocksSmall>();
+  max_active_clusters<T, true, dev::kClBlocksSmall>();
+  max_active_clusters<T, false, dev::kClBlocksLarge>();
+  max_active_clusters<T, true, dev::kClBlocksLarge>();
 }
 
 }  // namespace
@@ -313,12 +333,9 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 }
 
 cudaError_t all_reduce_load_kernels() {
-  max_active_clusters<float, false>();  // loads and prepares the cluster kernels (0 below sm_90)
-  max_active_clusters<__nv_bfloat16, false>();
-  max_active_clusters<__half, false>();
-  max_active_clusters<float, true>();
-  max_active_clusters<__nv_bfloat16, true>();
-  max_active_clusters<__half, true>();
+  load_cluster_kernels<float>();
+  load_cluster_kernels<__nv_bfloat16>();
+  load_cluster_kernels<__half>();
   for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
                         prepare_all<float, true, true>(), prepare_all<__nv_bfloat16, false>(),
                         prepare_all<__nv_bfloat16, true>(), prepare_all<__nv_bfloat16, true, true>(),

@@ -8,11 +8,12 @@
 // vectors per row: hidden > 2048 for 16-bit types, > 1024 for f32; nr == 1 below 128 tokens)
 // and at most kClMaxCols vectors per virtual lane (hidden <= 16384 for 16-bit types), unicast,
 // plain or FP8 (kQuant) output. The host (allreduce.cu) picks it when every row gets a cluster
-// of its own (tokens <= co-resident clusters): with rows queued per cluster the one-block
-// epilogue is faster (measured: 64 tokens).
+// of its own (tokens <= co-resident clusters of 4 blocks, else of 2, at most 64): with rows
+// queued per cluster the one-block epilogue was faster (measured: 64 tokens, clusters of 4).
 //
 // Grid: G = C * nclusters blocks of kClThreads = kArThreads / C threads, cluster dims (C, 1, 1),
-// C = kClBlocks; identical on every rank; all blocks co-resident (the host caps nclusters by the
+// C = kClBlocks (4 or 2, a template parameter: the host takes 4 while every row fits a cluster of
+// 4, else 2); identical on every rank; all blocks co-resident (the host caps nclusters by the
 // occupancy API and the SM budget).
 //
 // Steps 1-3 (push, clear, counters) are those of allreduce_oneshot.cuh over the G * kClThreads
@@ -48,8 +49,10 @@
 namespace nvc {
 namespace dev {
 
-constexpr int kClBlocks = 4;                        // blocks per cluster (one row)
-constexpr int kClThreads = kArThreads / kClBlocks;  // threads per block
+// Blocks per cluster (one row): 4 (128 threads each) while the rows fit a quarter of the SMs,
+// 2 (256 threads each) up to half of them. kArThreads / C threads per block either way.
+constexpr int kClBlocksSmall = 4;
+constexpr int kClBlocksLarge = 2;
 constexpr int kClMaxCols = 4;                       // columns per virtual lane (registers)
 
 // True when a fused call may use the cluster kernel (a function of the shape only, so every
@@ -110,8 +113,8 @@ __device__ __forceinline__ void lamport_sum_pair(const CommView& v, const char* 
   if (two) o1 = pack<T>(a1);
 }
 
-template <typename T, bool kQuant>
-__global__ void __launch_bounds__(kClThreads)
+template <typename T, bool kQuant, int kClBlocks>
+__global__ void __launch_bounds__(kArThreads / kClBlocks)
     oneshot_cluster_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                            RowCfg rc, uint32_t desc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -119,6 +122,7 @@ __global__ void __launch_bounds__(kClThreads)
 #else
   namespace cg = cooperative_groups;
   constexpr int E = Vec<T>::kElems;
+  constexpr int kClThreads = kArThreads / kClBlocks;
   constexpr int kWarpsPerBlock = kClThreads / 32;
   constexpr int kVWarps = kArThreads / 32;  // virtual warps of a row
   constexpr int kU = 4;

@@ -1234,7 +1234,8 @@ int main(int argc, char** argv) {
       }
     }
     {  // FP8 output: the cluster kernel's shapes (1 to 4 columns per lane) and one-block ones
-      const TH qs[] = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {5, 8192}, {34, 4096}, {16, 1024}};
+      const TH qs[] = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {5, 8192}, {34, 4096},
+                       {64, 7168}, {65, 4096}, {16, 1024}};
       for (int dt = 0; dt < 3; ++dt)
         for (const TH& th : qs)
           if (size_t(th.T) * th.H * esize(dt) <= M / 8) all_ok &= quant_cross(w, dt, th.T, th.H, ++seed);

@@ -105,12 +105,52 @@ cudaError_t launch(int grid, int smem, cudaStream_t st, const Args&... args) {
   return cudaGetLastError();
 }
 
+// World 1, fused, rows of tpr == kArThreads up to kLocVecsPerThread vectors per thread: one
+// row per block of kLocThreads, held in registers (allreduce_local.cuh local_rows_kernel; same
+// bits as local_kernel). JAX_NVCOMM_AR_LOCAL_ROWS=0 keeps local_kernel (A/B measurements).
+bool local_rows_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("JAX_NVCOMM_AR_LOCAL_ROWS");
+    return !(e != nullptr && e[0] == '0');
+  }();
+  return on;
+}
+
+// Resident blocks of local_rows_kernel per SM (occupancy API), once per device; 0 on failure.
+template <typename T, bool kQuant>
+int local_rows_per_sm() {
+  static std::atomic<int> cache[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  const int c = cache[dev].load(std::memory_order_relaxed);
+  if (c != 0) return c < 0 ? 0 : c;
+  int n = 0;
+  if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
+                                                    dev::kLocThreads, 0) != cudaSuccess)
+    n = 0;
+  cudaGetLastError();
+  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
+  return n;
+}
+
 template <typename T, bool kFused, bool kQuant = false>
 cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
-                       Strategy s, char* mc, int grid, cudaStream_t st) {
+                       Strategy s, char* mc, int grid, cudaStream_t st, int sm_count) {
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
-  if (v.world == 1)  // a group of one: no communication (allreduce_local.cuh)
+  if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
+    if constexpr (kFused) {
+      const int per_sm = local_rows_enabled() && dev::local_rows_ok(rc)
+                             ? local_rows_per_sm<T, kQuant>() : 0;
+      if (per_sm > 0) {
+        const int64_t blocks = int64_t(per_sm) * sm_count;
+        const int g = int(t.tokens < blocks ? t.tokens : blocks);
+        dev::local_rows_kernel<T, kQuant><<<g, dev::kLocThreads, 0, st>>>(t, rc);
+        return cudaGetLastError();
+      }
+    }
     return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
+  }
   if (s == Strategy::kOneShot)
     return mc == nullptr
                ? launch<dev::oneshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
@@ -124,11 +164,12 @@ cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, 
 
 template <typename T>
 cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint32_t desc, Strategy s,
-                  char* mc, int grid, cudaStream_t st) {
+                  char* mc, int grid, cudaStream_t st, int sm_count) {
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
-  if (fused && t.scale != nullptr) return launch_one<T, true, true>(v, t, rc, desc, s, mc, grid, st);
-  return fused ? launch_one<T, true>(v, t, rc, desc, s, mc, grid, st)
-               : launch_one<T, false>(v, t, rc, desc, s, mc, grid, st);
+  if (fused && t.scale != nullptr)
+    return launch_one<T, true, true>(v, t, rc, desc, s, mc, grid, st, sm_count);
+  return fused ? launch_one<T, true>(v, t, rc, desc, s, mc, grid, st, sm_count)
+               : launch_one<T, false>(v, t, rc, desc, s, mc, grid, st, sm_count);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -326,13 +367,54 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
     if (done) return e;
   }
   switch (a.dtype) {
-    case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream);
-    case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream);
-    default: return launch_typed<__half>(v, t, fused, desc, s, mc, grid, stream);
+    case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream, sm_count);
+    case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream, sm_count);
+    default: return launch_typed<__half>(v, t, fused, desc, s, mc, grid, stream, sm_count);
+  }
+}
+
+namespace {
+template <typename T, bool kQuant>
+cudaError_t local_variant(const ArTensors& t, bool rows, cudaStream_t st, int sm_count) {
+  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
+  if (!rows) {
+    const int grid = all_reduce_grid(t.tokens, t.hidden, dev::Vec<T>::kElems == 4 ? kF32 : kBF16, 1,
+                                     Strategy::kTwoShot, true, sm_count);
+    return launch<dev::local_kernel<T, true, kQuant>>(
+        grid, int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)), st, t, rc);
+  }
+  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
+  if (per_sm < 1) return cudaErrorInvalidValue;
+  const int64_t blocks = int64_t(per_sm) * sm_count;
+  dev::local_rows_kernel<T, kQuant>
+      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t all_reduce_local_variant(const AllReduceArgs& a, bool rows, cudaStream_t stream,
+                                     int sm_count) {
+  if (a.residual == nullptr || a.tokens < 1) return cudaErrorInvalidValue;
+  const ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
+                    a.tokens, a.hidden, a.eps,      a.scale};
+  const bool q = a.scale != nullptr;
+  switch (a.dtype) {
+    case kF32: return q ? local_variant<float, true>(t, rows, stream, sm_count)
+                        : local_variant<float, false>(t, rows, stream, sm_count);
+    case kBF16: return q ? local_variant<__nv_bfloat16, true>(t, rows, stream, sm_count)
+                         : local_variant<__nv_bfloat16, false>(t, rows, stream, sm_count);
+    default: return q ? local_variant<__half, true>(t, rows, stream, sm_count)
+                      : local_variant<__half, false>(t, rows, stream, sm_count);
   }
 }
 
 cudaError_t all_reduce_load_kernels() {
+  local_rows_per_sm<float, false>();  // loads and prepares the world-1 row kernels
+  local_rows_per_sm<float, true>();
+  local_rows_per_sm<__nv_bfloat16, false>();
+  local_rows_per_sm<__nv_bfloat16, true>();
+  local_rows_per_sm<__half, false>();
+  local_rows_per_sm<__half, true>();
   load_cluster_kernels<float>();
   load_cluster_kernels<__nv_bfloat16>();
   load_cluster_kernels<__half>();

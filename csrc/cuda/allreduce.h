@@ -64,6 +64,13 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 // nullptr if the call is valid, else a static message saying what is wrong.
 const char* all_reduce_check(const CommView& v, const AllReduceArgs& a, Strategy s);
 
+// Tests only: the world-1 fused epilogue (a.residual set; a.scale for the FP8 output) with its
+// kernel forced: rows = true the row kernel (allreduce_local.cuh local_rows_kernel; invalid
+// value when the shape does not qualify), false the one-block epilogue (local_kernel). The
+// package picks between them itself (all_reduce); both must give the same bits.
+cudaError_t all_reduce_local_variant(const AllReduceArgs& a, bool rows, cudaStream_t stream,
+                                     int sm_count);
+
 // Number of blocks the call launches (pure function; exposed for tests and tuning).
 int all_reduce_grid(int64_t tokens, int64_t hidden, int dtype, int world, Strategy s, bool fused,
                     int sm_count);

@@ -695,6 +695,53 @@ bool quant_cross(World& w, int dt, int64_t T, int64_t H, uint64_t seed) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// World 1: the row kernel (local_rows_kernel) and the one-block epilogue (local_kernel) give the
+// same bytes (normed or q + scales, residual_out), forced through all_reduce_local_variant.
+Tally g_local_rows;
+
+bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64_t seed) {
+  Case c;
+  c.sh = Shape{dt, T, H, true, (seed & 1) == 1, false};
+  c.W = 1;
+  gen_inputs(c, seed);
+  upload(c);
+  const size_t n = size_t(T) * H, rbytes = n * esize(dt), obytes = quant ? n : rbytes;
+  float* d_scale = nullptr;
+  set_dev(0);
+  if (quant) CK(cudaMalloc(&d_scale, size_t(T) * sizeof(float)));
+  std::vector<uint8_t> got[2];
+  for (int rows = 0; rows < 2; ++rows) {
+    CK(cudaMemset(c.d_out[0], 0xFF, obytes));
+    CK(cudaMemset(c.d_rout[0], 0xFF, rbytes));
+    if (quant) CK(cudaMemset(d_scale, 0xFF, size_t(T) * sizeof(float)));
+    AllReduceArgs a = args_of(c, 0);
+    a.scale = d_scale;
+    const cudaError_t e = nvc::cuda::all_reduce_local_variant(a, rows == 1, w.r[0].st, w.sms);
+    if (e != cudaSuccess) {
+      std::printf("  FAIL local variant %d launch: %s (T=%lld H=%lld)\n", rows,
+                  cudaGetErrorName(e), (long long)T, (long long)H);
+      release(c);
+      return false;
+    }
+    sync_world(w);
+    std::vector<uint8_t>& b = got[rows];
+    b.resize(obytes + rbytes + (quant ? size_t(T) * 4 : 0));
+    CK(cudaMemcpy(b.data(), c.d_out[0], obytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data() + obytes, c.d_rout[0], rbytes, cudaMemcpyDeviceToHost));
+    if (quant) CK(cudaMemcpy(b.data() + obytes + rbytes, d_scale, size_t(T) * 4, cudaMemcpyDeviceToHost));
+  }
+  const bool ok = got[0] == got[1];
+  g_local_rows.total++;
+  g_local_rows.pass += ok;
+  if (!ok && g_fail_lines++ < 12)
+    std::printf("  FAIL world-1 row kernel != one-block bytes %s %s T=%lld H=%lld\n",
+                dtype_name(dt), quant ? "fp8" : "fused", (long long)T, (long long)H);
+  if (d_scale != nullptr) CK(cudaFree(d_scale));
+  release(c);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Many queued calls with changing sizes and alternating strategies (no sync in between).
 
 bool stress(World& w, int ncalls, uint64_t seed) {
@@ -1043,6 +1090,48 @@ struct TimedCase {
   }
 };
 
+// --bench-local: world 1 (one GPU, the epilogue alone), the fused and FP8 epilogues against a
+// device-to-device copy of x (reads and writes every byte once: the bandwidth reference).
+// Bytes of the epilogue = read x, residual + write normed, residual_out (4 x T x H x 2; the
+// weight and, for FP8, the 1-byte q and scales are left out). JAX_NVCOMM_AR_LOCAL_ROWS=0 picks
+// the one-block epilogue (local_kernel) instead of the row kernel, for an A/B.
+void bench_local(int sms) {
+  g_ngpu = 1;
+  World w = make_world(1, size_t(256) << 20, 4ull * 1000 * 1000 * 1000, sms);
+  g_world = &w;
+  const int iters = 20;
+  std::printf("\nbench-local: W=1, bf16, us per call (CUDA graph of %d calls, best of 3); "
+              "JAX_NVCOMM_AR_LOCAL_ROWS=%s\n", iters,
+              std::getenv("JAX_NVCOMM_AR_LOCAL_ROWS") ? std::getenv("JAX_NVCOMM_AR_LOCAL_ROWS") : "unset");
+  std::printf("%-11s | %9s %7s | %9s %7s %6s | %9s %7s %6s\n", "shape", "copy us", "TB/s",
+              "fused us", "TB/s", "/copy", "fp8 us", "TB/s", "/copy");
+  const int64_t shapes[][2] = {{2048, 8192}, {4096, 7168}, {8192, 8192}, {512, 4096}};
+  for (const auto& sh : shapes) {
+    const int64_t T = sh[0], H = sh[1];
+    const double bytes = double(T) * H * 2;
+    double copy_us, us[2];
+    {
+      TimedCase tc(w, T, H, 1);
+      copy_us = time_graph(w, [&](int r) {
+        CK(cudaMemcpyAsync(tc.c.d_out[r], tc.c.d_x[r], size_t(bytes), cudaMemcpyDeviceToDevice,
+                           w.r[r].st));
+      }, iters);
+      us[0] = tc.time(Strategy::kTwoShot, iters);
+    }
+    {
+      TimedCase tc(w, T, H, 2);
+      us[1] = tc.time(Strategy::kTwoShot, iters);
+    }
+    const double copy_bw = 2 * bytes / copy_us / 1e6, f_bw = 4 * bytes / us[0] / 1e6,
+                 q_bw = 4 * bytes / us[1] / 1e6;
+    std::printf("%5lldx%-5lld | %9.1f %7.2f | %9.1f %7.2f %5.0f%% | %9.1f %7.2f %5.0f%%\n",
+                (long long)T, (long long)H, copy_us, copy_bw, us[0], f_bw, 100 * f_bw / copy_bw,
+                us[1], q_bw, 100 * q_bw / copy_bw);
+  }
+  free_world(w);
+  g_world = nullptr;
+}
+
 void bench(int sms) {
   const int W = g_ngpu;
   const size_t M = 16 << 20;
@@ -1136,16 +1225,18 @@ void probe_run(int sms) {
 #endif
 
 int main(int argc, char** argv) {
-  bool quick = false, tmo = false, tmo_one = false, do_bench = false, do_probe = false;
+  bool quick = false, tmo = false, tmo_one = false, do_bench = false, do_probe = false,
+       do_local = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
+    else if (!std::strcmp(argv[i], "--bench-local")) do_local = true;
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
     else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
     else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
     else {
-      std::printf("usage: %s [--gpus N] [--quick | --bench | --probe | --timeout-test | --timeout-test-oneshot]\n",
+      std::printf("usage: %s [--gpus N] [--quick | --bench | --bench-local | --probe | --timeout-test | --timeout-test-oneshot]\n",
                   argv[0]);
       return 2;
     }
@@ -1186,6 +1277,10 @@ int main(int argc, char** argv) {
   if (tmo) return timeout_test(sms, !tmo_one);
   if (do_bench) {
     bench(sms);
+    return 0;
+  }
+  if (do_local) {
+    bench_local(sms);
     return 0;
   }
   if (do_probe) {
@@ -1240,6 +1335,13 @@ int main(int argc, char** argv) {
         for (const TH& th : qs)
           if (size_t(th.T) * th.H * esize(dt) <= M / 8) all_ok &= quant_cross(w, dt, th.T, th.H, ++seed);
     }
+    if (W == 1) {  // world 1: the row kernel against the one-block epilogue, bitwise
+      const TH ls[] = {{1, 4096}, {7, 7168}, {64, 8192}, {300, 4096}, {33, 2560}, {513, 3072}};
+      for (int dt = 0; dt < 3; ++dt)
+        for (const TH& th : ls)
+          for (int q = 0; q < 2; ++q)
+            if (th.H / vec_elems(dt) <= 1024) all_ok &= local_rows_cross(w, dt, th.T, th.H, q, ++seed);
+    }
     stress_ok[widx(W)] = stress(w, nstress, 77 + W);
     const bool inv_ok = batch_invariance(w, 555 + W);
     batch_ok[widx(W)] = inv_ok;
@@ -1271,6 +1373,8 @@ int main(int argc, char** argv) {
                 stress_ok[widx(W)] ? "ok" : "FAIL", graph_ok[widx(W)] ? "ok" : "FAIL",
                 batch_ok[widx(W)] ? "ok" : "FAIL", counters[widx(W)] ? "ok" : "FAIL");
   }
+  std::printf("W=1  row kernel == one-block epilogue bitwise %d/%d %s\n", g_local_rows.pass,
+              g_local_rows.total, g_local_rows.pass == g_local_rows.total ? "ok" : "FAIL");
   std::printf("host validation %s\n", valid_ok ? "ok" : "FAIL");
   std::printf("RESULT: %s\n", all_ok ? "PASS" : "FAIL");
   return all_ok ? 0 : 1;

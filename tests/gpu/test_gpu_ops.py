@@ -108,15 +108,17 @@ def test_fused_all_reduce_rms_norm(comms, world, rng, dtype, strategy, tokens, h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_world_one(comms, rng, dtype):
+@pytest.mark.parametrize("shape", [(5, 256), (9, 4096), (2, 7168)])
+def test_world_one(comms, rng, dtype, shape):
     """A group of one (allreduce_local.cuh): the sum is x itself (with -0.0 read as +0.0), the
-    fused op the reference RMSNorm of x + residual; both strategies alike."""
+    fused op the reference RMSNorm of x + residual; both strategies alike. Hidden 4096 (every
+    dtype) and 7168 (16-bit) run the row kernel (local_rows_kernel), 256 the one-block one."""
     c = comms[1]
-    x = rng.standard_normal((5, 256))
+    x = rng.standard_normal(shape)
     x[0, :4] = -0.0
     xs = jnp.asarray(x, dtype)
-    res = jnp.asarray(rng.standard_normal((5, 256)), dtype)
-    w = jnp.asarray(1 + 0.1 * rng.standard_normal(256), dtype)
+    res = jnp.asarray(rng.standard_normal(shape), dtype)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[1]), dtype)
     want = np.asarray(xs.astype(jnp.float32), np.float64) + 0.0  # -0.0 + 0.0 = +0.0
     for strat in ["oneshot", "twoshot"]:
         out = run(c, lambda v: nvc.all_reduce(v, c, strategy=strat)[None], P("x"), xs)

@@ -88,6 +88,7 @@ harness)
   [ -x build/ar_h ] && [ -x build/moe_h ] ||
     step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
   step ar_harness 120 build/ar_h --quick
+  step ar_harness_cl2 120 env JAX_NVCOMM_AR_CLUSTER=2 build/ar_h --quick  # clusters of 2 too
   step moe_harness 120 build/moe_h
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
@@ -237,14 +238,14 @@ kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain /
   grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kern13.txt"
   ;;
 clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): bitwise harness
-  # checks, then graph timing with it off and on, in turns (JAX_NVCOMM_AR_CLUSTER=0 / 1)
+  # checks, then graph timing off / clusters of 4 / of 4 and 2, in turns (JAX_NVCOMM_AR_CLUSTER)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
   step cl_harness1 120 build/ar_h --quick
   [ "$NG" -ge 2 ] && step cl_harness2 120 build/ar_h --gpus 2 --quick
   for i in 1 2; do
-    for on in 0 1; do
+    for on in 0 4 2; do  # off, clusters of 4 (default), clusters of 4 then 2
       step cl_bench_$on$i 120 env JAX_NVCOMM_AR_CLUSTER=$on build/ar_h --gpus "$NG" --bench
     done
   done

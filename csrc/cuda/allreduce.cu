@@ -177,15 +177,17 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 // ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
 // Used for fused (plain or FP8 output), unicast one-shot calls whose rows qualify
 // (cluster_rows_ok) when every row gets a cluster of its own: clusters of 4 blocks while the
-// rows fit (about 33 on an H200), else of 2 blocks (about 66). With two rows per cluster in turn
-// the one-block epilogue was faster (measured, 2 x H200: 64 x 4096 9.1 us against 6.3).
-// JAX_NVCOMM_AR_CLUSTER: 0 = off, 4 = clusters of 4 only, unset or anything else = both (A/B
-// measurements); every rank of a job must see the same setting only for speed: all variants run
-// the same protocol on the same buffers and give the same bits.
+// rows fit (about 33 on an H200), and with JAX_NVCOMM_AR_CLUSTER=2 also of 2 blocks (about 66)
+// beyond that. With two rows per cluster in turn the one-block epilogue was faster (measured,
+// 2 x H200: 64 x 4096 9.1 us against 6.3). JAX_NVCOMM_AR_CLUSTER: 0 = off, 2 = clusters of 4,
+// then of 2, unset or anything else = clusters of 4 only (the measured default: clusters of 2
+// are checked bitwise but not yet timed on 2 GPUs). Every rank of a job must see the same
+// setting only for speed: all variants run the same protocol on the same buffers and give the
+// same bits.
 int cluster_mode() {
   static const int mode = [] {
     const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
-    return e == nullptr ? 1 : e[0] == '0' ? 0 : e[0] == '4' ? 4 : 1;
+    return e == nullptr ? 4 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 4;
   }();
   return mode;
 }
@@ -268,7 +270,7 @@ bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm
   if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
   if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
     return true;
-  return mode != 4 &&
+  return mode == 2 &&
          try_launch_cluster<T, kQuant, dev::kClBlocksLarge>(v, t, rc, desc, sm_count, st, err);
 }
 

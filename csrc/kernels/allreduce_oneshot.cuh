@@ -92,20 +92,25 @@ __device__ __forceinline__ uint4 lamport_sum_v4(const CommView& v, const char* s
   return pack<T>(acc);
 }
 
-template <typename T, bool kFused, class Policy, bool kQuant = false>
-__device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors& t,
-                                             const RowCfg& rc, uint32_t desc, char* mc) {
-  constexpr int kU = 4;                            // input vectors in flight per thread
-  constexpr int kChunk = kFused ? 4 : 8;  // slot loads in flight (x kEpiPairs when fused)
-  __shared__ char* s_dst[kMaxWorld];
-  __shared__ float s_red[kEpiPairs * kArThreads / 32];
-  extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
+// The call's number, deadline and own receive buffer (this rank's slots of buffer k % 3).
+struct OneShotCall {
+  uint64_t k;
+  uint64_t deadline;
+  const char* slot0;
+};
 
+// Steps 1-3 of a call over the whole grid (blocks of kThreads threads; the cluster-split
+// kernel, allreduce_oneshot_cluster.cuh, shares them): push x to every rank's slot, clear the
+// previous call's own buffer, advance the counters. s_dst: kMaxWorld pointers of shared memory.
+template <typename T, class Policy, int kThreads>
+__device__ __forceinline__ OneShotCall oneshot_exchange(const CommView& v, const ArTensors& t,
+                                                        uint32_t desc, char* mc, char** s_dst) {
+  constexpr int kU = 4;  // input vectors in flight per thread
   probe(0);
   const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
   const size_t bytes = nv * 16;
-  const size_t tid = size_t(blockIdx.x) * kArThreads + threadIdx.x;
-  const size_t nthreads = size_t(gridDim.x) * kArThreads;
+  const size_t tid = size_t(blockIdx.x) * kThreads + threadIdx.x;
+  const size_t nthreads = size_t(gridDim.x) * kThreads;
   // This thread's first kU input vectors are requested before the counters: neither depends on
   // the other, so the two load latencies overlap instead of adding up.
   const char* x = static_cast<const char*>(t.x);
@@ -162,13 +167,27 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
     *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
   }
+  return OneShotCall{k, deadline, v.lamport(v.rank, cur, 0)};
+}
 
+template <typename T, bool kFused, class Policy, bool kQuant = false>
+__device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors& t,
+                                             const RowCfg& rc, uint32_t desc, char* mc) {
+  constexpr int kChunk = kFused ? 4 : 8;  // slot loads in flight (x kEpiPairs when fused)
+  __shared__ char* s_dst[kMaxWorld];
+  __shared__ float s_red[kEpiPairs * kArThreads / 32];
+  extern __shared__ float4 s_dyn[];  // fused epilogue rows (rmsnorm_smem_bytes)
+
+  const OneShotCall call = oneshot_exchange<T, Policy, kArThreads>(v, t, desc, mc, s_dst);
+  const uint64_t k = call.k, deadline = call.deadline;
   probe(2);
   // 4. reduce
-  const char* slot0 = v.lamport(v.rank, cur, 0);
+  const char* slot0 = call.slot0;
   if constexpr (!kFused) {
+    const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
+    const size_t nthreads = size_t(gridDim.x) * kArThreads;
     char* out = static_cast<char*>(t.out);
-    for (size_t i = tid; i < nv; i += nthreads)
+    for (size_t i = size_t(blockIdx.x) * kArThreads + threadIdx.x; i < nv; i += nthreads)
       st_v4(out + i * 16, lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline));
   } else {
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;

@@ -126,7 +126,6 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks)
   constexpr int kClThreads = kArThreads / kClBlocks;
   constexpr int kWarpsPerBlock = kClThreads / 32;
   constexpr int kVWarps = kArThreads / 32;  // virtual warps of a row
-  constexpr int kU = 4;
   static_assert(kClMaxCols % 2 == 0, "columns are polled in pairs");
   __shared__ char* s_dst[kMaxWorld];
   __shared__ float s_part[kWarpsPerBlock];
@@ -136,60 +135,11 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks)
   const int crank = int(cluster.block_rank());
   const int64_t cid = blockIdx.x / kClBlocks, ncl = gridDim.x / kClBlocks;
 
-  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / E;
-  const size_t bytes = nv * 16;
-  const size_t tid = size_t(blockIdx.x) * kClThreads + threadIdx.x;
-  const size_t nthreads = size_t(gridDim.x) * kClThreads;
-  const char* x = static_cast<const char*>(t.x);
-  uint4 d0[kU];  // first input vectors, requested before the counters (as in oneshot_body)
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const size_t i = tid + u * nthreads;
-    if (i < nv) d0[u] = ld_nc_v4(x + i * 16);
-  }
-  Ctrl* ctrl = v.ctrl();
-  const uint64_t k = *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) + 1;
-  const size_t prev_bytes = *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes);
-  const int cur = int(k % 3), prv = int((k + 2) % 3);
-  if (bytes > v.lamport_slot || prev_bytes > v.lamport_slot)
-    fail(v.err, kErrCapacity, desc, v.rank, -1, k, bytes);
-  const uint64_t deadline = globaltimer() + v.timeout_ns;
-  if (threadIdx.x < v.world) OneShotUnicast::setup(v, nullptr, cur, s_dst);
-  __syncthreads();
-  const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;
-
-  // 1. push
-  for (size_t i0 = tid; i0 < nv; i0 += nthreads * kU) {
-    uint4 d[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const size_t i = i0 + u * nthreads;
-      if (i < nv) d[u] = sanitize_v4<T>(i0 == tid ? d0[u] : ld_nc_v4(x + i * 16));
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const size_t i = i0 + u * nthreads;
-      if (i < nv) OneShotUnicast::push(v, s_dst, i, d[u]);
-    }
-  }
-  // 2. clear the previous call's buffer of the own region
-  {
-    const uint32_t nvp = uint32_t(prev_bytes / 16);
-    const uint32_t total = nvp * uint32_t(v.world);
-    char* base = v.lamport(v.rank, prv, 0);
-    for (uint32_t i = uint32_t(tid); i < total; i += uint32_t(nthreads)) {
-      const uint32_t s = i / nvp;
-      st_v4(base + size_t(s) * v.lamport_slot + size_t(i - s * nvp) * 16, lamport_empty_v4());
-    }
-  }
-  // 3. counters (see allreduce_oneshot.cuh)
-  if (threadIdx.x == 0 && arrive_is_last(&ctrl->done_blocks, ticket)) {
-    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_bytes) = bytes;
-    *reinterpret_cast<volatile uint64_t*>(&ctrl->lamport_seq) = k;
-  }
+  const OneShotCall call = oneshot_exchange<T, OneShotUnicast, kClThreads>(v, t, desc, nullptr, s_dst);
+  const uint64_t k = call.k, deadline = call.deadline;
 
   // 4. rows, split over the cluster
-  const char* slot0 = v.lamport(v.rank, cur, 0);
+  const char* slot0 = call.slot0;
   const char* res = static_cast<const char*>(t.residual);
   const char* wgt = static_cast<const char*>(t.weight);
   char* res_out = static_cast<char*>(t.residual_out);

@@ -325,13 +325,8 @@ int run_error_mode() {
   return ok ? 0 : 1;
 }
 
-void run_perf() {
-  // EP8 on one GPU (all 8 ranks share one GPU's SMs and HBM): indicative only.
-  Case cs{"perf", 8, 256, 8, 128, 7168, kMoeBF16, 0, kMoeBF16};
-  cs.full = true;
-  cs.p_neg = 0;
-  MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
-  World w(c0);
+// One slot per rank with the case's inputs uploaded (expert_y zeroed), for the timing runs.
+std::vector<std::vector<Slot>> timing_slots(const Case& cs, const MoeConfig& c0) {
   std::vector<std::vector<Slot>> slots(cs.W);
   for (int r = 0; r < cs.W; ++r) {
     slots[r].push_back(make_slot(cs, c0));
@@ -342,6 +337,17 @@ void run_perf() {
     CK(cudaMemset(slots[r][0].ey, 0, in.ey.size()));
   }
   CK(cudaDeviceSynchronize());
+  return slots;
+}
+
+void run_perf() {
+  // EP8 on one GPU (all 8 ranks share one GPU's SMs and HBM): indicative only.
+  Case cs{"perf", 8, 256, 8, 128, 7168, kMoeBF16, 0, kMoeBF16};
+  cs.full = true;
+  cs.p_neg = 0;
+  MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
+  World w(c0);
+  std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
   const int iters = 20;
   double tot[2] = {0, 0};
   for (int it = 0; it < iters + 2; ++it) {
@@ -380,16 +386,7 @@ void run_probe() {
     cs.p_neg = 0;
     MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
     World w(c0);
-    std::vector<std::vector<Slot>> slots(cs.W);
-    for (int r = 0; r < cs.W; ++r) {
-      slots[r].push_back(make_slot(cs, c0));
-      RankIn in = make_input(cs, c0, r);
-      CK(cudaMemcpy(slots[r][0].x, in.x.data(), in.x.size(), cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(slots[r][0].ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(slots[r][0].w, in.w.data(), in.w.size() * 4, cudaMemcpyHostToDevice));
-      CK(cudaMemset(slots[r][0].ey, 0, in.ey.size()));
-    }
-    CK(cudaDeviceSynchronize());
+    std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
     unsigned long long pr[16];
     const int rounds = 200;
     for (int pass = 0; pass < 2; ++pass) {  // a warm-up pass, then the measured one

@@ -49,11 +49,6 @@
 namespace nvc {
 namespace dev {
 
-// Vectors per thread of the two-shot epilogue's row-in-registers path (rmsnorm_regs.cuh): 4 fit
-// the 512-thread kernel's 128 registers (rows up to hidden 4096 for 16-bit types, 2048 for f32;
-// wider rows take rmsnorm_rows).
-constexpr int kTwoShotRowVecs = 4;
-
 // Share / chunk bounds in 16-byte vectors (pure functions of nv, W, G: identical on all ranks).
 NVC_HD size_t share_begin(size_t nv, int world, int o) { return nv * size_t(o) / size_t(world); }
 NVC_HD void chunk_bounds(size_t nv, int world, int grid, int o, int b, size_t* begin,
@@ -233,8 +228,8 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
     }
     __syncthreads();
     probe(10);
-    if (rows_regs_ok<kTwoShotRowVecs>(rc))  // rows held in registers (rmsnorm_regs.cuh)
-      rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kTwoShotRowVecs, false>(
+    if (rows_regs_ok<kRowVecsIn512>(rc))  // rows held in registers (rmsnorm_regs.cuh)
+      rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kRowVecsIn512, false>(
           t, rc, rb, re, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
     else
       rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,

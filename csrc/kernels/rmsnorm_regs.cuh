@@ -4,6 +4,8 @@
 // (kVecs = 8: hidden <= 8192 for 16-bit types, <= 4096 for f32; kVecs = 4: half that). Used by the world-1 row kernel
 // (allreduce_local.cuh, one group per block) and the two-shot epilogue (allreduce_twoshot.cuh,
 // kArThreads / kRowThreads groups per block), both of which read a row's sums from memory.
+// (In the one-shot kernel, with Lamport polls as the sums, it spilled 84 bytes at 128
+// registers: not used there.)
 //
 // Same bits as rmsnorm_rows: thread t of a group plays the virtual lanes t + kRowThreads * j
 // (j < kRowLanes) of rmsnorm_rows' row group of kArThreads lanes, so every row is reduced in
@@ -36,6 +38,10 @@ constexpr int kRowLanes = kArThreads / kRowThreads;  // virtual lanes per thread
 
 // kVecs: 16-byte vectors of a row per thread (a multiple of kRowLanes; 8 where a thread may use
 // ~230 registers, 4 inside the 512-thread two-shot kernel's 128).
+// Vectors per thread inside the 512-thread two-shot kernel (128 registers): rows up to hidden
+// 4096 for 16-bit types, 2048 for f32; wider rows take rmsnorm_rows.
+constexpr int kRowVecsIn512 = 4;
+
 template <int kVecs>
 NVC_HD bool rows_regs_ok(const RowCfg& rc) {
   return rc.tpr == kArThreads && rc.nvr <= kVecs * kRowThreads;

@@ -50,16 +50,11 @@ int elems_per_vec(int dtype) { return dtype == kF32 ? 4 : 8; }
 
 int current_sm_count() {
   static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
-  if (dev >= 0 && dev < 64) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c;
-  }
-  int n = 1;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
+  const int n = ar_detail::once_per_device(cache, [](int dev) {
+    int c = 0;
+    return cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? c : 0;
+  });
+  return n > 0 ? n : 1;
 }
 
 // The unicast kernels only: the multicast variants are prepared at their first launch, so on
@@ -96,18 +91,28 @@ bool local_rows_enabled() {
 template <typename T, bool kQuant>
 int local_rows_per_sm() {
   static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  const int c = cache[dev].load(std::memory_order_relaxed);
-  if (c != 0) return c < 0 ? 0 : c;
-  int n = 0;
-  if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
-                                                    dev::kLocThreads, 0) != cudaSuccess)
-    n = 0;
-  cudaGetLastError();
-  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
-  return n;
+  return ar_detail::once_per_device(cache, [](int) {
+    int n = 0;
+    if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
+                                                      dev::kLocThreads, 0) != cudaSuccess)
+      return 0;
+    return n;
+  });
+}
+
+// World 1, fused: launches the row kernel when it takes the rows (one block per row, at most
+// the resident blocks of sm_count SMs) and returns true; false, nothing launched, otherwise.
+template <typename T, bool kQuant>
+bool launch_local_rows(const ArTensors& t, const RowCfg& rc, int sm_count, cudaStream_t st,
+                       cudaError_t* err) {
+  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
+  if (per_sm < 1) return false;
+  const int64_t blocks = int64_t(per_sm) * sm_count;
+  dev::local_rows_kernel<T, kQuant>
+      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
+  *err = cudaGetLastError();
+  return true;
 }
 
 template <typename T, bool kFused, bool kQuant = false>
@@ -116,14 +121,8 @@ cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, 
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
   if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
     if constexpr (kFused) {
-      const int per_sm = local_rows_enabled() && dev::local_rows_ok(rc)
-                             ? local_rows_per_sm<T, kQuant>() : 0;
-      if (per_sm > 0) {
-        const int64_t blocks = int64_t(per_sm) * sm_count;
-        const int g = int(t.tokens < blocks ? t.tokens : blocks);
-        dev::local_rows_kernel<T, kQuant><<<g, dev::kLocThreads, 0, st>>>(t, rc);
-        return cudaGetLastError();
-      }
+      cudaError_t e = cudaSuccess;
+      if (local_rows_enabled() && launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e)) return e;
     }
     return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
   }
@@ -246,12 +245,8 @@ cudaError_t local_variant(const ArTensors& t, bool rows, cudaStream_t st, int sm
     return launch<dev::local_kernel<T, true, kQuant>>(
         grid, int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)), st, t, rc);
   }
-  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
-  if (per_sm < 1) return cudaErrorInvalidValue;
-  const int64_t blocks = int64_t(per_sm) * sm_count;
-  dev::local_rows_kernel<T, kQuant>
-      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
-  return cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  return launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e) ? e : cudaErrorInvalidValue;
 }
 }  // namespace
 
@@ -291,12 +286,7 @@ cudaError_t all_reduce_load_kernels() {
 }
 
 #ifdef NVC_PROBE
-cudaError_t probe_take(unsigned long long* out) {
-  if (cudaError_t e = cudaMemcpyFromSymbol(out, dev::g_probe, sizeof(dev::g_probe)); e != cudaSuccess)
-    return e;
-  static const unsigned long long zero[dev::kProbeN] = {};
-  return cudaMemcpyToSymbol(dev::g_probe, zero, sizeof(zero));
-}
+cudaError_t probe_take(unsigned long long* out) { return dev::take_probes(out); }
 #endif
 
 cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,

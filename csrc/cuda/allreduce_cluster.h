@@ -52,22 +52,18 @@ cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) 
 template <typename T, bool kQuant, int kC>
 int max_active_clusters() {
   static std::atomic<int> cache[64];
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  const int c = cache[dev].load(std::memory_order_relaxed);
-  if (c != 0) return c < 0 ? 0 : c;
-  int n = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      major >= 9 && prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() == cudaSuccess) {
+  return once_per_device(cache, [](int dev) {
+    int major = 0, n = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        major < 9 || prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() != cudaSuccess)
+      return 0;
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(1, &attr);
     if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC>, &cfg) !=
         cudaSuccess)
-      n = 0;
-  }
-  cudaGetLastError();
-  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
-  return n;
+      return 0;
+    return n;
+  });
 }
 
 // Clusters of kC blocks for a call: one per row, and enough threads for the push (one 16-byte

@@ -126,6 +126,12 @@ cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, 
     }
     return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
   }
+  if constexpr (kFused) {  // small token counts: rows split over clusters (allreduce_cluster.h)
+    cudaError_t e = cudaSuccess;
+    if (s == Strategy::kOneShot && mc == nullptr &&
+        launch_cluster<T, kQuant>(v, t, rc, desc, sm_count, st, &e))
+      return e;
+  }
   if (s == Strategy::kOneShot)
     return mc == nullptr
                ? launch<dev::oneshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
@@ -221,13 +227,6 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                   (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
                                       (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
-  if (fused && s == Strategy::kOneShot && mc == nullptr) {
-    cudaError_t e = cudaSuccess;
-    const bool done = a.dtype == kF32    ? launch_cluster<float>(v, t, desc, sm_count, stream, &e)
-                      : a.dtype == kBF16 ? launch_cluster<__nv_bfloat16>(v, t, desc, sm_count, stream, &e)
-                                         : launch_cluster<__half>(v, t, desc, sm_count, stream, &e);
-    if (done) return e;
-  }
   switch (a.dtype) {
     case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream, sm_count);
     case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream, sm_count);

@@ -97,25 +97,16 @@ bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc,
 }
 
 // Launches the cluster kernel and returns true, or returns false (nothing launched) when the
-// call does not qualify.
+// call does not qualify. rc: make_row_cfg of the call.
 template <typename T, bool kQuant>
-bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
-                    cudaStream_t st, cudaError_t* err) {
+bool launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
+                    int sm_count, cudaStream_t st, cudaError_t* err) {
   const int mode = cluster_mode();
-  if (mode == 0 || v.world < 2) return false;
-  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
-  if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
+  if (mode == 0 || v.world < 2 || !dev::cluster_rows_ok(rc, t.tokens)) return false;
   if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
     return true;
   return mode == 2 &&
          try_launch_cluster<T, kQuant, dev::kClBlocksLarge>(v, t, rc, desc, sm_count, st, err);
-}
-
-template <typename T>
-bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
-                    cudaStream_t st, cudaError_t* err) {
-  return t.scale != nullptr ? launch_cluster<T, true>(v, t, desc, sm_count, st, err)
-                            : launch_cluster<T, false>(v, t, desc, sm_count, st, err);
 }
 
 template <typename T>

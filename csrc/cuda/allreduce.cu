@@ -128,9 +128,7 @@ cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, 
   }
   if constexpr (kFused) {  // small token counts: rows split over clusters (allreduce_cluster.h)
     cudaError_t e = cudaSuccess;
-    if (s == Strategy::kOneShot && mc == nullptr &&
-        launch_cluster<T, kQuant>(v, t, rc, desc, sm_count, st, &e))
-      return e;
+    if (launch_cluster<T, kQuant>(v, t, rc, desc, s, mc, sm_count, st, &e)) return e;
   }
   if (s == Strategy::kOneShot)
     return mc == nullptr

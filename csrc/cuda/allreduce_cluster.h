@@ -97,12 +97,16 @@ bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc,
 }
 
 // Launches the cluster kernel and returns true, or returns false (nothing launched) when the
-// call does not qualify. rc: make_row_cfg of the call.
+// call does not qualify: a one-shot call of 2+ ranks, unicast (mc, the multicast base, null:
+// the kernel has no multicast variant), rows that cluster_rows_ok takes. rc: make_row_cfg of
+// the call.
 template <typename T, bool kQuant>
 bool launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
-                    int sm_count, cudaStream_t st, cudaError_t* err) {
+                    Strategy s, const char* mc, int sm_count, cudaStream_t st, cudaError_t* err) {
   const int mode = cluster_mode();
-  if (mode == 0 || v.world < 2 || !dev::cluster_rows_ok(rc, t.tokens)) return false;
+  if (mode == 0 || s != Strategy::kOneShot || mc != nullptr || v.world < 2 ||
+      !dev::cluster_rows_ok(rc, t.tokens))
+    return false;
   if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
     return true;
   return mode == 2 &&

@@ -229,8 +229,8 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
     __syncthreads();
     probe(10);
     if (rows_regs_ok<kRowVecsIn512>(rc))  // rows held in registers (rmsnorm_regs.cuh)
-      rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kRowVecsIn512, false>(
-          t, rc, rb, re, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
+      rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kRowVecsIn512, false, false>(
+          t, rc, rb, re, kArThreads / kRowThreads, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
     else
       rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
                               [&](size_t i) { return ld_cg_v4(ag + i * 16); });

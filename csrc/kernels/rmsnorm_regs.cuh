@@ -63,16 +63,21 @@ __device__ __forceinline__ void group_sync(int group) {
   }
 }
 
-// Rows [rb, re) over the block's kGroups groups of kRowThreads threads (blockDim.x ==
-// kGroups * kRowThreads). sum_vec(i) returns the T-packed sum of 16-byte vector i of the message
+// Rows rb + group, rb + group + step, ... below re, one group of kRowThreads threads each
+// (blockDim.x == kGroups * kRowThreads; step = kGroups for a block's own range [rb, re), or
+// the grid's row stride with one group per block). sum_vec(i) returns the T-packed sum of 16-byte vector i of the message
 // (i = row * nvr + column) from memory; it is called one row ahead of its use, so it must not
-// wait for anything. kAhead: the weights are held in registers and the next row's sums and
+// wait for anything: a raw load, converted only where the row uses it (a conversion at the
+// call would wait for the load there, and the next row's loads would no longer fly across
+// this row's barrier: the world-1 kernel ran at 44% of copy bandwidth that way). kSanitize:
+// the vector is a raw input (world 1), sanitised at its use. kAhead: the weights are held in registers and the next row's sums and
 // residual are requested before this row's barrier (more registers); else the weights are
 // prefetched into L1 and loaded per row, and a row's sums at its start. Every thread of the block must call
 // it with the same range.
-template <typename T, bool kQuant, int kGroups, int kVecs, bool kAhead, class SumFn>
+template <typename T, bool kQuant, int kGroups, int kVecs, bool kAhead, bool kSanitize, class SumFn>
 __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowCfg& rc,
-                                                  int64_t rb, int64_t re, SumFn&& sum_vec) {
+                                                  int64_t rb, int64_t re, int64_t step,
+                                                  SumFn&& sum_vec) {
   constexpr int E = Vec<T>::kElems;
   constexpr int kC = kVecs / kRowLanes;  // columns per virtual lane
   static_assert(kVecs % kRowLanes == 0, "whole columns per virtual lane");
@@ -113,7 +118,7 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
   };
   load_row(first);
   int buf = 0;
-  for (int64_t row = first; row < re; row += kGroups, buf ^= 1) {
+  for (int64_t row = first; row < re; row += step, buf ^= 1) {
     const size_t rbase = size_t(row) * nvr;
     if (!kAhead && row != first) load_row(row);
     float r[kVecs][E];
@@ -124,7 +129,7 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
     for (int v = 0; v < kVecs; ++v) {  // a lane's columns in increasing order
       if (col_of(v) < nvr) {
         float fs[E], fr[E];
-        unpack<T>(sv[v], fs);
+        unpack<T>(kSanitize ? sanitize_v4<T>(sv[v]) : sv[v], fs);
         unpack<T>(rv[v], fr);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
@@ -134,7 +139,7 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
         st_v4(res_out + (rbase + col_of(v)) * 16, pack<T>(r[v]));
       }
     }
-    if constexpr (kAhead) load_row(row + kGroups);  // in flight during the barrier and pass 2
+    if constexpr (kAhead) load_row(row + step);  // in flight during the barrier and pass 2
 #pragma unroll
     for (int j = 0; j < kRowLanes; ++j) {
       float p = ss[j];

@@ -1,5 +1,7 @@
-// Host side of the all-reduce kernels: validation, launch configuration, dispatch.
-// Protocols: csrc/kernels/allreduce_oneshot.cuh, allreduce_twoshot.cuh, allreduce_multicast.cuh.
+// Host side of the all-reduce kernels: validation, launch configuration, dispatch (the
+// cluster-split fused one-shot's own launch code: allreduce_cluster.h). Protocols:
+// csrc/kernels/allreduce_oneshot.cuh, allreduce_oneshot_cluster.cuh, allreduce_twoshot.cuh,
+// allreduce_multicast.cuh, allreduce_local.cuh.
 #include "allreduce.h"
 
 #include <atomic>
@@ -8,8 +10,9 @@
 #include "../kernels/allreduce_local.cuh"
 #include "../kernels/allreduce_multicast.cuh"
 #include "../kernels/allreduce_oneshot.cuh"
-#include "../kernels/allreduce_oneshot_cluster.cuh"
 #include "../kernels/allreduce_twoshot.cuh"
+#include "allreduce_cluster.h"
+#include "allreduce_prepare.h"
 
 namespace nvc {
 namespace cuda {
@@ -18,13 +21,13 @@ namespace {
 using dev::ArTensors;
 using dev::kArThreads;
 using dev::RowCfg;
+using ar_detail::kMaxFusedHidden;
+using ar_detail::launch_cluster;
+using ar_detail::load_cluster_kernels;
+using ar_detail::prepare_kernel;
 
 static_assert(kMaxArBlocks <= kMaxBlocks, "flag arrays are sized for kMaxBlocks blocks");
 static_assert(kMaxArBlocks <= dev::kEpiMaxBlocks, "row configuration assumes at most this grid");
-
-// Fused rows keep float32 r in dynamic shared memory: hidden * 4 bytes for one row.
-constexpr int64_t kMaxFusedHidden = 32768;
-constexpr int kMaxDynSmem = int(kMaxFusedHidden * 4);
 
 // 16-byte vectors per thread (x W stores for one-shot's push) that size the grids: the push is
 // bound by each SM's store rate, so one-shot spreads small messages over one block per
@@ -47,43 +50,11 @@ int elems_per_vec(int dtype) { return dtype == kF32 ? 4 : 8; }
 
 int current_sm_count() {
   static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
-  if (dev >= 0 && dev < 64) {
-    const int c = cache[dev].load(std::memory_order_relaxed);
-    if (c > 0) return c;
-  }
-  int n = 1;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
-  return n;
-}
-
-// Load a kernel and set its attributes, once per (kernel, device): the dynamic shared memory
-// limit (fused rows need up to 128 KiB) and the same carveout as every other kernel of the
-// package (an SM changes its L1/shared split only when idle, so a kernel that wants another
-// split may never be scheduled next to spinning blocks). Loading early also keeps lazy module
-// loading out of the first launch. Attributes only, no stream work: fine inside graph capture.
-template <auto kKernel>
-cudaError_t prepare_kernel() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const uint64_t bit = uint64_t(1) << (dev & 63);
-  if ((done.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
-  const void* f = reinterpret_cast<const void*>(kKernel);
-  cudaFuncAttributes a;
-  if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kMaxDynSmem);
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           int(cudaSharedmemCarveoutMaxShared));
-      e != cudaSuccess)
-    return e;
-  done.fetch_or(bit, std::memory_order_relaxed);
-  return cudaSuccess;
+  const int n = ar_detail::once_per_device(cache, [](int dev) {
+    int c = 0;
+    return cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? c : 0;
+  });
+  return n > 0 ? n : 1;
 }
 
 // The unicast kernels only: the multicast variants are prepared at their first launch, so on
@@ -120,18 +91,28 @@ bool local_rows_enabled() {
 template <typename T, bool kQuant>
 int local_rows_per_sm() {
   static std::atomic<int> cache[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  const int c = cache[dev].load(std::memory_order_relaxed);
-  if (c != 0) return c < 0 ? 0 : c;
-  int n = 0;
-  if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
-                                                    dev::kLocThreads, 0) != cudaSuccess)
-    n = 0;
-  cudaGetLastError();
-  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
-  return n;
+  return ar_detail::once_per_device(cache, [](int) {
+    int n = 0;
+    if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
+                                                      dev::kLocThreads, 0) != cudaSuccess)
+      return 0;
+    return n;
+  });
+}
+
+// World 1, fused: launches the row kernel when it takes the rows (one block per row, at most
+// the resident blocks of sm_count SMs) and returns true; false, nothing launched, otherwise.
+template <typename T, bool kQuant>
+bool launch_local_rows(const ArTensors& t, const RowCfg& rc, int sm_count, cudaStream_t st,
+                       cudaError_t* err) {
+  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
+  if (per_sm < 1) return false;
+  const int64_t blocks = int64_t(per_sm) * sm_count;
+  dev::local_rows_kernel<T, kQuant>
+      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
+  *err = cudaGetLastError();
+  return true;
 }
 
 template <typename T, bool kFused, bool kQuant = false>
@@ -140,16 +121,14 @@ cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, 
   const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
   if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
     if constexpr (kFused) {
-      const int per_sm = local_rows_enabled() && dev::local_rows_ok(rc)
-                             ? local_rows_per_sm<T, kQuant>() : 0;
-      if (per_sm > 0) {
-        const int64_t blocks = int64_t(per_sm) * sm_count;
-        const int g = int(t.tokens < blocks ? t.tokens : blocks);
-        dev::local_rows_kernel<T, kQuant><<<g, dev::kLocThreads, 0, st>>>(t, rc);
-        return cudaGetLastError();
-      }
+      cudaError_t e = cudaSuccess;
+      if (local_rows_enabled() && launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e)) return e;
     }
     return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
+  }
+  if constexpr (kFused) {  // small token counts: rows split over clusters (allreduce_cluster.h)
+    cudaError_t e = cudaSuccess;
+    if (launch_cluster<T, kQuant>(v, t, rc, desc, s, mc, sm_count, st, &e)) return e;
   }
   if (s == Strategy::kOneShot)
     return mc == nullptr
@@ -173,121 +152,6 @@ cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
-// Used for fused (plain or FP8 output), unicast one-shot calls whose rows qualify
-// (cluster_rows_ok) when every row gets a cluster of its own: clusters of 4 blocks while the
-// rows fit (about 33 on an H200), and with JAX_NVCOMM_AR_CLUSTER=2 also of 2 blocks (about 66)
-// beyond that. With two rows per cluster in turn the one-block epilogue was faster (measured,
-// 2 x H200: 64 x 4096 9.1 us against 6.3). JAX_NVCOMM_AR_CLUSTER: 0 = off, 2 = clusters of 4,
-// then of 2, unset or anything else = clusters of 4 only (the measured default: clusters of 2
-// are checked bitwise but not yet timed on 2 GPUs). Every rank of a job must see the same
-// setting only for speed: all variants run the same protocol on the same buffers and give the
-// same bits.
-int cluster_mode() {
-  static const int mode = [] {
-    const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
-    return e == nullptr ? 4 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 4;
-  }();
-  return mode;
-}
-
-template <typename T, bool kQuant, int kC>
-cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(clusters * kC);
-  cfg.blockDim = dim3(dev::kArThreads / kC);
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = kC;
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-// Clusters of the kernel that fit the device at once (occupancy API), once per device; 0 when
-// the query fails or the device has no clusters (then the cluster kernel is not used).
-template <typename T, bool kQuant, int kC>
-int max_active_clusters() {
-  static std::atomic<int> cache[64];
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  const int c = cache[dev].load(std::memory_order_relaxed);
-  if (c != 0) return c < 0 ? 0 : c;
-  int n = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      major >= 9 && prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() == cudaSuccess) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(1, &attr);
-    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC>, &cfg) !=
-        cudaSuccess)
-      n = 0;
-  }
-  cudaGetLastError();
-  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
-  return n;
-}
-
-// Clusters of kC blocks for a call: one per row, and enough threads for the push (one 16-byte
-// vector x W stores per thread, as all_reduce_grid); at most what is co-resident within the SM
-// budget. 0 (not used) when the rows outnumber that.
-template <int kC>
-int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_active) {
-  const int64_t push = (int64_t(nv) * world + dev::kArThreads - 1) / dev::kArThreads;
-  int64_t cap = sm_count / kC;
-  if (cap > max_active) cap = max_active;
-  if (cap > kMaxArBlocks) cap = kMaxArBlocks;  // clusters (no per-block flags in one-shot)
-  if (tokens > cap) return 0;
-  const int64_t n = tokens > push ? tokens : push;
-  return int(n > cap ? cap : n);
-}
-
-template <typename T, bool kQuant, int kC>
-bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
-                        int sm_count, cudaStream_t st, cudaError_t* err) {
-  const int max_active = max_active_clusters<T, kQuant, kC>();  // 0 below sm_90
-  if (max_active < 1) return false;
-  const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
-  const int ncl = cluster_count<kC>(t.tokens, nv, v.world, sm_count, max_active);
-  if (ncl < 1) return false;
-  cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(unsigned(ncl), &attr);
-  cfg.stream = st;
-  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant, kC>, v, t, rc, desc);
-  if (*err == cudaSuccess) *err = cudaGetLastError();
-  return true;
-}
-
-// Launches the cluster kernel and returns true, or returns false (nothing launched) when the
-// call does not qualify.
-template <typename T, bool kQuant>
-bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
-                    cudaStream_t st, cudaError_t* err) {
-  const int mode = cluster_mode();
-  if (mode == 0 || v.world < 2) return false;
-  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
-  if (!dev::cluster_rows_ok(rc, t.tokens)) return false;
-  if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
-    return true;
-  return mode == 2 &&
-         try_launch_cluster<T, kQuant, dev::kClBlocksLarge>(v, t, rc, desc, sm_count, st, err);
-}
-
-template <typename T>
-bool launch_cluster(const CommView& v, const ArTensors& t, uint32_t desc, int sm_count,
-                    cudaStream_t st, cudaError_t* err) {
-  return t.scale != nullptr ? launch_cluster<T, true>(v, t, desc, sm_count, st, err)
-                            : launch_cluster<T, false>(v, t, desc, sm_count, st, err);
-}
-
-template <typename T>
-void load_cluster_kernels() {  // loads and prepares them (0 clusters below sm_90)
-  max_active_clusters<T, false, dev::kClBlocksSmall>();
-  max_active_clusters<T, true, dev::kClBlocksSmall>();
-  max_active_clusters<T, false, dev::kClBlocksLarge>();
-  max_active_clusters<T, true, dev::kClBlocksLarge>();
-}
 
 }  // namespace
 
@@ -361,13 +225,6 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                   (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
                                       (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
-  if (fused && s == Strategy::kOneShot && mc == nullptr) {
-    cudaError_t e = cudaSuccess;
-    const bool done = a.dtype == kF32    ? launch_cluster<float>(v, t, desc, sm_count, stream, &e)
-                      : a.dtype == kBF16 ? launch_cluster<__nv_bfloat16>(v, t, desc, sm_count, stream, &e)
-                                         : launch_cluster<__half>(v, t, desc, sm_count, stream, &e);
-    if (done) return e;
-  }
   switch (a.dtype) {
     case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream, sm_count);
     case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream, sm_count);
@@ -385,12 +242,8 @@ cudaError_t local_variant(const ArTensors& t, bool rows, cudaStream_t st, int sm
     return launch<dev::local_kernel<T, true, kQuant>>(
         grid, int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)), st, t, rc);
   }
-  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
-  if (per_sm < 1) return cudaErrorInvalidValue;
-  const int64_t blocks = int64_t(per_sm) * sm_count;
-  dev::local_rows_kernel<T, kQuant>
-      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
-  return cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  return launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e) ? e : cudaErrorInvalidValue;
 }
 }  // namespace
 
@@ -430,12 +283,7 @@ cudaError_t all_reduce_load_kernels() {
 }
 
 #ifdef NVC_PROBE
-cudaError_t probe_take(unsigned long long* out) {
-  if (cudaError_t e = cudaMemcpyFromSymbol(out, dev::g_probe, sizeof(dev::g_probe)); e != cudaSuccess)
-    return e;
-  static const unsigned long long zero[dev::kProbeN] = {};
-  return cudaMemcpyToSymbol(dev::g_probe, zero, sizeof(zero));
-}
+cudaError_t probe_take(unsigned long long* out) { return dev::take_probes(out); }
 #endif
 
 cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,

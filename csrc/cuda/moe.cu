@@ -38,12 +38,7 @@ cudaError_t launch_fused(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs)
 }  // namespace
 
 #ifdef NVC_PROBE
-cudaError_t moe_probe_take(unsigned long long* out) {
-  if (cudaError_t e = cudaMemcpyFromSymbol(out, dev::g_probe, sizeof(dev::g_probe)); e != cudaSuccess)
-    return e;
-  static const unsigned long long zero[dev::kProbeN] = {};
-  return cudaMemcpyToSymbol(dev::g_probe, zero, sizeof(zero));
-}
+cudaError_t moe_probe_take(unsigned long long* out) { return dev::take_probes(out); }
 #endif
 
 cudaError_t moe_load_kernels() {

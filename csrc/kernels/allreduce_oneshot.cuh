@@ -58,38 +58,66 @@ struct OneShotUnicast {
   }
 };
 
-// Poll the W slots of vector i (slot stride L) and return the T-packed rank-order sum. Loads
-// kChunk slots at once; while any word of them is still empty, reloads them all (polls are local).
-template <typename T, int kChunk>
-__device__ __forceinline__ uint4 lamport_sum_v4(const CommView& v, const char* slot0, size_t i,
-                                                uint64_t k, uint32_t desc, uint64_t deadline) {
-  float acc[Vec<T>::kElems];
-  const char* p0 = slot0 + i * 16;
+// Poll the W slots of the nv <= kN vectors i[0..nv) (slot stride L) and write their T-packed
+// rank-order sums to out[0..nv). Loads kChunk slots of every vector at once (all issued before
+// any check); while any word of them is still empty, reloads them all (polls are local). A
+// vector's sum is the same float32 additions in rank order whatever kN, kChunk and nv are.
+template <typename T, int kChunk, int kN>
+__device__ __forceinline__ void lamport_sum_vecs(const CommView& v, const char* slot0,
+                                                 const size_t (&i)[kN], int nv, uint64_t k,
+                                                 uint32_t desc, uint64_t deadline,
+                                                 uint4 (&out)[kN]) {
+  float acc[kN][Vec<T>::kElems];
   for (int s0 = 0; s0 < v.world; s0 += kChunk) {
     const int n = v.world - s0 < kChunk ? v.world - s0 : kChunk;
-    const char* p = p0 + size_t(s0) * v.lamport_slot;
-    uint4 d[kChunk];
+    uint4 d[kN][kChunk];
     bool empty;
     do {
       empty = false;
 #pragma unroll
-      for (int c = 0; c < kChunk; ++c) {
-        if (c < n) {
-          d[c] = ld_volatile_v4(p + size_t(c) * v.lamport_slot);
-          empty |= lamport_any_empty(d[c]);
+      for (int j = 0; j < kN; ++j) {
+        if (j < nv) {
+          const char* p = slot0 + i[j] * 16 + size_t(s0) * v.lamport_slot;
+#pragma unroll
+          for (int c = 0; c < kChunk; ++c) {
+            if (c < n) {
+              d[j][c] = ld_volatile_v4(p + size_t(c) * v.lamport_slot);
+              empty |= lamport_any_empty(d[j][c]);
+            }
+          }
         }
       }
-      if (empty && globaltimer() > deadline) {
+      if (empty && globaltimer() > deadline) {  // report the first rank still missing
         int c = 0;
-        while (c + 1 < n && !lamport_any_empty(d[c])) ++c;
+        auto missing = [&](int cc) {
+          bool m = false;
+#pragma unroll
+          for (int j = 0; j < kN; ++j) m |= j < nv && lamport_any_empty(d[j][cc]);
+          return m;
+        };
+        while (c + 1 < n && !missing(c)) ++c;
         fail(v.err, kErrTimeout, desc, v.rank, s0 + c, k, 0);
       }
     } while (empty);
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c)
-      if (c < n) accumulate<T>(acc, d[c], s0 + c == 0);
+    for (int j = 0; j < kN; ++j)
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c)
+        if (j < nv && c < n) accumulate<T>(acc[j], d[j][c], s0 + c == 0);
   }
-  return pack<T>(acc);
+#pragma unroll
+  for (int j = 0; j < kN; ++j)
+    if (j < nv) out[j] = pack<T>(acc[j]);
+}
+
+// The T-packed rank-order sum of vector i (lamport_sum_vecs for one vector).
+template <typename T, int kChunk>
+__device__ __forceinline__ uint4 lamport_sum_v4(const CommView& v, const char* slot0, size_t i,
+                                                uint64_t k, uint32_t desc, uint64_t deadline) {
+  const size_t idx[1] = {i};
+  uint4 out[1];
+  lamport_sum_vecs<T, kChunk>(v, slot0, idx, 1, k, desc, deadline, out);
+  return out[0];
 }
 
 // The call's number, deadline and own receive buffer (this rank's slots of buffer k % 3).

@@ -22,8 +22,8 @@
 // of the cluster plays virtual lanes l = j * kClThreads + threadIdx.x of the row group of
 // rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
 // registers before the first row (every row uses the same columns).
-//   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time (all slot loads
-//     of a round issued before any check), sums each in rank order (float32), adds the
+//   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
+//     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank order (float32), adds the
 //     residual (loaded before the poll), stores residual_out, keeps r in registers and
 //     accumulates its sum of squares over its columns in increasing order (fmaf, from +0.0f);
 //   the virtual warp l / 32 reduces with the same xor butterfly; its lane 0 stores the partial
@@ -62,6 +62,20 @@ NVC_HD bool cluster_rows_ok(const RowCfg& rc, int64_t tokens) {
   return rc.tpr == kArThreads && rc.nr == 1 && rc.nvr <= kClMaxCols * kArThreads && tokens >= 1;
 }
 
+// Every thread: the kVWarps warp partials of a row, partial w in arr[w % kWarpsPerBlock] of
+// the cluster's block w / kWarpsPerBlock (distributed shared memory), folded left to right with
+// op (fold_warp_partials, rmsnorm.cuh: the same ops in the same order as the one-block
+// epilogue).
+template <int kVWarps, int kWarpsPerBlock, typename V, class Op>
+__device__ __forceinline__ V cluster_fold(cooperative_groups::cluster_group& cluster, V* arr,
+                                          Op op) {
+  V part[kVWarps];
+#pragma unroll
+  for (int w = 0; w < kVWarps; ++w)
+    part[w] = cluster.map_shared_rank(arr, w / kWarpsPerBlock)[w % kWarpsPerBlock];
+  return fold_warp_partials<kVWarps>(part, kVWarps, op);
+}
+
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -69,53 +83,8 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// The T-packed rank-order sums of slot vectors i0 and (when two) i1, polled together: every
-// load of a round (up to kR ranks x 2 vectors) is issued before any check. Same additions in the
-// same order as lamport_sum_v4, so the same bits.
-template <typename T>
-__device__ __forceinline__ void lamport_sum_pair(const CommView& v, const char* slot0, size_t i0,
-                                                 size_t i1, bool two, uint64_t k, uint32_t desc,
-                                                 uint64_t deadline, uint4& o0, uint4& o1) {
-  constexpr int kR = 4;
-  float a0[Vec<T>::kElems], a1[Vec<T>::kElems];
-  for (int s0 = 0; s0 < v.world; s0 += kR) {
-    const int n = v.world - s0 < kR ? v.world - s0 : kR;
-    const char* p0 = slot0 + i0 * 16 + size_t(s0) * v.lamport_slot;
-    const char* p1 = slot0 + i1 * 16 + size_t(s0) * v.lamport_slot;
-    uint4 d0[kR], d1[kR];
-    bool empty;
-    do {
-      empty = false;
-#pragma unroll
-      for (int c = 0; c < kR; ++c) {
-        if (c < n) {
-          d0[c] = ld_volatile_v4(p0 + size_t(c) * v.lamport_slot);
-          if (two) d1[c] = ld_volatile_v4(p1 + size_t(c) * v.lamport_slot);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kR; ++c)
-        if (c < n) empty |= lamport_any_empty(d0[c]) || (two && lamport_any_empty(d1[c]));
-      if (empty && globaltimer() > deadline) {
-        int c = 0;
-        while (c + 1 < n && !lamport_any_empty(d0[c]) && !(two && lamport_any_empty(d1[c]))) ++c;
-        fail(v.err, kErrTimeout, desc, v.rank, s0 + c, k, 0);
-      }
-    } while (empty);
-#pragma unroll
-    for (int c = 0; c < kR; ++c) {
-      if (c < n) {
-        accumulate<T>(a0, d0[c], s0 + c == 0);
-        if (two) accumulate<T>(a1, d1[c], s0 + c == 0);
-      }
-    }
-  }
-  o0 = pack<T>(a0);
-  if (two) o1 = pack<T>(a1);
-}
-
 template <typename T, bool kQuant, int kClBlocks>
-__global__ void __launch_bounds__(kArThreads / kClBlocks)
+__global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
     oneshot_cluster_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                            RowCfg rc, uint32_t desc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -170,9 +139,9 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks)
       const int col = vl + c * kArThreads;
       if (col < nvr) {
         const bool two = col + kArThreads < nvr;
+        const size_t idx[2] = {rbase + col, rbase + col + kArThreads};
         uint4 sv[2];
-        lamport_sum_pair<T>(v, slot0, rbase + col, rbase + col + kArThreads, two, k, desc,
-                            deadline, sv[0], sv[1]);
+        lamport_sum_vecs<T, 4>(v, slot0, idx, two ? 2 : 1, k, desc, deadline, sv);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 0 || two) {
@@ -193,14 +162,10 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks)
     for (int off = 16; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xFFFFFFFFu, ss, off));
     if ((threadIdx.x & 31) == 0) s_part[warp] = ss;
     cluster.sync();
-    float part[kVWarps];
-#pragma unroll
-    for (int w = 0; w < kVWarps; ++w)
-      part[w] = cluster.map_shared_rank(s_part, w / kWarpsPerBlock)[w % kWarpsPerBlock];
-    if constexpr (!kQuant) cluster_arrive();  // the last read of a peer's shared memory
-    float tot = part[0];
-#pragma unroll
-    for (int w = 1; w < kVWarps; ++w) tot = __fadd_rn(tot, part[w]);
+    // the 16 partials of the row from the cluster's shared memory, added in warp order
+    const float tot = cluster_fold<kVWarps, kWarpsPerBlock>(
+        cluster, s_part, [](float a, float b) { return __fadd_rn(a, b); });
+    if constexpr (!kQuant) cluster_arrive();  // after the last read of a peer's shared memory
     const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
     uint32_t am = 0u;
 #pragma unroll
@@ -227,14 +192,10 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks)
       for (int off = 16; off > 0; off >>= 1) am = max_u32(am, __shfl_xor_sync(0xFFFFFFFFu, am, off));
       if ((threadIdx.x & 31) == 0) s_amax[warp] = am;
       cluster.sync();
-      uint32_t ap[kVWarps];
-#pragma unroll
-      for (int w = 0; w < kVWarps; ++w)
-        ap[w] = cluster.map_shared_rank(s_amax, w / kWarpsPerBlock)[w % kWarpsPerBlock];
-      cluster_arrive();  // the last read of a peer's shared memory
-      uint32_t mb = kAmaxFloorBits;  // the floor; NaN bits exceed it: NaN propagates
-#pragma unroll
-      for (int w = 0; w < kVWarps; ++w) mb = max_u32(mb, ap[w]);
+      const uint32_t mb = max_u32(  // the floor; NaN bits exceed it: NaN propagates
+          kAmaxFloorBits, cluster_fold<kVWarps, kWarpsPerBlock>(
+                              cluster, s_amax, [](uint32_t a, uint32_t b) { return max_u32(a, b); }));
+      cluster_arrive();  // after the last read of a peer's shared memory
       const float m = __uint_as_float(mb);
       const float qmul = __fdiv_rn(kFp8E4M3Max, m);
       if (vl == 0) t.scale[row] = __fmul_rn(m, kInvFp8E4M3Max);

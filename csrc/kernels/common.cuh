@@ -173,6 +173,14 @@ __device__ __forceinline__ void probe(int i) {
     s_probe_t = t;
   }
 }
+// Host: copies this translation unit's probe sums to out[kProbeN] and zeroes them (each .cu has
+// its own g_probe, hence static).
+static inline cudaError_t take_probes(unsigned long long* out) {
+  if (cudaError_t e = cudaMemcpyFromSymbol(out, g_probe, sizeof(g_probe)); e != cudaSuccess)
+    return e;
+  static const unsigned long long zero[kProbeN] = {};
+  return cudaMemcpyToSymbol(g_probe, zero, sizeof(zero));
+}
 #else
 __device__ __forceinline__ void probe(int) {}
 #endif

@@ -12,8 +12,8 @@
 //   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
 //   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
-//   32 * u columns, u = combine_cols_per_lane: the rows spread over all the grid's lanes, so at
-//   decode sizes a row's columns go to several warps): the valid k of
+//   32 * u columns, u = cols_per_lane (moe_dispatch.cuh): the rows spread over all the grid's
+//   lanes, so at decode sizes a row's columns go to several warps): the valid k of
 //   token_dest[t] (in k order) and their weights go to shared memory; each lane owns 16-B
 //   columns and accumulates acc = fmaf(w_k, float(row_k), acc) for k ascending, starting from
 //   +0.0f, rounds once to the y dtype (RNE). Rows with no valid slot (t >= num_tokens) are zero.
@@ -140,15 +140,6 @@ struct CombineRecvArgs {
 
 constexpr int kCombU = 8;  // landing slots' loads in flight per lane in the combine receive
 
-// Columns (16-byte vectors) per lane of one combine-receive work item: the T rows' nvec columns
-// spread over the G * kWarps * 32 lanes of the grid, at least 1, at most kCopyU (longer items
-// balance worse over the warps: measured, 128 tokens x 7168 lost 18% with whole-row items).
-__device__ __forceinline__ int combine_cols_per_lane(int T, int nvec, int G) {
-  const int64_t lanes = int64_t(G) * kWarps * 32;
-  const int64_t u = (int64_t(T) * nvec + lanes - 1) / lanes;
-  return u < 1 ? 1 : u > kCopyU ? kCopyU : int(u);
-}
-
 // acc[q] = fmaf(w, float(element q of v), acc[q]) for the kElems elements of one 16-byte vector.
 template <int YT>
 __device__ __forceinline__ void combine_fma(float* acc, const uint4& v, float w) {
@@ -192,7 +183,7 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
   // work items (token t, chunk ch of cw = 32 * u columns) over every warp of the grid, u the
   // columns per lane that spread the T rows over all of the grid's lanes (at decode sizes a
   // row's columns go to several warps instead of one warp walking them)
-  const int cw = 32 * combine_cols_per_lane(T, nvec, G);
+  const int cw = 32 * cols_per_lane(T, nvec, G);
   const int nch = (nvec + cw - 1) / cw;
   // The handle and weights of this warp's first item are local inputs: requested before the
   // wait for the peers, so their latency hides behind it.

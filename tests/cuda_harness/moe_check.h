@@ -28,6 +28,7 @@ struct Case {
   int zero_rank = -1;   // this rank sends 0 tokens
   bool full = false;    // num_tokens pointer null (= T)
   bool split = false;   // use the send/recv entry points
+  bool mixed = false;   // alternate: even ops (and rounds) fused, odd ones split, one communicator
   int graph = 0;        // > 0: capture one round per rank into a CUDA graph, replay `rounds` times
 };
 

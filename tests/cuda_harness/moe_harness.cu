@@ -9,6 +9,8 @@
 //        tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu -o build/moe_harness
 // Run:  build/moe_harness            PASS/FAIL table, exit 1 on any failure
 //       build/moe_harness --perf     + timing of one large EP8 configuration (all ranks share the GPU)
+//       build/moe_harness --graph-time  us per call in CUDA graphs, fused and split, W=2 on ONE
+//                                    GPU (compares kernel variants, not 2 GPUs)
 //       build/moe_harness --probe    (a build with -DNVC_PROBE) SM cycles per phase of each MoE
 //                                    kernel, block 0, mean over ranks and calls; W=2 on ONE GPU,
 //                                    so waits show the other virtual rank, not NVLink
@@ -181,18 +183,21 @@ RankOut download(const Case& cs, const MoeConfig& c, const Slot& s) {
 }
 
 // Enqueue one round of rank r: `inflight` dispatches, then their combines. only_op >= 0: just
-// that op (0 .. 2*inflight-1), for step-major enqueueing across ranks.
-void enqueue(const Case& cs, const World& w, int r, const std::vector<Slot>& slots, int only_op = -1) {
+// that op (0 .. 2*inflight-1), for step-major enqueueing across ranks. cs.mixed: op j + round
+// odd runs split, even fused, so fused and split calls alternate on one communicator.
+void enqueue(const Case& cs, const World& w, int r, const std::vector<Slot>& slots, int only_op = -1,
+             int round = 0) {
   const CommView v = w.view(r);
   const MoeConfig c = w.cfg(r);
   cudaStream_t st = w.st[r];
+  auto split = [&](int op) { return cs.split || (cs.mixed && (op + round) % 2 == 1); };
   int op = -1;
   for (const Slot& s : slots) {
     if (++op != only_op && only_op >= 0) continue;
     const float* xs = cs.S ? s.xs : nullptr;
     float* exs = cs.S ? s.exs : nullptr;
     const int32_t* nt = cs.full ? nullptr : s.ntok;
-    if (cs.split) {
+    if (split(op)) {
       CK(cuda::moe_dispatch_send(v, c, s.x, xs, s.ids, nt, s.td, st));
       CK(cuda::moe_dispatch_recv(v, c, s.ex, s.cnt, exs, s.es, st));
     } else {
@@ -201,7 +206,7 @@ void enqueue(const Case& cs, const World& w, int r, const std::vector<Slot>& slo
   }
   for (const Slot& s : slots) {
     if (++op != only_op && only_op >= 0) continue;
-    if (cs.split) {
+    if (split(op)) {
       CK(cuda::moe_combine_send(v, c, s.ey, cs.ydt, s.es, s.cnt, st));
       CK(cuda::moe_combine_recv(v, c, cs.ydt, s.w, s.td, s.y, st));
     } else {
@@ -277,7 +282,7 @@ std::string run_case(const Case& cs) {
       for (int r = 0; r < cs.W; ++r) CK(cudaGraphLaunch(execs[r], w.st[r]));
     } else {
       for (int op = 0; op < 2 * cs.inflight; ++op)
-        for (int r = 0; r < cs.W; ++r) enqueue(cs, w, r, slots[r], op);
+        for (int r = 0; r < cs.W; ++r) enqueue(cs, w, r, slots[r], op, round);
     }
     cudaError_t e = wait_round(w);
     if (e != cudaSuccess) {
@@ -366,6 +371,74 @@ void run_perf() {
               "(wall incl. launch+sync, all 8 ranks share the GPU)\n", tot[0] / iters, tot[1] / iters);
 }
 
+// --graph-time: per configuration, a CUDA graph per rank of `rounds` calls (dispatch only,
+// combine only, or both), the ranks' graphs launched together on their own streams; us per
+// call, best of 3 launches, fused (moe_dispatch / moe_combine) and split (send + recv). W=2 on
+// ONE GPU: both virtual ranks share its SMs and the "peer" is local memory, so these numbers
+// compare variants of the kernels with each other, not with 2 GPUs over NVLink.
+void run_graph_time() {
+  struct PC { const char* name; int E, T, H; };
+  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 128, 4, 2048},
+                    {"EP2 4 tok, H 7168, E 64", 64, 4, 7168},
+                    {"EP2 128 tok, H 7168, E 64", 64, 128, 7168}};
+  std::printf("\ngraph-time: W=2 on one GPU, top-8, bf16, us per call (graph of 100 calls per rank, best of 3)\n");
+  std::printf("%-38s | %9s %9s %9s | %9s %9s %9s\n", "config", "disp", "comb", "pair", "disp/spl",
+              "comb/spl", "pair/spl");
+  for (const PC& pc : pcs) {
+    std::printf("%-38s |", pc.name);
+    for (int split = 0; split < 2; ++split) {
+      Case cs{pc.name, 2, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
+      cs.full = true;
+      cs.p_neg = 0;
+      cs.split = split;
+      MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
+      World w(c0);
+      std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
+      for (int r = 0; r < cs.W; ++r) enqueue(cs, w, r, slots[r]);  // a handle for combine-only
+      CK(wait_round(w));
+      const int rounds = 100;
+      for (int which = 0; which < 3; ++which) {  // 0 dispatch, 1 combine, 2 both
+        std::vector<cudaGraphExec_t> ge(cs.W);
+        for (int r = 0; r < cs.W; ++r) {
+          cudaGraph_t g;
+          CK(cudaStreamBeginCapture(w.st[r], cudaStreamCaptureModeThreadLocal));
+          for (int i = 0; i < rounds; ++i) enqueue(cs, w, r, slots[r], which == 2 ? -1 : which);
+          CK(cudaStreamEndCapture(w.st[r], &g));
+          CK(cudaGraphInstantiate(&ge[r], g, 0));
+          CK(cudaGraphDestroy(g));
+        }
+        cudaEvent_t e0, e1, ej;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        CK(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+        float best = 1e30f;
+        for (int rep = 0; rep < 4; ++rep) {  // the first launch warms up
+          CK(cudaEventRecord(e0, w.st[0]));
+          for (int r = 1; r < cs.W; ++r) CK(cudaStreamWaitEvent(w.st[r], e0, 0));
+          for (int r = 0; r < cs.W; ++r) CK(cudaGraphLaunch(ge[r], w.st[r]));
+          for (int r = 1; r < cs.W; ++r) {
+            CK(cudaEventRecord(ej, w.st[r]));
+            CK(cudaStreamWaitEvent(w.st[0], ej, 0));
+          }
+          CK(cudaEventRecord(e1, w.st[0]));
+          CK(wait_round(w));
+          float ms = 0;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          if (rep > 0) best = std::min(best, ms);
+        }
+        std::printf(" %9.2f", best * 1000.0f / rounds);
+        for (auto g : ge) CK(cudaGraphExecDestroy(g));
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+        CK(cudaEventDestroy(ej));
+      }
+      std::printf(split ? "\n" : " |");
+      for (auto& v : slots)
+        for (Slot& s : v) free_slot(s);
+    }
+  }
+}
+
 #ifdef NVC_PROBE
 // --probe: the phases of the four kernels of a fused dispatch + combine (probe indices in
 // kernels/moe_dispatch.cuh and moe_combine.cuh), 200 rounds per configuration.
@@ -423,6 +496,11 @@ int main(int argc, char** argv) {
       return run_error_mode();
     }
     if (!std::strcmp(argv[i], "--perf")) perf = true;
+    if (!std::strcmp(argv[i], "--graph-time")) {
+      CK(cuda::moe_load_kernels());
+      run_graph_time();
+      return 0;
+    }
     if (!std::strcmp(argv[i], "--probe")) {
 #ifdef NVC_PROBE
       CK(cuda::moe_load_kernels());
@@ -456,6 +534,7 @@ int main(int argc, char** argv) {
   c = {"W4 split send/recv", 4, 16, 4, 64, 128, kMoeF16, 0, kMoeF16}; c.split = true; c.rounds = 3; cases.push_back(c);
   c = {"W4 200 rounds changing routing", 4, 16, 4, 32, 64, kMoeBF16, 1, kMoeBF16}; c.rounds = 200; cases.push_back(c);
   c = {"W8 graph replay x30, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.graph = 1; c.rounds = 30; c.inflight = 2; cases.push_back(c);
+  c = {"W4 fused and split alternate", 4, 16, 4, 32, 128, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 8; cases.push_back(c);
   c = {"W2 graph replay x30, split, fp8", 2, 8, 8, 64, 128, kMoeF8E4M3, 4, kMoeF32}; c.graph = 1; c.rounds = 30; c.split = true; cases.push_back(c);
 
   CK(cuda::moe_load_kernels());  // before any rank spins (lazy loading would stall the host)

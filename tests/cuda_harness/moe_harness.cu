@@ -105,6 +105,7 @@ struct World {
     v.rank = r;
     v.world = W;
     v.timeout_ns = 5'000'000'000ull;
+    v.context_ranks = W;  // every virtual rank on this GPU, in this process
     for (int i = 0; i < W; ++i) v.bufs[i] = bufs[i];
     v.err = err_d[r];
     return v;

@@ -82,9 +82,9 @@ __device__ __forceinline__ int cols_per_lane(int rows, int nvec, int G) {
   return u < 1 ? 1 : u > kCopyU ? kCopyU : int(u);
 }
 
-// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
-__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
-                                    uint64_t seq, uint64_t observed) {
+// The first error of this rank claims ErrorInfo (later ones leave it alone).
+__device__ __forceinline__ void record(const CommView& v, uint32_t code, uint32_t desc, int peer,
+                                       uint64_t seq, uint64_t observed) {
   ErrorInfo* err = v.err;
   if (err != nullptr && atomicCAS_system(&err->code, 0u, code) == 0u) {
     err->op = desc;
@@ -94,17 +94,26 @@ __device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t d
     err->observed = observed;
     __threadfence_system();
   }
+}
+// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
+__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
+                                    uint64_t seq, uint64_t observed) {
+  record(v, code, desc, peer, seq, observed);
   __trap();
 }
 
-// Raise the poison flag of call s in all of this rank's slots of every rank, then record and trap.
+// Record the error, raise the poison flag of call s in all of this rank's slots of every rank,
+// then trap. Recording comes first: in a one-kernel fused call this rank's own RECV half (other
+// blocks of the kernel) reads the poison from its own slots, and its kErrMismatch must not take
+// ErrorInfo before the real cause.
 __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
                                              int nblocks, uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
+  record(v, code, desc, peer, s, observed);
   const uint64_t f = make_flag(s, kMoePoisonDesc);
   for (int r = 0; r < v.world; ++r)
     for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
-  die(v, code, desc, peer, s, observed);
+  __trap();
 }
 
 // Thread i < world * nblocks waits for flag (src, block); then the whole block syncs.

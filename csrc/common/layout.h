@@ -153,6 +153,12 @@ struct CommView {
   size_t flag_half;                   // flag_half_bytes(max_message_bytes, world)
   size_t lamport_off;                 // lamport_offset(...)
   size_t lamport_slot;                // lamport_slot_bytes(...)
+  // Ranks of this process on this GPU, this one included: their kernels compete for the same
+  // SMs with no preemption between them. 1 in the package (one GPU per rank in a process; ranks
+  // of other processes sharing a GPU are time-sliced); the MoE harness's virtual ranks set W
+  // (0 counts as 1). The MoE launcher uses it to keep a one-kernel fused call from starving
+  // its peers.
+  int context_ranks = 1;
   NVC_HD Ctrl* ctrl() const { return reinterpret_cast<Ctrl*>(bufs[rank]); }
   NVC_HD Ctrl* peer_ctrl(int r) const { return reinterpret_cast<Ctrl*>(bufs[r]); }
   // Start of data half `parity` in rank r's buffer.

@@ -6,7 +6,9 @@
 //   A call (a dispatch or a combine) is two halves on one stream: SEND (writes rows into the
 //   peers' data slot, then raises its flag in every rank, itself included, even when it sent
 //   nothing) and RECV (waits for every rank's flags, consumes its own slot). They run back to
-//   back (moe_dispatch / moe_combine: one custom call) or as two custom calls with other work
+//   back (moe_dispatch / moe_combine: one custom call; on CUDA one cooperative kernel running
+//   SEND then RECV, moe_dispatch.cuh dispatch_kernel, where the ranks' grids can be resident
+//   together, else SEND and RECV kernels) or as two custom calls with other work
 //   in between (moe_*_send / moe_*_recv: "split", up to M = max_in_flight SENDs outstanding).
 //   Two counters per rank, both advanced on the device by the last block of the kernel (so
 //   CUDA-graph replays work without host code):

@@ -3,6 +3,8 @@
 // (<= 41 KiB within moe_config_error's limits, so no opt-in attribute is needed).
 #include "moe.h"
 
+#include <algorithm>
+
 #include "../kernels/moe_combine.cuh"
 #include "../kernels/moe_dispatch.cuh"
 
@@ -11,6 +13,43 @@ namespace cuda {
 namespace {
 bool usable(const CommView& v, const MoeConfig& c) {
   return moe_config_error(c) == nullptr && v.rank == c.rank && v.world == c.world;
+}
+// A fused call's kernel (SEND then RECV in one launch): its RECV half waits for the flags of
+// its own kernel's blocks, so the launch is cooperative: all moe_blocks(c) blocks are resident
+// together or the kernel does not start. Ranks of one process on one GPU (v.context_ranks > 1,
+// the harnesses' virtual ranks) also wait for each other's blocks with no preemption between
+// them: the one-kernel call is used only when all their grids fit on the SMs at once
+// (fused_fits); otherwise the call runs as its two kernels (SEND, then RECV), which never wait
+// inside a SEND. Both forms use the same buffers, flags and counters.
+template <class SendArgs, class RecvArgs>
+bool fused_fits(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t smem,
+                const CommView& v, const MoeConfig& c) {
+  if (v.context_ranks <= 1) return true;
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMoeThreads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return int64_t(v.context_ranks) * moe_blocks(c) <= int64_t(sms) * per_sm;
+}
+template <class SendArgs, class RecvArgs>
+cudaError_t launch_fused(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t smem,
+                         cudaStream_t st, const CommView& v, const MoeConfig& c,
+                         const SendArgs& sa, const RecvArgs& ra) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(moe_blocks(c)));
+  cfg.blockDim = dim3(kMoeThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, v, c, sa, ra);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 }  // namespace
 
@@ -21,6 +60,9 @@ cudaError_t moe_probe_take(unsigned long long* out) { return dev::take_probes(ou
 cudaError_t moe_load_kernels() {
   cudaFuncAttributes a;
   const void* fns[] = {(const void*)moe::dispatch_send_kernel, (const void*)moe::dispatch_recv_kernel,
+                       (const void*)moe::dispatch_kernel, (const void*)moe::combine_kernel<kMoeF32>,
+                       (const void*)moe::combine_kernel<kMoeBF16>,
+                       (const void*)moe::combine_kernel<kMoeF16>,
                        (const void*)moe::combine_send_kernel,
                        (const void*)moe::combine_recv_kernel<kMoeF32>,
                        (const void*)moe::combine_recv_kernel<kMoeBF16>,
@@ -68,9 +110,18 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
                          int32_t* expert_src, cudaStream_t st) {
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;  // checked before SEND: never launch half a call
-  cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st);
-  if (e != cudaSuccess) return e;
-  return moe_dispatch_recv(v, c, expert_x, expert_counts, expert_x_scale, expert_src, st);
+  // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
+  const size_t smem = std::max(moe::dispatch_send_smem(c), moe::dispatch_recv_smem(c));
+  if (!fused_fits(moe::dispatch_kernel, smem, v, c)) {
+    cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st);
+    if (e != cudaSuccess) return e;
+    return moe_dispatch_recv(v, c, expert_x, expert_counts, expert_x_scale, expert_src, st);
+  }
+  moe::DispatchSendArgs sa{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens,
+                           token_dest, nullptr};
+  moe::DispatchRecvArgs ra{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale,
+                           expert_src, nullptr};
+  return launch_fused(moe::dispatch_kernel, smem, st, v, c, sa, ra);
 }
 
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* expert_y,
@@ -105,9 +156,21 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* exper
                         cudaStream_t st) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
-  cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st);
-  if (e != cudaSuccess) return e;
-  return moe_combine_recv(v, c, y_dtype, topk_weights, token_dest, y, st);
+  if (!expert_y || !expert_src || !expert_counts) return cudaErrorInvalidValue;
+  // SEND and RECV in one kernel (combine_kernel); the split ops launch them separately
+  moe::CombineSendArgs sa{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts,
+                          y_dtype, nullptr};
+  moe::CombineRecvArgs ra{topk_weights, token_dest, static_cast<uint8_t*>(y), nullptr};
+  const size_t smem = moe::combine_send_smem(c);
+  auto* kernel = y_dtype == kMoeF32    ? moe::combine_kernel<kMoeF32>
+                 : y_dtype == kMoeBF16 ? moe::combine_kernel<kMoeBF16>
+                                       : moe::combine_kernel<kMoeF16>;
+  if (!fused_fits(kernel, smem, v, c)) {
+    cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st);
+    if (e != cudaSuccess) return e;
+    return moe_combine_recv(v, c, y_dtype, topk_weights, token_dest, y, st);
+  }
+  return launch_fused(kernel, smem, st, v, c, sa, ra);
 }
 
 }  // namespace cuda

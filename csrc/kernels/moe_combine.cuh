@@ -2,6 +2,9 @@
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
 // Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+// A fused call (moe_combine) runs both halves in one cooperative kernel (combine_kernel), or as the
+// two kernels where ranks of one process share a GPU and their grids do not fit on it
+// together (cuda/moe.cu fused_fits).
 //
 // SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
@@ -39,7 +42,10 @@ __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
   return 4 * (size_t(moe_local_experts(c)) + 1);
 }
 
-__global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, MoeConfig c, CombineSendArgs a) {
+// The SEND half, every thread of the block; returns the call's s, or 0 when the call failed
+// here (the block's thread 0 then traps; the others must not go on).
+__device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const MoeConfig& c,
+                                                      const CombineSendArgs& a) {
   extern __shared__ int32_t pre[];  // [L + 1]
   __shared__ int32_t s_part[kMoeThreads];
   __shared__ int s_bad;
@@ -81,7 +87,7 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   __syncthreads();
   if (s_bad >= 0) {
     if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
-    return;
+    return 0;
   }
   {
     int acc = s_part[tid];
@@ -120,6 +126,11 @@ __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, M
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
   dev::probe(10);
+  return s;
+}
+
+__global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, MoeConfig c, CombineSendArgs a) {
+  combine_send_body(v, c, a);
 }
 
 struct CombineRecvArgs {
@@ -156,16 +167,19 @@ __device__ __forceinline__ uint4 combine_pack(const float* acc) {
   return out;
 }
 
+// The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
+// begin_recv); else the s of the SEND half that just ran in the same kernel (combine_kernel).
 template <int YT>
-__global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
+__device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeConfig& c,
+                                                  const CombineRecvArgs& a, uint64_t known_s) {
   constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
   __shared__ int s_k[kWarps][32];
   __shared__ float s_w[kWarps][32];
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_combine_desc(c, YT);
-  dev::probe(0);
-  const uint64_t s = begin_recv(v, desc, a.seq_in);
+  if (known_s == 0) dev::probe(0);
+  const uint64_t s = known_s == 0 ? begin_recv(v, desc, a.seq_in) : begin_recv_fused(v, desc, known_s);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
   // work items (token t, chunk ch of cw = 32 * u columns) over every warp of the grid, u the
@@ -241,6 +255,23 @@ __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, M
   }
   dev::probe(12);
   finish_recv(v, s, ticket);
+}
+
+template <int YT>
+__global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
+  combine_recv_body<YT>(v, c, a, 0);
+}
+
+// A fused combine in one kernel: the SEND half, then the RECV half of the same call (as
+// dispatch_kernel: all blocks resident; dynamic shared memory combine_send_smem, the RECV half
+// uses static shared memory only).
+template <int YT>
+__global__ void __launch_bounds__(kMoeThreads) combine_kernel(CommView v, MoeConfig c,
+                                                              CombineSendArgs sa,
+                                                              CombineRecvArgs ra) {
+  const uint64_t s = combine_send_body(v, c, sa);
+  if (s == 0) return;
+  combine_recv_body<YT>(v, c, ra, s);
 }
 
 }  // namespace moe

@@ -2,6 +2,9 @@
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
 // Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+// A fused call (moe_dispatch) runs both halves in one cooperative kernel (dispatch_kernel), or as the
+// two kernels where ranks of one process share a GPU and their grids do not fit on it
+// together (cuda/moe.cu fused_fits).
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
@@ -81,9 +84,9 @@ __device__ __forceinline__ int cols_per_lane(int rows, int nvec, int G) {
   return u < 1 ? 1 : u > kCopyU ? kCopyU : int(u);
 }
 
-// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
-__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
-                                    uint64_t seq, uint64_t observed) {
+// The first error of this rank claims ErrorInfo (later ones leave it alone).
+__device__ __forceinline__ void record(const CommView& v, uint32_t code, uint32_t desc, int peer,
+                                       uint64_t seq, uint64_t observed) {
   ErrorInfo* err = v.err;
   if (err != nullptr && atomicCAS_system(&err->code, 0u, code) == 0u) {
     err->op = desc;
@@ -93,17 +96,26 @@ __device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t d
     err->observed = observed;
     __threadfence_system();
   }
+}
+// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
+__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
+                                    uint64_t seq, uint64_t observed) {
+  record(v, code, desc, peer, seq, observed);
   __trap();
 }
 
-// Raise the poison flag of call s in all of this rank's slots of every rank, then record and trap.
+// Record the error, raise the poison flag of call s in all of this rank's slots of every rank,
+// then trap. Recording comes first: in a one-kernel fused call this rank's own RECV half (other
+// blocks of the kernel) reads the poison from its own slots, and its kErrMismatch must not take
+// ErrorInfo before the real cause.
 __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
                                              int nblocks, uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
+  record(v, code, desc, peer, s, observed);
   const uint64_t f = make_flag(s, kMoePoisonDesc);
   for (int r = 0; r < v.world; ++r)
     for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
-  die(v, code, desc, peer, s, observed);
+  __trap();
 }
 
 // Thread i < world * nblocks waits for flag (src, block); then the whole block syncs.
@@ -183,6 +195,14 @@ __device__ __forceinline__ uint64_t begin_recv(const CommView& v, uint32_t desc,
   return s;
 }
 
+// RECV start inside a fused kernel: s is its SEND half's (send_seq may not be stored yet: the
+// SEND's last block stores it); the RECV must still be the next one (Ctrl::seq + 1).
+__device__ __forceinline__ uint64_t begin_recv_fused(const CommView& v, uint32_t desc, uint64_t s) {
+  const uint64_t next = recvs_done(v) + 1;
+  if (next != s) die(v, kErrOrder, desc, -1, s, next);
+  return s;
+}
+
 struct DispatchSendArgs {
   const uint8_t* x;          // [T, H] payload
   const float* x_scale;      // [T, S] or null when S == 0
@@ -196,7 +216,10 @@ __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
   return 4 * (size_t(c.num_experts) + 16 + size_t(kMoeSubTokens) * (16 + c.top_k));
 }
 
-__global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, MoeConfig c, DispatchSendArgs a) {
+// The SEND half, every thread of the block; returns the call's s, or 0 when the call failed
+// here (the block's thread 0 then traps; the others must not go on).
+__device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const MoeConfig& c,
+                                                       const DispatchSendArgs& a) {
   extern __shared__ int32_t smem[];
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
   int32_t* cntE = smem;                                 // [E] tokens before the cursor, per expert
@@ -214,7 +237,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   if (n < 0 || n > T) {
     if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
-    return;
+    return 0;
   }
   const int t0 = int(int64_t(n) * b / G), t1 = int(int64_t(n) * (b + 1) / G);
   for (int i = tid; i < E; i += blockDim.x) cntE[i] = 0;
@@ -260,7 +283,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   if (s_bad) {
     if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
-    return;
+    return 0;
   }
 
   dev::probe(2);
@@ -300,7 +323,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
     if (s_bad) {
       if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
-      return;
+      return 0;
     }
     for (int t = sb + warp; t < se; t += kWarps) {
       const int lt = t - sb;
@@ -355,6 +378,11 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
   dev::probe(4);
+  return s;
+}
+
+__global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, MoeConfig c, DispatchSendArgs a) {
+  dispatch_send_body(v, c, a);
 }
 
 struct DispatchRecvArgs {
@@ -370,7 +398,10 @@ __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
   return 4 * (size_t(moe_local_experts(c)) + size_t(c.world) * (1 + moe_local_experts(c)));
 }
 
-__global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, MoeConfig c, DispatchRecvArgs a) {
+// The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
+// begin_recv); else the s of the SEND half that just ran in the same kernel (dispatch_kernel).
+__device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeConfig& c,
+                                                   const DispatchRecvArgs& a, uint64_t known_s) {
   extern __shared__ int32_t smem[];
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
   int32_t* tot = smem;     // [L] rows of each local expert
@@ -380,8 +411,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   __shared__ size_t s_erow[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_dispatch_desc(c);
-  dev::probe(0);
-  const uint64_t s = begin_recv(v, desc, a.seq_in);
+  if (known_s == 0) dev::probe(0);
+  const uint64_t s = known_s == 0 ? begin_recv(v, desc, a.seq_in) : begin_recv_fused(v, desc, known_s);
   wait_all_sources(v, c, s, desc, moe_blocks(c));
   const uint32_t ticket = recv_ticket(v);
   dev::probe(5);
@@ -472,6 +503,23 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, 
   }
   dev::probe(7);
   finish_recv(v, s, ticket);
+}
+
+__global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, MoeConfig c, DispatchRecvArgs a) {
+  dispatch_recv_body(v, c, a, 0);
+}
+
+// A fused dispatch in one kernel: the SEND half, then (after the block published its flags) the
+// RECV half of the same call. The RECV half waits for the flags of every block of every rank,
+// this kernel's own included, so the grid's blocks must all be resident (moe_blocks <= 24).
+// Dynamic shared memory: max(dispatch_send_smem, dispatch_recv_smem); the RECV half writes it
+// only after wait_all_sources' barrier, when every thread of the block is past publish_all.
+__global__ void __launch_bounds__(kMoeThreads, 1) dispatch_kernel(CommView v, MoeConfig c,
+                                                               DispatchSendArgs sa,
+                                                               DispatchRecvArgs ra) {
+  const uint64_t s = dispatch_send_body(v, c, sa);
+  if (s == 0) return;
+  dispatch_recv_body(v, c, ra, s);
 }
 
 }  // namespace moe

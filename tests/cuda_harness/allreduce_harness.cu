@@ -10,6 +10,8 @@
 //   build/allreduce_harness --gpus 2        ranks spread over 2 GPUs (peer access, NVLink)
 //   build/allreduce_harness --gpus 2 --bench  timing table, one rank per GPU (not a check):
 //                                             plain, fused and FP8 one-/two-shot, hidden 4096/7168
+//   --ranks N with --bench / --probe: N ranks over the --gpus GPUs (ranks sharing a GPU: the
+//                                             numbers compare kernel variants, not hardware)
 //   a build with -DNVC_PROBE [-DNVC_PROBE_LAST], --gpus 2 --probe: SM cycles per kernel phase
 //                                             (kernels/common.cuh probe(); not a check)
 //   build/allreduce_harness --timeout-test  one rank of two calls alone: expects the kernel to
@@ -57,6 +59,7 @@ struct World;
 World* g_world = nullptr;
 void dump_errors();
 int g_ngpu = 1;                                  // --gpus N: rank r lives on GPU r % N
+int g_ranks = 0;                                 // --ranks N: --bench / --probe world (default: --gpus)
 int dev_of(int r) { return r % g_ngpu; }
 void set_dev(int r);
 
@@ -1133,13 +1136,14 @@ void bench_local(int sms) {
 }
 
 void bench(int sms) {
-  const int W = g_ngpu;
+  const int W = g_ranks > 0 ? g_ranks : g_ngpu;
   const size_t M = 16 << 20;
   World w = make_world(W, M, 4ull * 1000 * 1000 * 1000, sms);
   g_world = &w;
   const int iters = 200;
-  std::printf("\nbench: W=%d (one rank per GPU), bf16, us per call (CUDA graph of %d calls, slowest "
-              "rank, best of 3)\n", W, iters);
+  std::printf("\nbench: W=%d (%s), bf16, us per call (CUDA graph of %d calls, slowest "
+              "rank, best of 3)\n", W,
+              W > g_ngpu ? "ranks SHARE GPUs: compares kernel variants only" : "one rank per GPU", iters);
   std::printf("graph node floor (empty kernel): %.2f us\n",
               time_graph(w, [&](int r) { empty_kernel<<<1, 32, 0, w.r[r].st>>>(); }, iters));
   std::printf("%-12s %9s | %7s %7s | %7s %7s | %7s %7s\n", "shape", "bytes", "plain1", "plain2",
@@ -1185,7 +1189,7 @@ void bench(int sms) {
 // reduce | two-shot: 12-7 scatter | 7-8 flag wait 0 | 8-9 reduce + gather + flag | 9-10 flag
 // wait 1 | 10-11 epilogue; FP8 (quant) epilogue: 4-13 pass 2, 13-14 row amax, 14-end pass 3.
 void probe_run(int sms) {
-  const int W = g_ngpu;
+  const int W = g_ranks > 0 ? g_ranks : g_ngpu;
   World w = make_world(W, 16 << 20, 4ull * 1000 * 1000 * 1000, sms);
   g_world = &w;
   int khz = 0;
@@ -1233,10 +1237,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--bench-local")) do_local = true;
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
     else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) g_ranks = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
     else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
     else {
-      std::printf("usage: %s [--gpus N] [--quick | --bench | --bench-local | --probe | --timeout-test | --timeout-test-oneshot]\n",
+      std::printf("usage: %s [--gpus N] [--ranks N] [--quick | --bench | --bench-local | --probe | --timeout-test | --timeout-test-oneshot]\n",
                   argv[0]);
       return 2;
     }

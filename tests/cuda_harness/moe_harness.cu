@@ -105,6 +105,7 @@ struct World {
     v.rank = r;
     v.world = W;
     v.timeout_ns = 5'000'000'000ull;
+    v.context_ranks = W;  // every virtual rank on this GPU, in this process
     for (int i = 0; i < W; ++i) v.bufs[i] = bufs[i];
     v.err = err_d[r];
     return v;
@@ -469,7 +470,9 @@ void run_probe() {
       CK(cudaDeviceSynchronize());
     }
     CK(cuda::moe_probe_take(pr));
-    const double n = pr[15] ? double(pr[15]) / 4.0 : 1.0;  // 4 kernels per round and rank
+    // kernels per round and rank: 2 (a fused dispatch and a fused combine, one kernel each, as
+    // W=2 grids fit on the GPU together: moe.cu's fused_fits)
+    const double n = pr[15] ? double(pr[15]) / 2.0 : 1.0;
     auto cy = [&](int i) { return double(pr[i]) / n; };
     std::printf("%-38s | %12.0f %5.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f\n",
                 pc.name, cy(1), cy(2), cy(3), cy(4), cy(5), cy(6), cy(7), cy(8), cy(9), cy(10), cy(11),

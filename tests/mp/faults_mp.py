@@ -9,6 +9,7 @@ that names what happened, within the communicator's deadline, never hang.
 Prints "GOT <message>" on the rank(s) that must see the error; exits 0 when the case behaved.
 """
 import os
+import sys
 import time
 
 import jax
@@ -80,6 +81,12 @@ except Exception as e:  # JaxRuntimeError from the FFI handler
         rank_print(f"comm.errors() failed: {type(e2).__name__}: {e2}")
     from jax._src import dispatch
     dispatch.runtime_tokens.clear()
+    # Rank 0 hosts JAX's coordination service: when it exits, the service kills the other
+    # ranks. In the expert case rank 1 (the one with the bad id) may print its record after
+    # rank 0 is done (seen with 2 processes sharing one GPU), so there rank 0 stays a while.
+    sys.stdout.flush()
+    if me == 0 and case == "expert":
+        time.sleep(8)
     os._exit(0)
 rank_print("NO ERROR")
 os._exit(3)

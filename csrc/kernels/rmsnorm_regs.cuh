@@ -65,15 +65,17 @@ __device__ __forceinline__ void group_sync(int group) {
 
 // Rows rb + group, rb + group + step, ... below re, one group of kRowThreads threads each
 // (blockDim.x == kGroups * kRowThreads; step = kGroups for a block's own range [rb, re), or
-// the grid's row stride with one group per block). sum_vec(i) returns the T-packed sum of 16-byte vector i of the message
-// (i = row * nvr + column) from memory; it is called one row ahead of its use, so it must not
-// wait for anything: a raw load, converted only where the row uses it (a conversion at the
-// call would wait for the load there, and the next row's loads would no longer fly across
-// this row's barrier: the world-1 kernel ran at 44% of copy bandwidth that way). kSanitize:
-// the vector is a raw input (world 1), sanitised at its use. kAhead: the weights are held in registers and the next row's sums and
-// residual are requested before this row's barrier (more registers); else the weights are
-// prefetched into L1 and loaded per row, and a row's sums at its start. Every thread of the block must call
-// it with the same range.
+// the grid's row stride with one group per block). Every thread of the block calls it with
+// the same arguments.
+// sum_vec(i) returns 16-byte vector i (i = row * nvr + column) of the T-packed sums, from
+// memory. It is called one row ahead of its use, so it must not wait for anything: a raw load,
+// converted only where the row uses it (a conversion at the call waits for the load there, and
+// the next row's loads no longer fly across this row's barrier: the world-1 kernel ran at 44%
+// of copy bandwidth that way, 91% now). kSanitize: the vector is a raw input (world 1),
+// sanitised at its use.
+// kAhead: the weights are held in registers and the next row's sums and residual are
+// requested before this row's barrier (more registers); else the weights are prefetched into
+// L1 and loaded per row, and a row's sums at its start.
 template <typename T, bool kQuant, int kGroups, int kVecs, bool kAhead, bool kSanitize, class SumFn>
 __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowCfg& rc,
                                                   int64_t rb, int64_t re, int64_t step,

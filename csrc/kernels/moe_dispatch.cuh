@@ -325,8 +325,12 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return 0;
     }
-    for (int t = sb + warp; t < se; t += kWarps) {
-      const int lt = t - sb;
+    dev::probe(13);
+    // Fewer tokens than warps (decode): a token's row is split over wpt warps (part p copies
+    // vectors [nvec*p/wpt, nvec*(p+1)/wpt)); part 0 also writes scales, metadata and handle.
+    const int ntok = se - sb, wpt = ntok >= kWarps ? 1 : kWarps / ntok;
+    for (int wi = warp; wi < ntok * wpt; wi += kWarps) {
+      const int lt = wi / wpt, part = wi - lt * wpt, t = sb + lt;
       // Destinations of this token, ascending rank.
       const int pos = lane < W ? sub_pos[lt * 16 + lane] : -1;
       const uint32_t dbal = __ballot_sync(0xFFFFFFFFu, pos >= 0);
@@ -337,10 +341,16 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
         s_drank[warp][q] = lane;
       }
       __syncwarp();
-      const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;  // before the copy
+      // before the copy
+      const int e = part == 0 && lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;
       const uint8_t* xr = a.x + size_t(t) * xrow;
-      warp_copy(0, nvec, lane, nd, [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
+      warp_copy(nvec * part / wpt, nvec * (part + 1) / wpt, lane, nd,
+                [&](int i) { return ld_nc_v4(xr + size_t(i) * 16); },
                 [&](int j) { return s_dst[warp][j]; });
+      if (part != 0) {  // warp-uniform
+        __syncwarp();   // s_dst[warp] is rewritten by the warp's next token
+        continue;
+      }
       for (int i = lane; i < S; i += 32) {
         const float f = __ldg(a.x_scale + size_t(t) * S + i);
         for (int j = 0; j < nd; ++j) reinterpret_cast<float*>(s_dst[warp][j] + scale_off)[i] = f;
@@ -361,6 +371,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
       }
       __syncwarp();
     }
+    dev::probe(14);
     __syncthreads();
   }
   dev::probe(3);

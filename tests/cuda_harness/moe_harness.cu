@@ -474,9 +474,10 @@ void run_probe() {
     // W=2 grids fit on the GPU together: moe.cu's fused_fits)
     const double n = pr[15] ? double(pr[15]) / 2.0 : 1.0;
     auto cy = [&](int i) { return double(pr[i]) / n; };
-    std::printf("%-38s | %12.0f %5.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f\n",
+    std::printf("%-38s | %12.0f %5.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f %5.0f | %12.0f %5.0f"
+                " | B: route %5.0f copy %5.0f\n",
                 pc.name, cy(1), cy(2), cy(3), cy(4), cy(5), cy(6), cy(7), cy(8), cy(9), cy(10), cy(11),
-                cy(12));
+                cy(12), cy(13), cy(14));
     for (auto& v : slots)
       for (Slot& s : v) free_slot(s);
   }

@@ -13,6 +13,8 @@
 #                                      in-process on every local GPU, one process per GPU when
 #                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
 #                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
+#   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
+#                                      variants against each other, not 2-GPU numbers)
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -90,6 +92,7 @@ harness)
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl2 120 env JAX_NVCOMM_AR_CLUSTER=2 build/ar_h --quick  # clusters of 2 too
   step moe_harness 120 build/moe_h
+  step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
   ;;
@@ -236,6 +239,21 @@ kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain /
     --device-time on --out /tmp/moe13
   for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
   grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kern13.txt"
+  ;;
+onegpu13)  # issue 13 A/B timings that one GPU can give (virtual ranks share it: kernel variants
+  # compared with each other, not with 2 GPUs): all-reduce graph table with 2 ranks, the cluster
+  # kernel off / 4 / 4+2, MoE graph time (fused and split), world 1 against a device copy
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
+  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  [ -x build/moe_h ] || $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
+  wait
+  for on in 0 4 2; do
+    step og_ar_cl$on 120 env JAX_NVCOMM_AR_CLUSTER=$on build/ar_h --bench --ranks 2
+  done
+  step og_moe 120 build/moe_h --graph-time
+  step og_local 120 build/ar_h --bench-local
+  grep -A30 "=== og_" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape|floor|^ *[0-9]+x[0-9]+ |^example|^EP2|^config" > "$OUT/onegpu13.txt"
   ;;
 clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): bitwise harness
   # checks, then graph timing off / clusters of 4 / of 4 and 2, in turns (JAX_NVCOMM_AR_CLUSTER)

@@ -90,7 +90,7 @@ harness)
   [ -x build/ar_h ] && [ -x build/moe_h ] ||
     step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
   step ar_harness 120 build/ar_h --quick
-  step ar_harness_cl2 120 env JAX_NVCOMM_AR_CLUSTER=2 build/ar_h --quick  # clusters of 2 too
+  step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
   step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"

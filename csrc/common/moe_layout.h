@@ -134,8 +134,12 @@ NVC_HD int moe_max_entries(const MoeConfig& c) {
 // Enough blocks for the tokens (4 per block) and for the bytes one call may copy
 // (max_tokens x top_k rows of hidden x max(2, dtype) bytes, kMoeBytesPerBlock per block), so
 // that a small batch of wide rows (decode: 4 tokens x 7168) is copied by several SMs; the
-// receive kernels split rows into chunks over all warps of the grid.
-constexpr int64_t kMoeBytesPerBlock = 64 * 1024;
+// receive kernels split rows into chunks over all warps of the grid. 32 KiB per block (64 KiB
+// until 2026-12-01): one H200, 2 virtual ranks, harness graph time, the example's decode
+// (4 tokens x 2048, 128 experts top-8: 4 blocks instead of 2) dispatch 14.0 -> 13.1-13.2 us,
+// combine 9.4 -> 8.1; EP2 4 tokens x 7168 24.4 -> 23.7-23.8 per pair; 16 KiB gave a pair within
+// 0.1 us of it with a slower dispatch.
+constexpr int64_t kMoeBytesPerBlock = 32 * 1024;
 NVC_HD int moe_blocks(const MoeConfig& c) {
   const int64_t db = moe_dtype_bytes(c.dtype) < 2 ? 2 : moe_dtype_bytes(c.dtype);
   const int64_t bytes = int64_t(c.max_tokens) * c.top_k * c.hidden * db;

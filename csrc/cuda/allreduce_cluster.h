@@ -18,17 +18,19 @@ using dev::RowCfg;
 // ---- Fused one-shot with rows split over clusters (allreduce_oneshot_cluster.cuh) ----------
 // Used for fused (plain or FP8 output), unicast one-shot calls whose rows qualify
 // (cluster_rows_ok) when every row gets a cluster of its own: clusters of 4 blocks while the
-// rows fit (about 33 on an H200), and with JAX_NVCOMM_AR_CLUSTER=2 also of 2 blocks (about 66)
-// beyond that. With two rows per cluster in turn the one-block epilogue was faster (measured,
-// 2 x H200: 64 x 4096 9.1 us against 6.3). JAX_NVCOMM_AR_CLUSTER: 0 = off, 2 = clusters of 4,
-// then of 2, unset or anything else = clusters of 4 only (the measured default: clusters of 2
-// are checked bitwise but not yet timed on 2 GPUs). Every rank of a job must see the same
-// setting only for speed: all variants run the same protocol on the same buffers and give the
-// same bits.
+// rows fit (about 33 on an H200), then of 2 blocks (about 66). With two rows per cluster in
+// turn the one-block epilogue was faster (measured, 2 x H200: 64 x 4096 9.1 us against 6.3).
+// JAX_NVCOMM_AR_CLUSTER: 0 = off, 4 = clusters of 4 only, unset or anything else = clusters
+// of 4, then of 2. Clusters of 2 are the default since 2026-12-01 on a one-GPU measurement
+// (2 ranks sharing an H200, so half the SMs per rank, harness graph time): at 32 tokens, where
+// clusters of 4 no longer fit there, 32 x 4096 6.5 -> 4.6 us and 32 x 7168 7.7 -> 5.2 against
+// the one-block epilogue, no shape slower. Not yet timed on 2 GPUs. Every rank of a job must
+// see the same setting only for speed: all variants run the same protocol on the same buffers
+// and give the same bits.
 inline int cluster_mode() {
   static const int mode = [] {
     const char* e = std::getenv("JAX_NVCOMM_AR_CLUSTER");
-    return e == nullptr ? 4 : e[0] == '0' ? 0 : e[0] == '2' ? 2 : 4;
+    return e == nullptr ? 2 : e[0] == '0' ? 0 : e[0] == '4' ? 4 : 2;
   }();
   return mode;
 }

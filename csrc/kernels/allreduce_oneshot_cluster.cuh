@@ -8,13 +8,13 @@
 // vectors per row: hidden > 2048 for 16-bit types, > 1024 for f32; nr == 1 below 128 tokens)
 // and at most kClMaxCols vectors per virtual lane (hidden <= 16384 for 16-bit types), unicast,
 // plain or FP8 (kQuant) output. The host (allreduce.cu) picks it when every row gets a cluster
-// of its own (tokens <= co-resident clusters of 4 blocks; with JAX_NVCOMM_AR_CLUSTER=2 also of
-// 2 blocks, at most 64): with rows queued per cluster the one-block epilogue was faster
-// (measured: 64 tokens, clusters of 4).
+// of its own (tokens <= co-resident clusters of 4 blocks, then of 2 blocks, at most 64; see
+// cuda/allreduce_cluster.h for JAX_NVCOMM_AR_CLUSTER): with rows queued per cluster the
+// one-block epilogue was faster (measured: 64 tokens, clusters of 4).
 //
 // Grid: G = C * nclusters blocks of kClThreads = kArThreads / C threads, cluster dims (C, 1, 1),
 // C = kClBlocks (4 or 2, a template parameter: the host takes 4 while every row fits a cluster
-// of 4, else 2 when enabled); identical on every rank; all blocks co-resident (the host caps
+// of 4, else 2 unless turned off); identical on every rank; all blocks co-resident (the host caps
 // nclusters by the occupancy API and the SM budget).
 //
 // Steps 1-3 (push, clear, counters) are those of allreduce_oneshot.cuh over the G * kClThreads

@@ -83,10 +83,20 @@ except Exception as e:  # JaxRuntimeError from the FFI handler
     dispatch.runtime_tokens.clear()
     # Rank 0 hosts JAX's coordination service: when it exits, the service kills the other
     # ranks. In the expert case rank 1 (the one with the bad id) may print its record after
-    # rank 0 is done (seen with 2 processes sharing one GPU), so there rank 0 stays a while.
+    # rank 0 is done (seen with 2 processes sharing one GPU, also after 8 s), so there every
+    # other rank says through the key-value store that it has printed, and rank 0 exits only
+    # after all have (or after 60 s).
     sys.stdout.flush()
-    if me == 0 and case == "expert":
-        time.sleep(8)
+    if case == "expert" and jax.process_count() > 1:
+        from jax_nvcomm import _exchange
+        if me != 0:
+            _exchange.put(f"faults_mp/printed/{me}", b"1")
+        else:
+            for r in range(1, jax.process_count()):
+                try:
+                    _exchange.get(f"faults_mp/printed/{r}", 60, f"rank {r}'s report")
+                except RuntimeError as e:
+                    rank_print(f"rank {r} did not report: {e}")
     os._exit(0)
 rank_print("NO ERROR")
 os._exit(3)

@@ -263,7 +263,7 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   step cl_harness1 120 build/ar_h --quick
   [ "$NG" -ge 2 ] && step cl_harness2 120 build/ar_h --gpus 2 --quick
   for i in 1 2; do
-    for on in 0 4 2; do  # off, clusters of 4 (default), clusters of 4 then 2
+    for on in 0 4 2; do  # off, clusters of 4 only, clusters of 4 then 2 (the default)
       step cl_bench_$on$i 120 env JAX_NVCOMM_AR_CLUSTER=$on build/ar_h --gpus "$NG" --bench
     done
   done
@@ -295,7 +295,7 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

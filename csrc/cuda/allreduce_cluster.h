@@ -35,7 +35,8 @@ inline int cluster_mode() {
   return mode;
 }
 
-template <typename T, bool kQuant, int kC>
+// Launch configuration of `clusters` clusters of kC blocks (kArThreads / kC threads each).
+template <int kC>
 cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(clusters * kC);
@@ -60,7 +61,7 @@ int max_active_clusters() {
         major < 9 || prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() != cudaSuccess)
       return 0;
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(1, &attr);
+    const cudaLaunchConfig_t cfg = cluster_config<kC>(1, &attr);
     if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC>, &cfg) !=
         cudaSuccess)
       return 0;
@@ -91,7 +92,7 @@ bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc,
   const int ncl = cluster_count<kC>(t.tokens, nv, v.world, sm_count, max_active);
   if (ncl < 1) return false;
   cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = cluster_config<T, kQuant, kC>(unsigned(ncl), &attr);
+  cudaLaunchConfig_t cfg = cluster_config<kC>(unsigned(ncl), &attr);
   cfg.stream = st;
   *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant, kC>, v, t, rc, desc);
   if (*err == cudaSuccess) *err = cudaGetLastError();

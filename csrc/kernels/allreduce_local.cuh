@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kArThreads, kQuant ? 1 : 2)
 // and at most kLocVecs vectors per thread (hidden <= 8192 for 16-bit types, <= 4096 for f32):
 // one row group of kRowThreads threads per block (rmsnorm_regs.cuh: the same bits as
 // local_kernel, r in registers, the next row's loads in flight across the barrier), block b
-// owning rows [tokens*b/G, tokens*(b+1)/G).
+// taking rows b, b + G, ... (neighbouring blocks read neighbouring rows).
 constexpr int kLocThreads = kRowThreads;
 constexpr int kLocVecs = 8;
 
@@ -81,8 +81,6 @@ template <typename T, bool kQuant>
 __global__ void __launch_bounds__(kLocThreads)
     local_rows_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
   const char* x = static_cast<const char*>(t.x);
-  // grid-stride rows, as before the shared function (the 44% measured with contiguous ranges
-  // came from the load's conversion at the call, not from the order: rmsnorm_regs.cuh)
   rmsnorm_rows_regs<T, kQuant, 1, kLocVecs, true, true>(
       t, rc, blockIdx.x, t.tokens, gridDim.x, [&](size_t i) { return ld_nc_v4(x + i * 16); });
 }

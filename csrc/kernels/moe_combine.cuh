@@ -2,9 +2,9 @@
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
 // Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
-// A fused call (moe_combine) runs both halves in one cooperative kernel (combine_kernel), or as the
-// two kernels where ranks of one process share a GPU and their grids do not fit on it
-// together (cuda/moe.cu fused_fits).
+// A fused call (moe_combine) runs both halves in one cooperative kernel (combine_kernel), or
+// as the two kernels where ranks of one process share a GPU and their grids do not fit on
+// it together (cuda/moe.cu fused_fits).
 //
 // SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],

@@ -2,9 +2,9 @@
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
 // Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
-// A fused call (moe_dispatch) runs both halves in one cooperative kernel (dispatch_kernel), or as the
-// two kernels where ranks of one process share a GPU and their grids do not fit on it
-// together (cuda/moe.cu fused_fits).
+// A fused call (moe_dispatch) runs both halves in one cooperative kernel (dispatch_kernel), or
+// as the two kernels where ranks of one process share a GPU and their grids do not fit on
+// it together (cuda/moe.cu fused_fits).
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block

@@ -191,8 +191,8 @@ def test_loop_of_quant_and_fused_calls(comms, rng):
 
 # Shapes of the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh: rows of more than
 # 2048 16-bit / 1024 f32 elements, up to 16384 / 8192; clusters of 4 blocks up to about 33
-# tokens on an H200, then of 2 blocks up to 64 (the default; JAX_NVCOMM_AR_CLUSTER); 1 to 4 columns per
-# virtual lane, polled in pairs) and past its token limits (the one-block epilogue).
+# tokens on an H200, then of 2 blocks up to 64 (the default; JAX_NVCOMM_AR_CLUSTER); 1 to 4
+# columns per virtual lane, polled in pairs) and past its token limits (the one-block epilogue).
 CLUSTER_SHAPES = [(jnp.bfloat16, 1, 7168), (jnp.bfloat16, 3, 4096), (jnp.bfloat16, 32, 7168),
                   (jnp.bfloat16, 40, 4096), (jnp.bfloat16, 64, 7168), (jnp.bfloat16, 65, 4096),
                   (jnp.float16, 17, 16384), (jnp.float32, 5, 8192), (jnp.float32, 2, 2560)]

@@ -95,8 +95,8 @@ except Exception as e:  # JaxRuntimeError from the FFI handler
             for r in range(1, jax.process_count()):
                 try:
                     _exchange.get(f"faults_mp/printed/{r}", 60, f"rank {r}'s report")
-                except RuntimeError as e:
-                    rank_print(f"rank {r} did not report: {e}")
+                except RuntimeError as e3:
+                    rank_print(f"rank {r} did not report: {e3}")
     os._exit(0)
 rank_print("NO ERROR")
 os._exit(3)

@@ -7,8 +7,9 @@
 //   [W*S, W*S + M)      all-gather landing zone: the T-typed sum of the whole message, at the
 //                       message's own offsets (M = max_message_bytes)
 // Flags: Ctrl::flags[seq & 1][phase][src][block] in the receiver's control block, written with
-// make_flag(seq, desc) (desc = op kind + sizes) by the sender's block after a __syncthreads and
-// a system-scope fence (publish_flag); waiters use wait_flag (deadline, disagreement check).
+// make_flag(seq, desc) (desc = op kind + sizes) by the sender's block after a __syncthreads, with
+// a system-scope release store (publish_flag); waiters use wait_flag (deadline, disagreement
+// check).
 //
 // Partition (by 16-byte vectors, not rows): the nv vectors of the message are split into W
 // contiguous shares, owner o owns [nv*o/W, nv*(o+1)/W); each share is split into G contiguous

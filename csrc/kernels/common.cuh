@@ -6,8 +6,13 @@
 //   block to finish (done_blocks reaches gridDim.x) stores ctrl->seq = s and resets done_blocks.
 //   All blocks have read seq by then, so the update cannot race with a reader of this call, and
 //   the next kernel on the stream sees it (kernel boundary).
-// - Data written to a peer is published per block: __syncthreads(); thread 0 issues
-//   fence.acq_rel.sys and then a relaxed system-scope store of the flag (st_release_sys).
+// - Data written to a peer is published per block: __syncthreads(), then one thread per flag
+//   stores it with st.release.sys (publish_flag). The release covers the whole block's writes
+//   (bar.sync orders them before it; PTX release is cumulative) and compiles to one
+//   MEMBAR.ALL.SYS before the store. A fence.acq_rel.sys in front of it, as before 2026-12-01,
+//   added a second MEMBAR.ALL.SYS and an L1 invalidate (CCTL.IVALL) per flag, with nothing to
+//   order. Where one thread stores several flags it issues one fence.acq_rel.sys and relaxed
+//   stores instead (a release pattern too), so the MEMBAR is paid once.
 // - A waiter polls with ld.acquire.sys and a deadline from %globaltimer. On a timeout, a
 //   disagreement or bad data it records ErrorInfo (first error wins) and traps: the CUDA context
 //   reports an error to XLA instead of the program hanging or computing on garbage.
@@ -145,11 +150,9 @@ __device__ __forceinline__ void finish_call(const CommView& v, uint64_t seq) {
 }
 
 // Publish data written by this block (to peers or locally) with a flag: call after a
-// __syncthreads() that follows the block's data stores.
-__device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
-  fence_acq_rel_sys();
-  st_release_sys(flag, value);
-}
+// __syncthreads() that follows the block's data stores. One release store, no separate fence
+// (see the conventions at the top).
+__device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) { st_release_sys(flag, value); }
 
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
 // probe(i) syncs the block, then thread 0 of block 0 (-DNVC_PROBE_LAST: of the last block, which

@@ -122,7 +122,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
               [&](int) { return dst; });
   }
   dev::probe(9);
-  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
+  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's release
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
   dev::probe(10);

@@ -22,7 +22,7 @@
 //      tokens of the step going to d (__match_any_sync); whole block then copies each token once
 //      per destination: payload (16-B vectors), scales, meta (entries in k order).
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
-//   block: __syncthreads, fence.acq_rel.sys, st.release.sys moe_flag(s, me, b) in every rank.
+//   block: __syncthreads, st.release.sys moe_flag(s, me, b) in every rank (publish_all).
 // RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
 //   block stages the W headers in shared memory (one round of loads), off[src][e] = prefix
 //   over sources (in place); one warp per (received row, chunk of 32 * u vectors, u <= kCopyU
@@ -133,10 +133,8 @@ __device__ __forceinline__ void wait_all_sources(const CommView& v, const MoeCon
 // Every thread: publish this block's flag for call s in every rank (after a __syncthreads).
 __device__ __forceinline__ void publish_all(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t desc) {
   __syncthreads();
-  if (threadIdx.x < v.world) {
-    dev::fence_acq_rel_sys();
-    dev::st_release_sys(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
-  }
+  if (threadIdx.x < v.world)
+    dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
 }
 
 __device__ __forceinline__ uint64_t sends_issued(const CommView& v) {
@@ -385,7 +383,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
       moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank)[j] = j == 0 ? cntD[d] : cntE[d * L + j - 1];
     }
   }
-  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's fence
+  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's release
   publish_all(v, c, s, desc);
   finish_send(v, s, ticket);
   dev::probe(4);

@@ -8,6 +8,7 @@ that names what happened, within the communicator's deadline, never hang.
                     rank's next call on that communicator must be refused ("NEXT ..." lines)
 Prints "GOT <message>" on the rank(s) that must see the error; exits 0 when the case behaved.
 """
+import faulthandler
 import os
 import sys
 import time
@@ -32,6 +33,18 @@ def call(fn, shape):
     return jax.block_until_ready(f(x))
 
 
+def print_record(c, wait_s=0.0):
+    """Print this rank's error records (host-mapped memory, readable while a failing call is
+    still in flight), polling up to wait_s for the first."""
+    deadline = time.monotonic() + wait_s
+    lines = c.errors()
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+        lines = c.errors()
+    for line in lines:
+        rank_print(f"recorded: {line}")
+
+
 ar = lambda v: nvc.all_reduce(v, comm, strategy="twoshot")[None]
 ag = lambda v: nvc.all_gather(v, comm)
 
@@ -39,6 +52,9 @@ ag = lambda v: nvc.all_gather(v, comm)
 call(ar, (4, 64))
 rank_print("warm-up call OK")
 t0 = time.monotonic()
+# A rank still inside its case after 20 s prints every thread's Python stack (and again every
+# 20 s): where a rank hangs is then in the log instead of only that it did not report.
+faulthandler.dump_traceback_later(20, repeat=True)
 try:
     if case == "dead":
         if me == 1:
@@ -62,7 +78,15 @@ try:
         bad = ids.copy()
         bad[3 + 1, 0] = 7  # rank 1 (rows 3..5), its token 1, slot 0
         try:
-            jax.block_until_ready(moe_fn(xs, global_array(mesh, P("x"), bad)))
+            out = moe_fn(xs, global_array(mesh, P("x"), bad))  # enqueued (asynchronous dispatch)
+            if me != 0:
+                # The kernel records before it traps, so the record is readable before the call
+                # returns. Printed now: with two processes sharing one GPU the failing call
+                # itself sometimes stays blocked until the other (also faulted) process exits
+                # (README, "Faults"); with one process per GPU it returns (the GPU test
+                # requires both GOT lines there).
+                print_record(comm, wait_s=10.0)
+            jax.block_until_ready(out)
         finally:
             try:
                 jax.block_until_ready(moe_fn(xs, good))
@@ -75,17 +99,15 @@ except Exception as e:  # JaxRuntimeError from the FFI handler
     msg = str(e).splitlines()[0]
     rank_print(f"GOT after {time.monotonic() - t0:.1f}s: {msg}")
     try:  # the record the kernel left in the host-mapped error block (CUDA), if any
-        for line in comm.errors():
-            rank_print(f"recorded: {line}")
+        print_record(comm)
     except Exception as e2:  # noqa: BLE001 - reported, the case still ended
         rank_print(f"comm.errors() failed: {type(e2).__name__}: {e2}")
     from jax._src import dispatch
     dispatch.runtime_tokens.clear()
     # Rank 0 hosts JAX's coordination service: when it exits, the service kills the other
-    # ranks. In the expert case rank 1 (the one with the bad id) may print its record after
-    # rank 0 is done (seen with 2 processes sharing one GPU, also after 8 s), so there every
-    # other rank says through the key-value store that it has printed, and rank 0 exits only
-    # after all have (or after 60 s).
+    # ranks. So in the expert case every other rank says through the key-value store that it
+    # got here, and rank 0 exits only after all have or after 20 s (a rank whose failing call
+    # stays blocked, seen with two processes sharing one GPU, printed its record before).
     sys.stdout.flush()
     if case == "expert" and jax.process_count() > 1:
         from jax_nvcomm import _exchange
@@ -94,9 +116,10 @@ except Exception as e:  # JaxRuntimeError from the FFI handler
         else:
             for r in range(1, jax.process_count()):
                 try:
-                    _exchange.get(f"faults_mp/printed/{r}", 60, f"rank {r}'s report")
+                    _exchange.get(f"faults_mp/printed/{r}", 20, f"rank {r}'s report")
                 except RuntimeError as e3:
                     rank_print(f"rank {r} did not report: {e3}")
+    rank_print(f"exits after {time.monotonic() - t0:.1f}s")
     os._exit(0)
 rank_print("NO ERROR")
 os._exit(3)

@@ -234,11 +234,10 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
 
 namespace {
 template <typename T, bool kQuant>
-cudaError_t local_variant(const ArTensors& t, bool rows, cudaStream_t st, int sm_count) {
+cudaError_t local_variant(const ArTensors& t, int dtype, bool rows, cudaStream_t st, int sm_count) {
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
   if (!rows) {
-    const int grid = all_reduce_grid(t.tokens, t.hidden, dev::Vec<T>::kElems == 4 ? kF32 : kBF16, 1,
-                                     Strategy::kTwoShot, true, sm_count);
+    const int grid = all_reduce_grid(t.tokens, t.hidden, dtype, 1, Strategy::kTwoShot, true, sm_count);
     return launch<dev::local_kernel<T, true, kQuant>>(
         grid, int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)), st, t, rc);
   }
@@ -254,12 +253,12 @@ cudaError_t all_reduce_local_variant(const AllReduceArgs& a, bool rows, cudaStre
                     a.tokens, a.hidden, a.eps,      a.scale};
   const bool q = a.scale != nullptr;
   switch (a.dtype) {
-    case kF32: return q ? local_variant<float, true>(t, rows, stream, sm_count)
-                        : local_variant<float, false>(t, rows, stream, sm_count);
-    case kBF16: return q ? local_variant<__nv_bfloat16, true>(t, rows, stream, sm_count)
-                         : local_variant<__nv_bfloat16, false>(t, rows, stream, sm_count);
-    default: return q ? local_variant<__half, true>(t, rows, stream, sm_count)
-                      : local_variant<__half, false>(t, rows, stream, sm_count);
+    case kF32: return q ? local_variant<float, true>(t, a.dtype, rows, stream, sm_count)
+                        : local_variant<float, false>(t, a.dtype, rows, stream, sm_count);
+    case kBF16: return q ? local_variant<__nv_bfloat16, true>(t, a.dtype, rows, stream, sm_count)
+                         : local_variant<__nv_bfloat16, false>(t, a.dtype, rows, stream, sm_count);
+    default: return q ? local_variant<__half, true>(t, a.dtype, rows, stream, sm_count)
+                      : local_variant<__half, false>(t, a.dtype, rows, stream, sm_count);
   }
 }
 

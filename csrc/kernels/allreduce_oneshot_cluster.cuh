@@ -23,8 +23,9 @@
 // rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
 // registers before the first row (every row uses the same columns).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
-//     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank order (float32), adds the
-//     residual (loaded before the poll), stores residual_out, keeps r in registers and
+//     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
+//     order (float32), adds the residual (loaded before the poll), stores residual_out, keeps
+//     r in registers and
 //     accumulates its sum of squares over its columns in increasing order (fmaf, from +0.0f);
 //   the virtual warp l / 32 reduces with the same xor butterfly; its lane 0 stores the partial
 //     in this block's s_part; cluster barrier (arrive.release / wait.acquire);

@@ -152,7 +152,9 @@ __device__ __forceinline__ void finish_call(const CommView& v, uint64_t seq) {
 // Publish data written by this block (to peers or locally) with a flag: call after a
 // __syncthreads() that follows the block's data stores. One release store, no separate fence
 // (see the conventions at the top).
-__device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) { st_release_sys(flag, value); }
+__device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
+  st_release_sys(flag, value);
+}
 
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
 // probe(i) syncs the block, then thread 0 of block 0 (-DNVC_PROBE_LAST: of the last block, which

@@ -7,19 +7,19 @@
     python -m jax_nvcomm.launch -n 4 --share-gpu examples/moe_transformer.py --nvcomm-only
         --ref F.npz
 
-The model and runner live in jax_nvcomm/moe_transformer.py (so that the installed package can
+The model and runner live in jax_nvcomm/models/moe_transformer.py (so that the installed package can
 run them too); `--help` lists every flag.
 """
 import os
 import sys
 
 try:
-    from jax_nvcomm.moe_transformer import main
+    from jax_nvcomm.models.moe_transformer import main
 except ModuleNotFoundError as e:  # not installed: use the checkout this script is in
     if e.name != "jax_nvcomm":
         raise
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from jax_nvcomm.moe_transformer import main
+    from jax_nvcomm.models.moe_transformer import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="examples/moe_transformer.py"))

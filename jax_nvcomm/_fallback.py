@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import reference
-from .allreduce import xla_all_reduce_rms_norm
-from .moe import Dispatched, MoEHandle
+from .moe_types import Dispatched, MoEHandle
+from .reference import xla_all_reduce_rms_norm
 
 
 @jax.tree_util.register_dataclass

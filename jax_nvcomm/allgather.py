@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _order, _shard
+from . import _fallback, _order, _shard
 
 
 def _gather0(x, tok, comm):
@@ -58,7 +58,6 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
                          f"[{-nd}, {nd}) for x of shape {x.shape}, got {axis!r}")
     axis = int(axis) % (nd + (0 if tiled else 1))
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
-        from . import _fallback
         return _fallback.all_gather(x, comm, axis, tiled)
     nbytes = x.size * x.dtype.itemsize
     if nbytes == 0:  # nothing to move; XLA refuses to lower an all-gather of a zero-size axis

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _order, _shard
+from . import _fallback, _order, _shard
+from .reference import rms_norm_reference, xla_all_reduce_rms_norm
 from .strategy import select_strategy
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -97,7 +98,6 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     _check_dtype(x, "x", what)
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
-        from . import _fallback
         return _fallback.all_reduce(x, comm)
     axis = comm.axis_name
     if strat == "xla" or comm.world_size == 1 and x.size == 0:
@@ -118,20 +118,6 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     out, tok = ar(x, _order.token(axis))
     _order.record(tok)
     return out
-
-
-def rms_norm_reference(r, weight, eps):
-    """float32 RMSNorm of r (float32) with weight; the math of the fused epilogue."""
-    r = r.astype(jnp.float32)
-    inv = lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + jnp.float32(eps))
-    return r * inv * weight.astype(jnp.float32)
-
-
-def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
-    """The "xla" strategy of all_reduce_rms_norm (also reference.all_reduce_rms_norm_xla):
-    lax.psum in x.dtype, then residual add + RMSNorm in float32."""
-    r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
-    return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
 
 
 def check_fused_args(x, residual, weight, eps, what):
@@ -192,7 +178,6 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
     strat = _resolve(comm, strategy, x.shape, x.dtype, what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
-        from . import _fallback
         return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
     mixed = residual.dtype != x.dtype or weight.dtype != x.dtype

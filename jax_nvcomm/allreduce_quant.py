@@ -13,8 +13,8 @@ import numpy as np
 from jax import lax
 
 from . import _order, _shard
-from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_result_vmas,
-                        rms_norm_reference)
+from .allreduce import _STRATEGY_CODE, _resolve, check_fused_args, fused_result_vmas
+from .reference import rms_norm_reference
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = np.float32(448.0)  # largest finite float8_e4m3fn

@@ -13,15 +13,15 @@ backend where XLA's collectives run (not several ranks sharing one GPU).
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _ffi, _inflight, _order, _shard
+from . import _fallback, _ffi, _inflight, _order, _shard
 from .communicator import _Base
+from .moe_types import Dispatched, MoEHandle
 
 _PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
             jnp.dtype(jnp.float8_e4m3fn): 3}
@@ -132,24 +132,6 @@ class MoECommunicator(_Base):
                 f"scale_cols={self.scale_cols}, max_in_flight={self.max_in_flight}, "
                 f"backend={self._backend!r}"
                 f"{', closed' if self._closed else ''})")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MoEHandle:
-    """What moe_combine needs to route results back (device arrays; no hidden state)."""
-    token_dest: jax.Array     # int32 [max_tokens, top_k]: expert id of (t, k), -1 unused
-    expert_src: jax.Array     # int32 [L, W*T]: (src * T + t) * K + k of each expert row
-    expert_counts: jax.Array  # int32 [L]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Dispatched:
-    expert_x: jax.Array
-    expert_counts: jax.Array
-    expert_x_scale: jax.Array | None
-    handle: MoEHandle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +325,6 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     x_scale = None if x_scale is None else jnp.asarray(x_scale)
     _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale)
     if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
-        from . import _fallback
         return _fallback.moe_dispatch(x, topk_ids, moe, num_tokens, x_scale)
     _inflight.check_fused(moe, what)
 
@@ -401,7 +382,6 @@ def moe_combine(expert_y, topk_weights, handle, moe):
     expert_y, topk_weights = jnp.asarray(expert_y), jnp.asarray(topk_weights)
     _check_combine_args(expert_y, topk_weights, moe, what)
     if moe.xla_fallback:  # groups beyond one host / peer access: _fallback.py
-        from . import _fallback
         return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
     _inflight.check_fused(moe, what)
 

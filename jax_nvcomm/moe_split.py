@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _inflight, _order, _shard
+from . import _fallback, _inflight, _order, _shard
 from .moe import (Dispatched, MoECommunicator, MoEHandle, _check_combine_args,
                   _check_dispatch_args, _combine_grads, _dispatch_cotangents)
 
@@ -170,7 +170,6 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
     what = "moe_dispatch_recv"
     _check_moe(moe, what)
     if isinstance(sent, _FallbackSent) and sent.kind == "dispatch":
-        from . import _fallback
         x, ids, nt, xs = sent.args
         return _fallback.moe_dispatch(_after(x, after), ids, moe, nt, xs)
     if not isinstance(sent, DispatchSent):
@@ -276,7 +275,6 @@ def moe_combine_recv(csent, topk_weights, moe, *, after=None):
     topk_weights = jnp.asarray(topk_weights)
     _check_combine_args(None, topk_weights, moe, what)
     if isinstance(csent, _FallbackSent) and csent.kind == "combine":
-        from . import _fallback
         ey, handle = csent.args
         return _fallback.moe_combine(_after(ey, after), topk_weights, handle, moe)
     if not isinstance(csent, CombineSent):

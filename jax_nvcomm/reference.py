@@ -42,15 +42,29 @@ import numpy as np
 from jax import lax
 
 from . import _shard
-from .allreduce import xla_all_reduce_rms_norm
 
 __all__ = ["moe_dispatch_xla", "moe_combine_xla", "all_reduce_rms_norm_xla",
+           "xla_all_reduce_rms_norm", "rms_norm_reference",
            "np_moe_dispatch", "np_moe_combine", "np_moe_rows"]
 
 _IMPLS = ("ragged", "dense")
 
 
 # ----------------------------------------------------------------------------- helpers
+def rms_norm_reference(r, weight, eps):
+    """float32 RMSNorm of r (float32) with weight; the math of the fused epilogue."""
+    r = r.astype(jnp.float32)
+    inv = lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + jnp.float32(eps))
+    return r * inv * weight.astype(jnp.float32)
+
+
+def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
+    """The "xla" strategy of all_reduce_rms_norm (also `all_reduce_rms_norm_xla`):
+    lax.psum in x.dtype, then residual add + RMSNorm in float32."""
+    r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
+    return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
+
+
 def _excl_cumsum(a, axis=0):
     return jnp.cumsum(a, axis=axis) - a
 

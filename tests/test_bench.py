@@ -8,22 +8,22 @@ import pathlib
 import numpy as np
 import pytest
 
-from jax_nvcomm import bench
+from jax_nvcomm.bench import allreduce as bench_ar, cli, common
 
 ROWS = json.loads((pathlib.Path(__file__).parents[1] / "docs" /
                    "bench_h200x2_allreduce.json").read_text())["rows"]
-PLAIN = set(bench.AR_METHODS)
+PLAIN = set(bench_ar.AR_METHODS)
 
 
 def test_plain_rows_give_the_plain_crossovers():
     # one-shot wins to its 1 MiB slot; two-shot beats lax.psum up to 32 MiB, loses at 64 MiB
     rows = [r for r in ROWS if r["method"] in PLAIN]
-    assert bench.crossovers(rows) == (1 << 20, 32 << 20)
+    assert bench_ar.crossovers(rows) == (1 << 20, 32 << 20)
 
 
 def test_fused_rows_lower_the_two_shot_threshold():
     # the fused two-shot loses to psum + XLA's RMSNorm from 16 MiB (112.0 vs 111.3 us)
-    assert bench.crossovers(ROWS) == (1 << 20, 8 << 20)
+    assert bench_ar.crossovers(ROWS) == (1 << 20, 8 << 20)
 
 
 def test_a_method_missing_at_a_size_counts_as_a_loss():
@@ -31,11 +31,11 @@ def test_a_method_missing_at_a_size_counts_as_a_loss():
         ("nvc oneshot", 4096, 5.0), ("nvc twoshot", 4096, 9.0), ("lax.psum", 4096, 8.0),
         ("nvc twoshot", 8192, 9.0), ("lax.psum", 8192, 10.0),          # no one-shot at 8 KiB
         ("nvc twoshot", 16384, 12.0), ("lax.psum", 16384, 11.0)]]
-    assert bench.crossovers(rows) == (4096, 8192)
+    assert bench_ar.crossovers(rows) == (4096, 8192)
 
 
 def test_thresholds_source_is_the_strategy_table_format():
-    src = bench.thresholds_source({2: (1 << 20, 8 << 20)}, {2: (0, 0), 4: (256 << 10, 32 << 20)})
+    src = bench_ar.thresholds_source({2: (1 << 20, 8 << 20)}, {2: (0, 0), 4: (256 << 10, 32 << 20)})
     ns = {}
     exec(src, ns)  # noqa: S102 - our own generated source
     assert ns["THRESHOLDS"] == {2: (1 << 20, 8 << 20), 4: (256 << 10, 32 << 20)}
@@ -132,15 +132,15 @@ def test_device_time_per_call_from_the_trace(tmp_path, monkeypatch):
         return _write_trace(os.path.join(out_dir, "perfetto_trace.json.gz"))
     monkeypatch.setattr(_trace, "record", record)
     fn, runs = _counting_fn()
-    out = bench._device_time(_Env(), fn, (1,), calls=9)
+    out = common._device_time(_Env(), fn, (1,), calls=9)
     assert len(runs) == 2 and len(made) == 1
     assert out["device_us"] == 2.0 and out["device_kernels_per_call"] == 0.333
     assert [t["name"] for t in out["device_top"]] == ["kernel_a", LONG[:60]]
     assert "device_note" not in out and out["op_device_us"] is None  # no nvc:: kernel
     assert not os.path.exists(made[0])  # the trace directory is deleted
     row = dict(method="m", median_us=12.34, p10_us=11.9, p90_us=13.0, **out)
-    assert bench._cell(row) == "12.3 (11.9-13.0) d2.0"
-    assert bench._cell(dict(row, device_us=None)) == "12.3 (11.9-13.0)"
+    assert common._cell(row) == "12.3 (11.9-13.0) d2.0"
+    assert common._cell(dict(row, device_us=None)) == "12.3 (11.9-13.0)"
 
 
 def test_op_device_time_is_our_kernels_only(tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_op_device_time_is_our_kernels_only(tmp_path, monkeypatch):
     monkeypatch.setattr(_trace, "device_time", lambda path, device=0: dict(
         program="p", executions=2, busy_us=17.0, kernels=16, top=top))
     fn, runs = _counting_fn()
-    out = bench._device_time(_Env(), fn, (1,), calls=4)
+    out = common._device_time(_Env(), fn, (1,), calls=4)
     assert out["device_us"] == 4.25 and out["op_device_us"] == 3.0 and len(runs) == 2
 
 
@@ -167,7 +167,7 @@ def test_device_time_other_processes_and_failures(tmp_path, monkeypatch):
     monkeypatch.setattr(_trace, "record", lambda *a, **k: calls.append(a))
     fn, runs = _counting_fn()
     # not process 0: the same 2 runs (collectives), no trace
-    out = bench._device_time(_Env(is_main=False), fn, (1,), calls=9)
+    out = common._device_time(_Env(is_main=False), fn, (1,), calls=9)
     assert len(runs) == 2 and not calls and out["device_us"] is None
 
     def broken(fn, args, out_dir, steps):
@@ -175,7 +175,7 @@ def test_device_time_other_processes_and_failures(tmp_path, monkeypatch):
         raise RuntimeError("profiler broke\nmore")
     monkeypatch.setattr(_trace, "record", broken)
     fn, runs = _counting_fn()
-    out = bench._device_time(_Env(), fn, (1,), calls=9)
+    out = common._device_time(_Env(), fn, (1,), calls=9)
     assert len(runs) == 2  # the run the profiler missed is made up
     assert out["device_us"] is None and out["device_note"] == (
         "trace failed: RuntimeError: profiler broke")
@@ -197,7 +197,7 @@ def test_bench_allreduce_device_time_on_cpu(tmp_path, monkeypatch, capsys, mode)
         traced.append(1)
         return real(*a, **k)
     monkeypatch.setattr(_trace, "record", record)
-    rc = bench.main(["allreduce", "--quick", "--hidden", "512", "--max-bytes", "4096",
+    rc = cli.main(["allreduce", "--quick", "--hidden", "512", "--max-bytes", "4096",
                      "--reps", "1", "--unroll", "1", "--steps", "1", "--device-time", mode,
                      "--out", str(tmp_path / "out")])
     assert rc == 0

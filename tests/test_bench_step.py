@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from jax_nvcomm import bench
-from jax_nvcomm import moe_transformer as mt
+from jax_nvcomm.bench import cli
+from jax_nvcomm.models import moe_transformer as mt
 
 LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe")
 
 
 def test_bench_step_rows_have_turns_bound_and_agreement(tmp_path, capsys):
-    rc = bench.main(["step", "--presets", "example", "--phases", "decode", "--iters", "2",
+    rc = cli.main(["step", "--presets", "example", "--phases", "decode", "--iters", "2",
                      "--warmup", "1", "--no-trace", "--quiet", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads(next(tmp_path.glob("bench_*_step.json")).read_text())

@@ -1,4 +1,4 @@
-"""The MoE transformer example (jax_nvcomm.moe_transformer, `python -m jax_nvcomm.demo`) on the
+"""The MoE transformer example (jax_nvcomm.models.moe_transformer, `python -m jax_nvcomm.demo`) on the
 8 CPU devices, small sizes: both layouts, decode and prefill, agree with the XLA-only version
 and (test_one_layer_matches_numpy_forward) with an independent float64 numpy forward pass of
 one layer written here from the model's definition; the command line's reference file round
@@ -6,7 +6,7 @@ trip, plot and exit codes."""
 import numpy as np
 import pytest
 
-from jax_nvcomm import moe_transformer as mt
+from jax_nvcomm.models import moe_transformer as mt
 
 SMALL = dict(layers=1, hidden=64, experts=8, top_k=2, ffn=32, tokens=16, decode_tokens=2,
              context=8, iters=1, warmup=0, quiet=True)

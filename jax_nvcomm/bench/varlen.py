@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from . import bench as B
+from . import common as B
 
 GATHER = ["nvc all_gather_v", "nvc no zero_tail", "xla padded", "xla zero-filled"]
 SCATTER = ["nvc reduce_scatter_v", "xla padded", "xla psum+slice"]
@@ -130,7 +130,7 @@ def _point(env, comm, mesh, load, counts, max_rows, hidden, a):
                 rows.append(dict(base, skipped="ranks share one GPU: no XLA collectives"))
                 continue
             if name.startswith("nvc"):
-                from .varlen import fits
+                from ..varlen import fits
                 if not fits(comm, max_rows, row):
                     base["note"] = "above max_message_bytes: ran the XLA path"
 

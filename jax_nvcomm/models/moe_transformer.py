@@ -665,7 +665,7 @@ def nvc_moe_api():
 def xla_moe_api():
     """(moe_dispatch_xla, moe_combine_xla) from jax_nvcomm.reference, or Unavailable."""
     try:
-        from . import reference
+        from .. import reference
     except ImportError as e:
         raise Unavailable("the XLA side of the high-throughput layout needs "
                           f"jax_nvcomm.reference (moe_dispatch_xla / moe_combine_xla): {e}; run "
@@ -802,7 +802,7 @@ def nvc_op_name(cfg, layout, phase, comms, world):
         return ("split dispatch+combine" if cfg.split and cfg.shared_ffn
                 else "dispatch+combine")
     if layout == "dp-attn-tp-moe":
-        from . import varlen
+        from .. import varlen
         comm = comms.get("dp")
         _, t = row_counts(cfg, layout, phase, world)
         row = cfg.hidden * jnp.dtype(cfg.dtype).itemsize
@@ -836,7 +836,7 @@ def to_host0(arr, dtype="float32"):
     dtype = np.dtype(dtype)
     if jax.process_count() == 1:
         return np.asarray(arr).astype(dtype)
-    from . import _exchange
+    from .. import _exchange
     prefix = _kv_prefix("gather")
     chunk = 1 << 20
     me = jax.process_index()
@@ -873,7 +873,7 @@ def from_host0(value):
     import jax
     if jax.process_count() == 1:
         return value
-    from . import _exchange
+    from .. import _exchange
     key = _kv_prefix("bcast")
     if jax.process_index() == 0:
         _exchange.put(key, json.dumps(value).encode())
@@ -946,7 +946,7 @@ def _trace_row(fn, args, trace_dir, name, main_proc):
     """Profile 4 steps (every process runs them; process 0 records) and summarise them
     (jax_nvcomm/_trace.py); None on the other processes."""
     import jax
-    from . import _trace
+    from .. import _trace
     if not main_proc:
         for _ in range(4):
             jax.block_until_ready(fn(*args))
@@ -1319,7 +1319,7 @@ def allow_ragged_nccl_fallback() -> None:
 def setup_platform(cpu_devices: int = 8) -> None:
     """Before any JAX backend starts: join the launcher's job if started by it; otherwise,
     without a GPU, use `cpu_devices` CPU host devices."""
-    from . import _dist
+    from .. import _dist
     if _dist.is_launched():
         allow_ragged_nccl_fallback()
         _dist.distributed_initialize()
@@ -1421,7 +1421,7 @@ def main(argv=None, prog=None) -> int:
     setup_platform(max(8, cfg.devices or 0))
     import jax
 
-    from ._platform import platform_lines
+    from .._platform import platform_lines
     if jax.process_index() == 0:
         print("\n".join(platform_lines(jax.devices())), flush=True)
     try:

@@ -1,7 +1,7 @@
 """`python -m jax_nvcomm.bench step`: the whole jitted model step, jax_nvcomm against XLA's
 collectives, in one run: what a user of the package feels.
 
-Runs the example's steps (jax_nvcomm/moe_transformer.py: low-latency TP layout with the fused
+Runs the example's steps (jax_nvcomm/models/moe_transformer.py: low-latency TP layout with the fused
 all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine,
 dp-attn-tp-moe DP-attention + TP-MoE layout with all_gather_v / reduce_scatter_v against padded
 lax.all_gather + lax.psum_scatter, prefill unbalanced (rank 0 `tokens`, the others
@@ -120,7 +120,7 @@ def format_table(rows) -> str:
 
 
 def plot(rows, path, title):
-    from .bench import pyplot
+    from .common import pyplot
     plt = pyplot()
     if plt is None:
         return False
@@ -147,7 +147,7 @@ def plot(rows, path, title):
 
 
 def run_step(a) -> int:
-    from . import moe_transformer as mt
+    from ..models import moe_transformer as mt
     mt.setup_platform(8)
     import jax
     devs = jax.devices()
@@ -208,7 +208,7 @@ def run_step(a) -> int:
     png = os.path.join(a.out, f"bench_{machine}_step.png")
     plot(rows, png, f"jitted step, {world} x {devs[0].device_kind}")
     if trace_root:
-        from . import _trace
+        from .. import _trace
         for r in rows:
             for key in ("nvcomm", "xla"):
                 tr = r.get(f"{key}_trace")

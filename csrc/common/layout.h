@@ -56,6 +56,10 @@ enum ErrCode : uint32_t {
                          // (peer = that rank, observed = its count | this rank's count << 32)
   kErrInFlight = 8,      // MoE split SEND: more SENDs outstanding than max_in_flight (observed: count)
   kErrOrder = 9,         // MoE RECV of another call than the oldest outstanding SEND (observed: its seq)
+  kErrRaggedSlice = 10,  // ragged_all_to_all: a slice outside operand/output (ragged_layout.h;
+                         // peer = this rank, observed = ragged_slice_detail)
+  kErrRaggedRecv = 11,   // ragged_all_to_all: a peer sends another row count than recv_sizes says
+                         // (peer = the sender, observed = ragged_recv_detail)
 };
 
 // Written once (first error wins) by a failing kernel or host protocol. For CUDA it lives in
@@ -89,6 +93,7 @@ enum OpKind : uint32_t {
   kOpMoeCombine = 5,
   kOpAllGatherV = 6,
   kOpReduceScatterV = 7,
+  kOpRaggedAllToAll = 8,
 };
 
 // 24-bit call descriptor: op kind in bits 0..3, a hash of the sizes in bits 4..23.

@@ -1,0 +1,115 @@
+// ragged_all_to_all (lax.ragged_all_to_all's semantics) over the flag protocol of a
+// Communicator (layout.h): layout of one data half, the call descriptor, the protocol and its
+// invariants. Shared by the CUDA kernel (kernels/ragged.cuh), the host protocol
+// (host/ragged_host.cc) and the Python capacity check (jax_nvcomm/ragged.py calls
+// _host.ragged_fits, which is ragged_fits below).
+//
+// The call (every rank, SPMD: the same static shapes everywhere):
+//   operand [N, ...], output [M, ...] (same dtype and trailing dims; row = trailing elements x
+//   itemsize bytes), input_offsets / send_sizes / output_offsets / recv_sizes: K = k * W
+//   integers each (int32 or int64, all four the same type), k >= 1 slices per peer.
+//   Slice i of rank r (i in [0, K)) goes to peer d = i / k: rows operand[input_offsets[i] ..
+//   + send_sizes[i]) land in d's result at rows [output_offsets[i] .. + send_sizes[i]) (the
+//   offset is in the RECEIVER's frame, given by the sender). Receiver d expects
+//   recv_sizes[r * k + j] rows from slice j (= i % k) of rank r. Rows of d's result that no slice
+//   covers keep output's values. (lax: output_offsets_ = all_to_all(output_offsets).)
+//
+// Data half p of receiver d (CommView::half(d, p)):
+//   [0, H)          header: RaggedSlice[W * k], entry [r * k + j] written by rank r: where its
+//                   slice j to d lands in d's output (row offset) and how many rows it carries.
+//                   H = ragged_header_bytes(W, k) = align256(W * k * sizeof(RaggedSlice)).
+//   [H, H + F)      landing frame, F = align256(M * row_bytes): row t of d's output frame at
+//                   H + t * row_bytes. Senders write their rows here at their output_offsets,
+//                   so rows from different senders never share bytes unless the caller's slices
+//                   overlap in d's output (lax leaves the result unspecified then; so do we).
+// Flags: Ctrl::flags[p][0][src][b] in the receiver's control block, value make_flag(s, desc),
+// desc = ragged_desc(N, M, row_bytes, k): static sizes only, never the traced offsets/sizes.
+//
+// Protocol, call s on rank `me` (p = s & 1), grid of G blocks (G a pure function of the static
+// sizes, the same on every rank; the host protocol is one "block"):
+//   1. Validate this rank's own slices: for every i, 0 <= input_offsets[i], 0 <= send_sizes[i],
+//      input_offsets[i] + send_sizes[i] <= N, 0 <= output_offsets[i],
+//      output_offsets[i] + send_sizes[i] <= M. A bad slice fails the call on this rank
+//      (kErrRaggedSlice, observed = ragged_slice_detail(i, which field)) after raising the
+//      poison flag make_flag(s, kRaggedPoisonDesc) of every block at every peer, so peers fail
+//      at once (kErrMismatch naming this rank) instead of timing out.
+//   2. Push: for every peer d != me and block b: copy block b's share of the rows of slices
+//      d*k .. d*k+k-1 (rows [n*b/G, n*(b+1)/G) of each slice of n rows: ragged_split) from the
+//      operand into d's half p frame at the slice's output offset; write all k header entries
+//      for d (every block writes the same values, so block b's flag alone publishes them);
+//      __syncthreads; publish flags[p][0][me][b] at d (st.release.sys).
+//   3. Receive: slices to myself are copied straight from the operand into the result. For every
+//      src != me: wait (bounded, the communicator's deadline) for flags[p][0][src][b]; read
+//      header[src * k + j]; check its size == recv_sizes[src * k + j], else fail
+//      (kErrRaggedRecv, peer = src, observed = ragged_recv_detail(j, sent, expected)); copy block
+//      b's share of the slice's rows from my frame to the result at the header's offset. A
+//      header offset outside [0, M - size] cannot come from a sender that passed step 1.
+//   4. finish_call: the last block advances Ctrl::seq (the kernel itself, so CUDA-graph
+//      replays need no host code).
+// The result buffer aliases `output` (XLA input_output_aliases), so rows nothing lands on keep
+// their values without a copy; where XLA could not alias, it copies output first.
+//
+// Invariants: every call waits for every peer (flag protocol), so two halves suffice (layout.h);
+// a rank writes only the frame rows its own slices name and its own k header entries of a
+// peer's half; G <= kMaxBlocks; every wait has the communicator's deadline and names the peer;
+// nothing is written outside [0, M) rows of a frame (step 1 runs before any push).
+// Capacity (ragged_fits): M * row_bytes <= max_message_bytes and H + F <= flag_half. Larger
+// calls take XLA's lax.ragged_all_to_all on GPUs and fail with a ValueError naming the sizes on
+// CPU devices (XLA:CPU has no ragged-all-to-all): jax_nvcomm/ragged.py.
+#pragma once
+#include "layout.h"
+
+namespace nvc {
+
+// Poison descriptor (the same value as the other protocols').
+constexpr uint32_t kRaggedPoisonDesc = 0xFFFFFFu;
+
+// One header entry: where slice j of rank r lands in the receiver's output, and its row count.
+struct RaggedSlice {
+  int64_t offset;
+  int64_t size;
+};
+static_assert(sizeof(RaggedSlice) == 16, "header entries are 16 bytes");
+
+NVC_HD size_t ragged_header_bytes(int world, int64_t k) {
+  return align_up(size_t(world) * size_t(k) * sizeof(RaggedSlice), 256);
+}
+NVC_HD size_t ragged_frame_bytes(int64_t m, size_t row_bytes) {
+  return align_up(size_t(m) * row_bytes, 256);
+}
+// Whether a call with an output of m rows of row_bytes and k slices per peer fits the buffers.
+NVC_HD bool ragged_fits(size_t max_message_bytes, int world, int64_t m, size_t row_bytes,
+                        int64_t k) {
+  if (m < 0 || k < 1) return false;
+  const size_t half = flag_half_bytes(max_message_bytes, world);
+  return size_t(m) * row_bytes <= max_message_bytes &&
+         ragged_header_bytes(world, k) + ragged_frame_bytes(m, row_bytes) <= half;
+}
+NVC_HD RaggedSlice* ragged_header(char* half) { return reinterpret_cast<RaggedSlice*>(half); }
+NVC_HD char* ragged_frame(char* half, int world, int64_t k) {
+  return half + ragged_header_bytes(world, k);
+}
+// The call descriptor: op kind + a hash of the static sizes.
+NVC_HD uint32_t ragged_desc(int64_t n, int64_t m, size_t row_bytes, int64_t k) {
+  return make_desc(kOpRaggedAllToAll, uint64_t(n) * 0x100000001B3ull ^ uint64_t(m),
+                   uint64_t(row_bytes) * 0x10001ull ^ uint64_t(k));
+}
+// Rows [ragged_split(n, g, b), ragged_split(n, g, b + 1)) of a slice of n rows are block b's.
+NVC_HD int64_t ragged_split(int64_t n, int g, int b) { return n * b / g; }
+
+// kErrRaggedSlice detail: the slice index in bits 0..31, the field in bits 32..39
+// (0 input_offsets, 1 send_sizes, 2 input_offsets + send_sizes > N, 3 output_offsets,
+// 4 output_offsets + send_sizes > M).
+NVC_HD uint64_t ragged_slice_detail(int64_t slice, uint32_t field) {
+  return uint64_t(uint32_t(slice)) | (uint64_t(field & 0xFFu) << 32);
+}
+// kErrRaggedRecv detail: the sender's size in bits 0..27, the receiver's recv_sizes entry in
+// bits 28..55, the slice j in bits 56..63 (sizes above 2^28 - 1 rows are clamped in the report).
+NVC_HD uint64_t ragged_recv_detail(int64_t j, int64_t sent, int64_t expected) {
+  const uint64_t lim = (uint64_t(1) << 28) - 1;
+  const uint64_t a = sent < 0 ? lim : (uint64_t(sent) > lim ? lim : uint64_t(sent));
+  const uint64_t e = expected < 0 ? lim : (uint64_t(expected) > lim ? lim : uint64_t(expected));
+  return a | (e << 28) | (uint64_t(j & 0xFF) << 56);
+}
+
+}  // namespace nvc

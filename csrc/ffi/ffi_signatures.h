@@ -159,5 +159,21 @@ template <class P> auto reduce_scatter_v(P prefix) {
       .template Attr<int64_t>("comm_id");
 }
 
+// operand, output, input_offsets, send_sizes, output_offsets, recv_sizes -> out (aliases
+// output: jax_nvcomm/ragged.py passes input_output_aliases). Offsets and sizes: int32 or int64,
+// all four alike (ragged_layout.h).
+template <class P> auto ragged_all_to_all(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // operand
+      .template Arg<ffi::AnyBuffer>()       // output
+      .template Arg<ffi::AnyBuffer>()       // input_offsets
+      .template Arg<ffi::AnyBuffer>()       // send_sizes
+      .template Arg<ffi::AnyBuffer>()       // output_offsets
+      .template Arg<ffi::AnyBuffer>()       // recv_sizes
+      .template Arg<ffi::AnyBuffer>()       // order_in
+      .template Ret<ffi::AnyBuffer>()       // out
+      .template Ret<ffi::AnyBuffer>()       // order_out
+      .template Attr<int64_t>("comm_id");
+}
+
 }  // namespace sig
 }  // namespace nvc

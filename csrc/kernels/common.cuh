@@ -13,9 +13,29 @@
 //   added a second MEMBAR.ALL.SYS and an L1 invalidate (CCTL.IVALL) per flag, with nothing to
 //   order. Where one thread stores several flags it issues one fence.acq_rel.sys and relaxed
 //   stores instead (a release pattern too), so the MEMBAR is paid once.
-// - A waiter polls with ld.acquire.sys and a deadline from %globaltimer. On a timeout, a
-//   disagreement or bad data it records ErrorInfo (first error wins) and traps: the CUDA context
-//   reports an error to XLA instead of the program hanging or computing on garbage.
+// - A waiter polls with ld.acquire.sys and a deadline from %globaltimer (wait_flag).
+//
+// Failure (every kernel; the CUDA context must stay usable, so nothing traps):
+// - On a timeout, a disagreement or bad data a kernel calls fail(): it records ErrorInfo (the
+//   first error of the rank wins; host-mapped, so the host reads it without synchronising),
+//   sets Ctrl::failed and RETURNS. The kernel then ends normally: waits return false
+//   (wait_flag) or a poisoned value (Lamport polls: NaN, lamport.cuh); the block agrees with
+//   __syncthreads_or (or a warp vote) and leaves before it writes anything that depends on the
+//   missing or bad data, or (Lamport) computes on the NaN it got.
+// - Every wait also gives up, without recording, once Ctrl::failed is set by another thread of
+//   the rank (checked with the deadline), so one failure ends the whole grid within a poll
+//   period instead of at every block's deadline. No kernel has a grid-wide barrier (the
+//   cooperative MoE launch only guarantees residency), so a block that leaves early leaves
+//   nobody waiting but flag waits, which are bounded.
+// - Every kernel reads Ctrl::failed at its start, with its counters, and exits at once when it
+//   is set (block-uniform: __syncthreads_or): a failed communicator does no more work, which
+//   also covers CUDA-graph replays, where no host code runs. Peers waiting for such a rank time
+//   out (bounded) or see its poison flags.
+// - A failed call advances no counter reliably and leaves buffers in any state: the
+//   communicator is dead. The FFI handlers refuse every later call with the record's text
+//   (ffi/ffi_common.h lookup); results of the failed call are unspecified (docs/API.md).
+// - Bad input of one rank (an expert id, a row count, a slice) also raises POISON flags
+//   (descriptor 0xFFFFFF) in its peers before the rank leaves, so they fail at once naming it.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -75,39 +95,68 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-// Record an error of this rank, then trap so the launch fails visibly. The error block lives
-// in host-mapped memory (PCIe atomics are not guaranteed there), so it is claimed with plain
-// stores: the fields first, then the code after a system fence. Racing failures may mix
-// fields of two reports; each one alone is a true report.
-static __device__ __noinline__ void fail(ErrorInfo* err, uint32_t code, uint32_t op, int rank, int peer,
-                                  uint64_t seq, uint64_t observed) {
-  if (err != nullptr && *reinterpret_cast<volatile uint32_t*>(&err->code) == 0u) {
-    volatile ErrorInfo* e = err;
-    e->op = op;
-    e->rank = rank;
-    e->peer = peer;
-    e->seq = seq;
-    e->observed = observed;
-    __threadfence_system();
-    e->code = code;
-    __threadfence_system();
-  }
-  __trap();
+// Whether a kernel of this rank already failed (Ctrl::failed): read at every kernel's start
+// and, with the deadline, in every wait.
+__device__ __forceinline__ bool comm_failed(const CommView& v) {
+  return *reinterpret_cast<volatile uint32_t*>(&v.ctrl()->failed) != 0u;
 }
 
-// Wait (one thread) until *flag == make_flag(seq, desc). Reports a timeout, a disagreement
-// (same seq, other descriptor) or a peer that is ahead.
-__device__ __forceinline__ void wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
+// Record an error of this rank and mark the communicator failed; returns (no trap). The first
+// failure of the rank claims Ctrl::failed (a device-memory atomic) and alone writes ErrorInfo,
+// which lives in host-mapped memory: the fields first, then the code after a system fence, so
+// a host that sees the code sees the fields. Scalars only: a CommView passed by reference to
+// an out-of-line function would be copied to local memory in kernels that take it by value.
+__device__ __forceinline__ void record_failure_inline(uint32_t* failed, ErrorInfo* err, int rank,
+                                                      uint32_t code, uint32_t op, int peer,
+                                                      uint64_t seq, uint64_t observed) {
+  if (*reinterpret_cast<volatile uint32_t*>(failed) != 0u || atomicCAS(failed, 0u, code) != 0u)
+    return;
+  volatile ErrorInfo* e = err;
+  if (e == nullptr) return;
+  e->op = op;
+  e->rank = rank;
+  e->peer = peer;
+  e->seq = seq;
+  e->observed = observed;
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+static __device__ __noinline__ void record_failure(uint32_t* failed, ErrorInfo* err, int rank,
+                                                   uint32_t code, uint32_t op, int peer,
+                                                   uint64_t seq, uint64_t observed) {
+  record_failure_inline(failed, err, rank, code, op, peer, seq, observed);
+}
+// fail: out of line (the waits); fail_inline: inlined (MoE kernels: a call to a __noinline__
+// function makes ptxas save registers around it).
+__device__ __forceinline__ void fail(const CommView& v, uint32_t code, uint32_t op, int peer,
+                                     uint64_t seq, uint64_t observed) {
+  record_failure(&v.ctrl()->failed, v.err, v.rank, code, op, peer, seq, observed);
+}
+__device__ __forceinline__ void fail_inline(const CommView& v, uint32_t code, uint32_t op,
+                                            int peer, uint64_t seq, uint64_t observed) {
+  record_failure_inline(&v.ctrl()->failed, v.err, v.rank, code, op, peer, seq, observed);
+}
+
+// Wait (one thread) until *flag == make_flag(seq, desc): true. False when the call failed: a
+// timeout, a disagreement (same seq, other descriptor, e.g. a poison flag) or a peer that is
+// ahead (each recorded here), or another thread of this rank failed (recorded there).
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
                                           const CommView& v, int peer, uint64_t deadline) {
   const uint64_t want = make_flag(seq, desc);
   uint32_t spins = 0;
   while (true) {
-    uint64_t f = ld_acquire_sys(flag);
-    if (f == want) return;
-    if (flag_seq(f) == seq) fail(v.err, kErrMismatch, desc, v.rank, peer, seq, f);
-    if (flag_seq(f) > seq) fail(v.err, kErrAhead, desc, v.rank, peer, seq, f);
-    if ((++spins & 255u) == 0u && globaltimer() > deadline)
-      fail(v.err, kErrTimeout, desc, v.rank, peer, seq, f);
+    const uint64_t f = ld_acquire_sys(flag);
+    if (f == want) return true;
+    uint32_t code = flag_seq(f) == seq ? kErrMismatch : flag_seq(f) > seq ? kErrAhead : 0u;
+    if (code == 0u && (++spins & 255u) == 0u) {
+      if (comm_failed(v)) return false;
+      if (globaltimer() > deadline) code = kErrTimeout;
+    }
+    if (code != 0u) {
+      fail(v, code, desc, peer, seq, f);
+      return false;
+    }
   }
 }
 

@@ -5,7 +5,7 @@ from ._dist import distributed_initialize
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
-from .communicator import Communicator
+from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
                         moe_dispatch_recv, moe_dispatch_send)
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [
-    "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
+    "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
     "all_reduce_rms_norm_quant",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",

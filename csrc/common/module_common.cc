@@ -27,6 +27,7 @@ static const char* op_name(uint32_t desc) {
     case kOpMoeCombine: return "moe_combine";
     case kOpAllGatherV: return "all_gather_v";
     case kOpReduceScatterV: return "reduce_scatter_v";
+    case kOpRaggedAllToAll: return "ragged_all_to_all";
     default: return "unknown op";
   }
 }
@@ -109,6 +110,27 @@ std::string describe_error(const ErrorInfo& e) {
                     "send is outstanding)", op_name(e.op), (unsigned long long)e.seq, e.rank,
                     e.peer < 0 ? "a fused call while split sends are outstanding"
                                : "the receive belongs to another send");
+      break;
+    case kErrRaggedSlice: {
+      static const char* const fields[] = {"input_offsets < 0", "send_sizes < 0",
+                                           "input_offsets + send_sizes > operand rows",
+                                           "output_offsets < 0",
+                                           "output_offsets + send_sizes > output rows"};
+      const unsigned f = unsigned((e.observed >> 32) & 0xFFu);
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: slice %u: %s", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, unsigned(uint32_t(e.observed)),
+                    f < 5 ? fields[f] : "out of range");
+      break;
+    }
+    case kErrRaggedRecv:
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: rank %d sends %llu rows in slice %u, "
+                    "recv_sizes says %llu: ranks disagree on the sizes", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer,
+                    (unsigned long long)(e.observed & 0xFFFFFFFull),
+                    unsigned(e.observed >> 56),
+                    (unsigned long long)((e.observed >> 28) & 0xFFFFFFFull));
       break;
     default:
       std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);

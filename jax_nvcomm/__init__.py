@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [
-    "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
+    "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce",
+    "all_reduce_rms_norm",
     "all_reduce_rms_norm_quant",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",

@@ -1,7 +1,8 @@
 """The fault matrix: inject each fault into a fresh multi-process job and print a table.
 
-usage: python scripts/faults.py [--platform cpu|gpu] [-n N [N ...]] [--cases C [C ...]]
+usage: python scripts/faults.py [--platform cpu|gpu|gpus] [-n N [N ...]] [--cases C [C ...]]
                                 [--timeout S] [--start direct|launcher] [--json FILE]
+                                [--table FILE]
 
 Every row is one job of N processes running tests/mp/faults_mp.py --case=C (that file lists
 the cases and what each rank reports); the faulty rank is the last one. --start direct (the
@@ -10,7 +11,8 @@ script would and as the launcher does not: no rank is ended because another one 
 --start launcher runs them through `python -m jax_nvcomm.launch` (--share-gpu on GPUs); the
 launcher ends a job when a rank exits non-zero, so the `raise` case is skipped there.
 --platform cpu: one CPU device per process (the host backend); gpu: every process on GPU 0
-(CUDA_VISIBLE_DEVICES=0, no preallocation): the CUDA kernels, time-sliced on one GPU.
+(CUDA_VISIBLE_DEVICES=0, no preallocation): the CUDA kernels, time-sliced on one GPU; gpus:
+process r on GPU r (N GPUs).
 
 Columns: the fault; which ranks noticed it and where ("call": the call or its
 block_until_ready raised; "check": comm.check() after it); the first error text; the slowest
@@ -81,7 +83,7 @@ def base_env(platform: str, timeout: float) -> dict:
         env["JAX_PLATFORMS"] = "cpu"
     else:
         env.pop("JAX_PLATFORMS", None)
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = "0"  # gpus: rank r's own, set per rank
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     return env
 
@@ -95,7 +97,9 @@ def run_direct(case, n, platform, timeout, limit):
         f = tempfile.TemporaryFile(mode="w+")
         files.append(f)
         procs.append(subprocess.Popen(
-            [sys.executable, "-u", WORKER, f"--case={case}"], env=dict(env, JAX_PROCESS_ID=str(r)),
+            [sys.executable, "-u", WORKER, f"--case={case}"],
+            env=dict(env, JAX_PROCESS_ID=str(r),
+                     **({"CUDA_VISIBLE_DEVICES": str(r)} if platform == "gpus" else {})),
             stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=CWD))
     deadline = time.monotonic() + limit
     # The ranks that report: all but a killed / raising faulty rank. When they are done, a
@@ -125,8 +129,8 @@ def run_direct(case, n, platform, timeout, limit):
 
 def run_launcher(case, n, platform, timeout, limit):
     env = base_env(platform, timeout)
-    if platform == "gpu":
-        env.pop("CUDA_VISIBLE_DEVICES", None)  # --share-gpu sets it
+    if platform != "cpu":
+        env.pop("CUDA_VISIBLE_DEVICES", None)  # the launcher sets it
     cmd = [sys.executable, "-m", "jax_nvcomm.launch", "-n", str(n), "--timeout", str(int(limit))]
     if platform == "gpu":
         cmd.append("--share-gpu")
@@ -212,7 +216,7 @@ HEADER = ("| setup | fault | noticed by (where) | error (first) | s | usable aft
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--platform", choices=["cpu", "gpu", "gpus"], default="cpu")
     ap.add_argument("-n", type=int, nargs="+", default=[2], help="processes per job (2 4)")
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES, metavar="CASE",
                     help="default: all (" + " ".join(CASES) + ")")
@@ -220,15 +224,25 @@ def main(argv=None) -> int:
                     help="the communicators' timeout_s (JAX_NVCOMM_TIMEOUT_S); default 3")
     ap.add_argument("--start", choices=["direct", "launcher"], default="direct")
     ap.add_argument("--json", help="write every row (with each rank's report) to this file")
+    ap.add_argument("--table", help="append the table's rows (markdown) to this file")
     a = ap.parse_args(argv)
     rows = []
+    table = open(a.table, "a") if a.table else None
+    if table is not None and table.tell() == 0:
+        table.write(HEADER + "\n")
+
+    def say(line):
+        print(line, flush=True)
+        if table is not None:
+            table.write(line + "\n")
+            table.flush()
     print(HEADER, flush=True)
     for n in a.n:
         for case in a.cases:
             setup = f"{a.platform} {n}p {a.start}"
             if a.start == "launcher" and case == "raise":
-                print(f"| {setup} | raise | - | skipped: the launcher ends the job when a rank "
-                      "fails | - | - | - | - | - | - |", flush=True)
+                say(f"| {setup} | raise | - | skipped: the launcher ends the job when a rank "
+                    "fails | - | - | - | - | - | - |")
                 continue
             limit = 8 * a.timeout + 120
             t0 = time.monotonic()
@@ -237,7 +251,7 @@ def main(argv=None) -> int:
             row = judge(case, n, a.timeout, outs, codes)
             row.update(setup=setup, wall_s=round(time.monotonic() - t0, 1))
             rows.append(row)
-            print(fmt(row, setup), flush=True)
+            say(fmt(row, setup))
             for p in row["problems"]:
                 print(f"    {p}", flush=True)
             if row["result"] != "PASS":

@@ -19,9 +19,9 @@
 //
 // Steps 1-4 (push, clear, counters, tag check) and the failure path (polls that give up yield
 // NaN, so every cluster barrier is still met) are those of allreduce_oneshot.cuh over the
-// G * kClThreads threads of the grid. Step 4, cluster c (of nclusters) owns rows c, c + nclusters, ...; block j
-// of the cluster plays virtual lanes l = j * kClThreads + threadIdx.x of the row group of
-// rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
+// G * kClThreads threads of the grid. Step 5, cluster c (of nclusters) owns rows c,
+// c + nclusters, ...; block j of the cluster plays virtual lanes l = j * kClThreads +
+// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
 // registers before the first row (every row uses the same columns).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
 //     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
   const uint64_t k = call.k, deadline = call.deadline;
   oneshot_check_tag<kClThreads>(v, call, desc);
 
-  // 4. rows, split over the cluster
+  // 5. rows, split over the cluster
   const char* slot0 = call.slot0;
   const char* res = static_cast<const char*>(t.residual);
   const char* wgt = static_cast<const char*>(t.weight);

@@ -507,7 +507,8 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     const int idx = lane < maxent ? __ldcg(meta + 3 + 2 * lane) : 0;
     if (t < 0 || t >= T || m < 1 || m > maxent) {  // the same in every lane: the warp skips
       if (lane == 0)
-        dev::fail_inline(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
+        dev::fail_inline(v, kErrCapacity, desc, src, s,
+                         (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
       continue;
     }
     bool bad_meta = false;

@@ -1338,7 +1338,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) g_ranks = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--error")) err = true;
     else {
-      std::printf("usage: %s [--gpus N] [--ranks N] [--quick | --bench | --bench-local | --probe | --error]\n",
+      std::printf("usage: %s [--gpus N] [--ranks N] "
+                  "[--quick | --bench | --bench-local | --probe | --error]\n",
                   argv[0]);
       return 2;
     }

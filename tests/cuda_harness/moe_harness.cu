@@ -242,7 +242,8 @@ cudaError_t wait_round(const World& w) {
           n += flag_seq(*moe_flag(h, w.c0, h->seq + 1, src, b)) == h->seq + 1;
         std::fprintf(stderr, " %d:%d", src, n);
       }
-      std::fprintf(stderr, " failed %u dbg %llu %llu\n", h->failed, (unsigned long long)h->pad1[0], (unsigned long long)h->pad1[1]);
+      std::fprintf(stderr, " failed %u dbg %llu %llu\n", h->failed,
+                   (unsigned long long)h->pad1[0], (unsigned long long)h->pad1[1]);
     }
   }
   return cudaDeviceSynchronize();

@@ -117,8 +117,8 @@ def rms_norm_op(comm, host, strategy):
     rng = fresh_rng()
     res = rng.standard_normal((ROWS, COLS)).astype(np.float32)
     wgt = rng.standard_normal(COLS).astype(np.float32)
-    f = smap(lambda v, r, w: nvc.all_reduce_rms_norm(v, r[0], w[0], comm, strategy=strategy)[0][None],
-             3)
+    f = smap(lambda v, r, w: nvc.all_reduce_rms_norm(v, r[0], w[0], comm,
+                                                     strategy=strategy)[0][None], 3)
     r_all, w_all = np.tile(res[None], (W, 1, 1)), np.tile(wgt[None], (W, 1))
     r64 = rank_sum(host, ROWS).astype(np.float64) + res
     with np.errstate(invalid="ignore", over="ignore"):

@@ -34,11 +34,13 @@ def test_a_method_missing_at_a_size_counts_as_a_loss():
     assert bench_ar.crossovers(rows) == (4096, 8192)
 
 
-def test_thresholds_source_is_the_strategy_table_format():
-    src = bench_ar.thresholds_source({2: (1 << 20, 8 << 20)}, {2: (0, 0), 4: (256 << 10, 32 << 20)})
-    ns = {}
-    exec(src, ns)  # noqa: S102 - our own generated source
-    assert ns["THRESHOLDS"] == {2: (1 << 20, 8 << 20), 4: (256 << 10, 32 << 20)}
+def test_tune_rows_are_tuning_file_rows():
+    from jax_nvcomm import tuning
+    rows = bench_ar.tuning_rows({2: (1 << 20, 8 << 20), 4: (256 << 10, 32 << 20)})
+    parsed = tuning.parse_rows(rows, "bench --tune")
+    assert [(r.world_size, r.oneshot_max_bytes, r.twoshot_max_bytes) for r in parsed] == [
+        (2, 1 << 20, 8 << 20), (4, 256 << 10, 32 << 20)]
+    assert tuning.pick(parsed, 2, "all_reduce_rms_norm", "bfloat16").twoshot_max_bytes == 8 << 20
 
 
 # ---- kernels' device time per call from a profiler trace (_trace.device_time, --device-time)

@@ -4,6 +4,8 @@ sweep of message sizes; on one device also the fused epilogue's bandwidth agains
 kernel; `--tune`: the crossovers per world size."""
 from __future__ import annotations
 
+import json
+
 from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm,
                      _pivot, _plot, _put, _ratio, _units, _varying, _write_json)
 
@@ -111,17 +113,6 @@ def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True):
     return rows
 
 
-def _fmt_bytes_py(n):
-    """An int as Python source in strategy.py's style (`512 << 10`)."""
-    if n == 0:
-        return "0"
-    if n % (1 << 20) == 0:
-        return f"{n >> 20} << 20"
-    if n % (1 << 10) == 0:
-        return f"{n >> 10} << 10"
-    return str(n)
-
-
 def _crossover(by, one_m, two_m, base_m):
     """(oneshot_max, twoshot_max) of one op from {bytes: {method: us}}: one-shot up to the last
     size of the leading run where it is fastest, two-shot up to the last size (beyond that) of
@@ -152,7 +143,7 @@ def _crossover(by, one_m, two_m, base_m):
 
 
 def crossovers(rows):
-    """(oneshot_max, twoshot_max) for strategy.THRESHOLDS from rows of one world size. The table
+    """(oneshot_max, twoshot_max) of one world size (bf16 rows, `--tune`). The table
     serves all_reduce and all_reduce_rms_norm alike, so where fused rows were measured too each
     threshold is the smaller of the plain op's (vs lax.psum) and the fused op's (vs psum +
     XLA's add + RMSNorm) crossovers: no op is sent to a strategy that loses for it."""
@@ -167,15 +158,11 @@ def crossovers(rows):
     return one, two
 
 
-def thresholds_source(measured, current):
-    """strategy.THRESHOLDS as Python source: measured worlds replace the current entries."""
-    lines = ["THRESHOLDS: dict[int, tuple[int, int]] = {"]
-    for w in sorted(set(current) | set(measured)):
-        one, two = measured.get(w, current.get(w))
-        note = "  # measured" if w in measured else "  # not measured here: kept"
-        lines.append(f"    {w}: ({_fmt_bytes_py(one)}, {_fmt_bytes_py(two)}),{note}")
-    lines.append("}")
-    return "\n".join(lines)
+def tuning_rows(measured, dtype="bfloat16"):
+    """Rows of a tuning file (jax_nvcomm/tuning.py) from {world: (oneshot_max, twoshot_max)}:
+    one per world size for every op (the smaller crossover of the plain and the fused op)."""
+    return [dict(world_size=w, op="*", dtype=dtype, oneshot_max_bytes=int(one),
+                 twoshot_max_bytes=int(two)) for w, (one, two) in sorted(measured.items())]
 
 
 COPY_METHOD = "copy (XLA -x)"
@@ -301,8 +288,7 @@ def run_allreduce(a):
 
 
 def _tune(env, a, min_bytes, max_bytes):
-    """Crossovers per available world size; prints a THRESHOLDS table for strategy.py."""
-    from .. import strategy
+    """Crossovers per available world size; prints them as rows of a tuning file."""
     worlds = [w for w in (2, 4, 8, 16, 32, 64) if w <= env.world] or [env.world]
     if env.nprocs > 1:
         worlds = [env.world]  # the launcher's processes: only the whole job
@@ -333,11 +319,14 @@ def _tune(env, a, min_bytes, max_bytes):
         _pivot(env, rows, [("bytes", lambda r: _human(r["bytes"]))], AR_METHODS + FUSED_METHODS)
         env.log(f"# world {w}: oneshot <= {_human(measured[w][0])}, twoshot <= "
                 f"{_human(measured[w][1])}, then lax.psum")
-    src = thresholds_source(measured, dict(strategy.THRESHOLDS))
+    rows = tuning_rows(measured)
     if env.platform == "cpu":
-        env.log("# NOTE: measured on CPU devices: do NOT paste these into strategy.py")
-    env.log("\n# paste into jax_nvcomm/strategy.py:\n" + src)
+        env.log("# NOTE: measured on CPU devices: meaningless as thresholds")
+    env.log("\n# tuning-file rows (bf16, every op; `python -m jax_nvcomm.tune` measures each op "
+            "and dtype and writes a file that communicators use, docs/tuning.md):")
+    for r in rows:
+        env.log("#   " + json.dumps(r))
     return dict(rows=rows_all, thresholds={str(k): list(v) for k, v in measured.items()},
-                source=src)
+                tuning_rows=rows)
 
 

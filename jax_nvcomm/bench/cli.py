@@ -25,7 +25,7 @@ def _parser():
         add_device_time_argument(s)
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
-                           help="measure crossovers per world size; print THRESHOLDS")
+                           help="measure crossovers per world size; print them as tuning-file rows")
             s.add_argument("--hidden", type=int, nargs="*", help="hidden sizes")
             s.add_argument("--max-bytes", type=int, default=None)
             s.add_argument("--tokens", type=int, nargs="*",

@@ -813,7 +813,8 @@ def nvc_op_name(cfg, layout, phase, comms, world):
     if comm is None:
         return "-"
     t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
-    return "AR+norm " + nvc.select_strategy(comm, (t, cfg.hidden), jnp.dtype(cfg.dtype))
+    return "AR+norm " + nvc.select_strategy(comm, (t, cfg.hidden), jnp.dtype(cfg.dtype),
+                                            op="all_reduce_rms_norm")
 
 
 # --------------------------------------------------------------------------------------------

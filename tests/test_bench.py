@@ -203,10 +203,18 @@ def test_bench_allreduce_device_time_on_cpu(tmp_path, monkeypatch, capsys, mode)
                      "--reps", "1", "--unroll", "1", "--steps", "1", "--device-time", mode,
                      "--out", str(tmp_path / "out")])
     assert rc == 0
-    rows = [r for r in json.loads((tmp_path / "out" / "allreduce.json").read_text())["rows"]
-            if "median_us" in r]
+    data = json.loads((tmp_path / "out" / "allreduce.json").read_text())
+    # measured rows; the "<XLA method> best" rows are copies of XLA's default on CPU devices
+    rows = [r for r in data["rows"] if "median_us" in r and "xla_variants" not in r]
     assert rows
+    best = {r["method"]: r for r in data["rows"] if "xla_variants" in r}
+    for m, b in bench_ar.BEST.items():
+        base = next(r for r in rows if r["method"] == m and r["bytes"] == 4096)
+        assert best[b]["median_us"] == base["median_us"] and best[b]["xla_flags"] == "default"
+        assert "CPU devices" in best[b]["xla_best_note"]
+    assert data["meta"]["xla_best"]["enabled"] is False
     text = capsys.readouterr().out
+    assert "lax.psum best" in text and "XLA best: CPU devices" in text
     if mode == "on":
         assert len(traced) == len(rows)
         assert all(r["device_us"] is None and r["device_note"] for r in rows), rows

@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 from . import tuning
@@ -44,6 +45,7 @@ METHODS = dict(zip(tuning.OPS, (AR_METHODS, FUSED_METHODS, QUANT_METHODS)))
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
+    """min_bytes, min_bytes * factor, ... up to max_bytes."""
     out, b = [], min_bytes
     while b <= max_bytes:
         out.append(b)
@@ -119,18 +121,21 @@ def plan(env, a) -> list[tuple[int, str, str, int]]:
                           [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= env.world])
     out = []
     for w in worlds:
-        for op in a.ops:
-            if w == 1 and op == "all_reduce":
-                continue  # lax.psum over one device is compiled away: XLA always wins
-            for dt in a.dtypes:
+        for dt in a.dtypes:  # the first dtype's rows of every op first (bf16 by default)
+            for op in a.ops:
+                if w == 1 and op == "all_reduce":
+                    continue  # lax.psum over one device is compiled away: XLA always wins
                 for b in sizes(a.min_bytes, a.max_bytes, a.factor):
                     out.append((w, op, dt, b))
     return out
 
 
 def _timing(a, cpu):
-    return SimpleNamespace(reps=a.reps or (3 if cpu or a.quick else 7),
-                           unroll=a.unroll or (2 if cpu else 20),
+    """The loop programs' sizes: 1 + unroll * steps calls each, `reps` runs. The host's cost
+    of a run falls on both methods of a point alike, so a crossover (the sign of their
+    difference) needs fewer calls than the absolute times of `bench allreduce`."""
+    return SimpleNamespace(reps=a.reps or (3 if cpu or a.quick else 5),
+                           unroll=a.unroll or (2 if cpu else 10),
                            steps=a.steps or (2 if cpu else 5), device_time_on=False,
                            xla_best="on" if a.baseline == "xla-best" else "off", methods=None)
 
@@ -140,9 +145,9 @@ def _base_method(op, baseline):
     return BEST[m] if baseline == "xla-best" else m
 
 
-def measure(env, a, points, t) -> list[dict]:
+def measure(env, a, points, t, done=None) -> list[dict]:
     """Rows of bench/allreduce.py `_ar_point` for every planned point, one progress line
-    each."""
+    each; done(rows, points measured) after each (world, op, dtype) group."""
     import jax.numpy as jnp
 
     from .bench.allreduce import _ar_point
@@ -156,7 +161,7 @@ def measure(env, a, points, t) -> list[dict]:
         if comm is None:
             raise RuntimeError(f"jax_nvcomm tune: no Communicator for world {w} (see above)")
         try:
-            for (pw, op, dt, b) in points:
+            for k, (pw, op, dt, b) in enumerate(points):
                 if pw != w:
                     continue
                 i += 1
@@ -174,6 +179,8 @@ def measure(env, a, points, t) -> list[dict]:
                     for r in got)
                 env.log(f"[{i}/{n}] world {w} {op} {SHORT.get(dt, dt)} {_human(b)} "
                         f"({tokens}x{hidden}): {cells} us")
+                if done and (k + 1 == len(points) or points[k + 1][:3] != (pw, op, dt)):
+                    done(rows, points[:k + 1])
         finally:
             _close(comm)
     return rows
@@ -186,14 +193,11 @@ def table_rows(rows, points, baseline) -> list[dict]:
         if "median_us" in r:
             by.setdefault((r["world"], r["op"], r["dtype"]), {}).setdefault(
                 r["bytes"], {})[r["method"]] = r["median_us"]
-    keys = sorted({(w, op, dt) for w, op, dt, _ in points},
-                  key=lambda k: (k[0], tuning.OPS.index(k[1]), k[2]))
+    keys = {(w, op, dt) for w, op, dt, _ in points}
+    # the plain all_reduce at world 1: not measured, always XLA
+    keys |= {(1, "all_reduce", dt) for w, _, dt in keys if w == 1}
     out = []
-    worlds = sorted({k[0] for k in keys})
-    if 1 in worlds:  # the plain all_reduce at world 1: not measured, always XLA
-        for dt in sorted({k[2] for k in keys if k[0] == 1}):
-            keys.insert(0, (1, "all_reduce", dt))
-    for w, op, dt in keys:
+    for w, op, dt in sorted(keys, key=lambda k: (k[0], tuning.OPS.index(k[1]), k[2])):
         ms = METHODS[op]
         base = _base_method(op, baseline)
         t = by.get((w, op, dt), {})
@@ -363,6 +367,13 @@ def main(argv=None) -> int:
         env.log(f"jax_nvcomm tune: need 16 <= --min-bytes <= --max-bytes, got {a.min_bytes} "
                 f"and {a.max_bytes}")
         return 2
+    bad = [w for w in (a.worlds or ()) if not 1 <= w <= env.world or
+           (env.nprocs > 1 and w != env.world)]
+    if bad:
+        env.log(f"jax_nvcomm tune: --worlds {bad}: this job has {env.world} devices" + (
+            f" in {env.nprocs} processes, which tune the whole job's world only"
+            if env.nprocs > 1 else ""))
+        return 2
     t = _timing(a, cpu)
     points = plan(env, a)
     out = a.out or tuning.cache_path()
@@ -373,16 +384,25 @@ def main(argv=None) -> int:
     if cpu:
         env.log("# NOTE: CPU devices: the numbers only show that tuning works; the file is "
                 "marked as CPU and applies to nothing else")
-    meas = measure(env, a, points, t)
-    rows = table_rows(meas, points, a.baseline)
+    t0 = time.perf_counter()
+
+    def save(meas, done_points, complete):
+        """The file from the groups measured so far (rows of the others come from the
+        built-in table when it is used before the run ends); process 0 only."""
+        rows = table_rows(meas, done_points, a.baseline)
+        if env.is_main:
+            doc = document(env, a, t, rows, meas)
+            doc["complete"] = complete
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out + ".tmp", "w", encoding="utf-8") as f:
+                f.write(json.dumps(doc, indent=1) + "\n")
+            os.replace(out + ".tmp", out)
+        return rows
+
+    meas = measure(env, a, points, t, done=lambda m, p: save(m, p, complete=False))
+    rows = save(meas, points, complete=True)
     if not env.is_main:
         return 0
-    doc = document(env, a, t, rows, meas)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, out)
     env.log("\n## tuning rows (bytes per rank; world 1: from which size our kernel beats XLA)")
     env.log(format_summary(rows))
     w1 = [r for r in rows if r["world_size"] == 1]
@@ -392,7 +412,7 @@ def main(argv=None) -> int:
         for r in w1:
             env.log("#   " + json.dumps({k: v for k, v in r.items() if k != "note"}))
     plot(env, out, meas)
-    env.log(f"# wrote {out}")
+    env.log(f"# wrote {out} ({time.perf_counter() - t0:.0f} s of measuring)")
     return 0
 
 

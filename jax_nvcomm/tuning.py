@@ -134,7 +134,18 @@ _loaded: dict = {}
 
 
 def load(path: str) -> dict:
-    """`validate` of the JSON file at `path` (read once per process and file version)."""
+    """Read and check a tuning file (once per process and file version).
+
+    Args:
+      path: the JSON file.
+
+    Returns:
+      {"machine": its fingerprint dict ({} when null), "rows": (Row, ...)}.
+
+    Raises:
+      ValueError: the file is missing, unreadable, not JSON or not a valid tuning file (the
+        message names the file, the field, the expected and the actual value).
+    """
     where = f"jax_nvcomm: tuning file {path}"
     try:
         st = os.stat(path)
@@ -223,10 +234,16 @@ _fingerprints: dict = {}
 
 
 def fingerprint(devices: Sequence | None = None) -> dict:
-    """This machine as a tuning file records it: platform, device kind (GPU name), device
-    count (GPUs of the host; on CPU the local devices), link, driver, jax / jaxlib /
-    jax_nvcomm versions. `devices`: this process's devices of one platform (default
-    `jax.local_devices()`). Computed once per process and device set."""
+    """This machine as a tuning file records it (computed once per process and device set).
+
+    Args:
+      devices: this process's devices of one platform (default `jax.local_devices()`).
+
+    Returns:
+      {platform, device_kind (the GPU's name), device_count (GPUs of the host as the driver
+      lists them; on CPU the local devices), link ("nvlink", "pcie", ..., "unknown" with one
+      GPU visible; "host memory" on CPU), driver (None on CPU), jax, jaxlib, jax_nvcomm}.
+    """
     import jax
     import jaxlib
     devs = list(jax.local_devices() if devices is None else devices)
@@ -342,6 +359,13 @@ def resolve(env: Mapping[str, str] | None = None, devices: Sequence | None = Non
     file when it matches `fingerprint(devices)`, else the built-in table; plus the
     environment's overrides.
 
+    Args:
+      env: the environment to read (default os.environ).
+      devices: the devices whose machine the cache file must match (`fingerprint`).
+
+    Returns:
+      A `Table`.
+
     Raises:
       ValueError: JAX_NVCOMM_TUNING names a file that is missing or invalid, or an override
         variable is not a byte count. (A bad cache file is ignored with a note instead.)
@@ -373,8 +397,21 @@ def resolve(env: Mapping[str, str] | None = None, devices: Sequence | None = Non
 
 def shared(prefix: str, timeout_s: float, devices: Sequence | None = None) -> Table:
     """Process 0's `resolve()`, in every process of the job (through the key-value store at
-    communicator setup; other processes read no file). An error on process 0 is raised in
-    every process."""
+    communicator setup; other processes read no file).
+
+    Args:
+      prefix: the communicator's key prefix in the key-value store.
+      timeout_s: bound on the wait for process 0.
+      devices: as in `resolve` (used by process 0).
+
+    Returns:
+      Process 0's `Table`.
+
+    Raises:
+      ValueError: in process 0, as `resolve`.
+      RuntimeError: in the other processes, naming process 0's failure; a process 0 that
+        never publishes (after `timeout_s`).
+    """
     def make():
         return json.dumps(resolve(devices=devices).to_json())
 

@@ -31,7 +31,7 @@ def test_quick_tune_on_cpu_writes_a_file_the_cache_then_serves(clean_env, tmp_pa
     doc = json.loads(out.read_text())
     checked = tuning.load(str(out))  # valid
     m = doc["machine"]
-    assert m["platform"] == "cpu" and "CPU devices" in doc["note"]
+    assert m["platform"] == "cpu" and "CPU devices" in doc["note"] and doc["complete"]
     assert tuning.mismatch(m, tuning.fingerprint(jax.local_devices())) == []
     assert m["tuned_worlds"] == [1, 2]
     keys = {(r.world_size, r.op, r.dtype) for r in checked["rows"]}
@@ -79,6 +79,44 @@ def test_world_1_crossover_rule():
     by[65536]["ours"] = 9.5
     assert tune.local_min(by, "ours", "xla") is None    # loses at the largest size
     assert tune.local_min({4096: {"xla": 1.0}}, "ours", "xla") is None  # ours not measured
+
+
+def test_each_finished_group_is_handed_over(monkeypatch):
+    """measure() calls done(rows, points) after each (world, op, dtype) group, so that a run
+    stopped half-way leaves a file of the finished groups (bf16 of every op first)."""
+    from jax_nvcomm.bench import allreduce as bench_ar, common
+
+    class Comm:
+        def close(self):
+            pass
+
+    class Env:
+        def mesh(self, w):
+            return w
+
+        def log(self, *a):
+            pass
+    seen = []
+
+    def fake_point(env, comm, mesh, hidden, tokens, a, methods, dtype, quiet):
+        if dtype == "float32":
+            raise KeyboardInterrupt  # stopped in the third group
+        return [dict(method=m, bytes=tokens * hidden * 2, world=mesh, dtype=dtype,
+                     median_us=1.0) for m in sorted(methods)]
+    monkeypatch.setattr(bench_ar, "_ar_point", fake_point)
+    monkeypatch.setattr(common, "_open_comm", lambda env, mesh, b: Comm())
+    a = type("A", (), dict(worlds=[1], ops=["all_reduce_rms_norm"], dtypes=[
+        "bfloat16", "float16", "float32"], min_bytes=4096, max_bytes=8192, factor=2))()
+    points = tune.plan(None, a)
+    assert [p[2] for p in points] == ["bfloat16"] * 2 + ["float16"] * 2 + ["float32"] * 2
+    with pytest.raises(KeyboardInterrupt):
+        tune.measure(Env(), a, points, None,
+                     done=lambda rows, pts: seen.append((len(rows), pts)))
+    assert [len(p) for _, p in seen] == [2, 4] and [n for n, _ in seen] == [4, 8]
+    rows = tune.table_rows([], seen[-1][1], "xla")  # the finished groups' rows only
+    assert {(r["op"], r["dtype"]) for r in rows} == {
+        (op, dt) for op in ("all_reduce", "all_reduce_rms_norm")
+        for dt in ("bfloat16", "float16")}
 
 
 def test_table_rows_from_measurements():

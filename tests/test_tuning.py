@@ -1,7 +1,8 @@
 """Tuning tables (jax_nvcomm/tuning.py, docs/tuning.md): a file named by JAX_NVCOMM_TUNING
 applies as given, the cache file only with this machine's fingerprint, else the built-in table;
 the environment's thresholds (read at setup) and select_strategy's keywords override rows;
-explain=True says which source decided. CPU devices, one process (tests/mp/tuning_mp.py: several)."""
+explain=True says which source decided. CPU devices, one process (several:
+tests/mp/tuning_mp.py)."""
 import json
 
 import jax

@@ -130,13 +130,13 @@ def format_table(rows) -> str:
         fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
              f"{_fmt(r.get('xla_first_kernel_us'), '.0f')}"
         busy = f"{_fmt(r.get('nvcomm_busy_us'), '.0f')}/{_fmt(r.get('xla_busy_us'), '.0f')}"
+        bound = _fmt(r.get("bound_ratio"), ".2f") + "x" if r.get("bound_ratio") else "-"
         lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {_tok(r):>5} "
                      f"{_fmt(r['nvcomm_ms'], '.3f'):>10} {_fmt(r['xla_ms'], '.3f'):>9} "
                      f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} "
                      f"{_fmt(r.get('xla_best_ms'), '.3f'):>11} "
                      f"{_fmt(r.get('best_ratio'), '.2f') + 'x' if r.get('best_ratio') else '-':>9} "
-                     f"{fk:>22} {busy:>18} {str(r['agree']):>6} "
-                     f"{_fmt(r.get('bound_ratio'), '.2f') + 'x' if r.get('bound_ratio') else '-':>10}"
+                     f"{fk:>22} {busy:>18} {str(r['agree']):>6} {bound:>10}"
                      f"  {r.get('xla_best_flags', '-')}")
     return "\n".join(lines)
 

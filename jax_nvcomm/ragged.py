@@ -240,6 +240,8 @@ def _with_gradient(comm, kernel, n_rows):
     def bwd(res, cts):
         io, ss, oo, rs = res
         ct = cts[0]
+        if not jnp.issubdtype(ct.dtype, jnp.inexact):  # integer data: no cotangents
+            return (None,) * 7
         oo_, io_ = _exchange(comm, oo, io)
         zeros = jnp.zeros((n_rows,) + ct.shape[1:], ct.dtype)
         d_operand = ragged_all_to_all(ct, zeros, oo_, rs, io_, ss, comm)

@@ -508,6 +508,17 @@ def test_argument_errors(comm8):
 
 
 @pytest.mark.multiprocess
+def test_bad_slice_across_processes():
+    """ragged_mp.py --fault=1: the last rank's bad slice ends the call on both processes with
+    records naming it (and its slice and bound), and later calls are refused."""
+    rc, out = launch(2, "ragged_mp.py", "--fault=1", timeout=120)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS ragged fault") == 2, out[-4000:]
+    assert "rank 0: rank 1 failed this call" in out, out[-4000:]
+    assert "(input_offsets[1]=11, send_sizes[1]=3" in out, out[-4000:]
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("n,rounds,x64", [(2, 40, 0), (4, 16, 1)])
 def test_ragged_across_processes(n, rounds, x64):
     """tests/mp/ragged_mp.py: random calls, a loop, vmap and gradients, one rank per process;

@@ -146,3 +146,11 @@ def test_ragged_command_buffers(n, share):
     assert rc == 0, out[-6000:]
     assert out.count("PASS ragged") == max(n, 1), out[-6000:]
     assert "(CUDA graph replay)" in out, out[-6000:]
+
+
+def test_ragged_bad_slice_shared_gpu():
+    """ragged_mp.py --fault=1 with 2 processes sharing GPU 0: the kernel's record names the bad
+    rank, its slice and the bound; the peer names that rank; later calls are refused."""
+    rc, out = gpu_env.launch(2, "ragged_mp.py", "--fault=1", share_gpu=True, timeout=150)
+    assert rc == 0, out[-6000:]
+    assert out.count("PASS ragged fault") == 2, out[-6000:]

@@ -7,7 +7,10 @@ XLA's collectives cannot run).
   python -m jax_nvcomm.launch -n 4 [--share-gpu] tests/mp/ragged_mp.py [--rounds=40]
 --x64=1 passes int64 offsets and sizes (jax_enable_x64). --graph=1 turns on XLA command buffers
 for custom calls and loops (on GPUs the loop then replays a CUDA graph: the handler runs fewer
-times than the kernels, checked).
+times than the kernels, checked). --fault=1 runs only a bad call instead: the last rank's slice
+1 ends past its operand; its record must name it, slice 1 and the bound, every other rank's
+must name the last rank, within the deadline, and the next call must be refused everywhere
+("PASS ragged fault").
 """
 import os
 import sys
@@ -28,6 +31,7 @@ from common import arg, global_array, init, mesh1d, rank_print  # noqa: E402
 from ragged_cases import make_call, np_grads, np_ragged_all_to_all  # noqa: E402
 
 nvc = init()
+fault = arg("fault", 0)
 rounds = arg("rounds", 40)
 graph = arg("graph", 0)
 x64 = arg("x64", 0)
@@ -57,6 +61,57 @@ def blocks(arr):
 def put(*arrays):
     return [global_array(mesh, P("x"), a) for a in arrays]
 
+
+def fault_case():
+    """A slice of the last rank ends past its operand: every rank ends with a named error."""
+    import time
+    k, N, M = 2, 12, 16
+    idx = [a.astype(IDX) for a in make_call(rng, W, k, N, M, max_size=2)]
+    idx[0][W - 1, 1], idx[1][W - 1, 1] = N - 1, 3   # slice 1 (to rank 0): rows 11..13 of 12
+    idx[3][0, (W - 1) * k + 1] = 3
+    x, out = stacked(jnp.float32, (W, N, 4)), stacked(jnp.float32, (W, M, 4))
+    comm = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20, timeout_s=10)
+
+    def one(x, out, io, ss, oo, rs):
+        return nvc.ragged_all_to_all(x[0], out[0], io[0], ss[0], oo[0], rs[0], comm)[None]
+    f = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+    t0 = time.monotonic()
+    try:   # the host backend fails this call; a device may report it at the next one
+        jax.block_until_ready(f(*put(x, out, *idx)))
+    except Exception as e:  # noqa: BLE001 - the text is what is checked
+        rank_print(f"GOT {str(e).splitlines()[0][:300]}")
+    records = comm.errors()
+    while not records and time.monotonic() - t0 < 20:
+        time.sleep(0.05)
+        records = comm.errors()
+    text = "\n".join(records)
+    bad = (f"rank {W - 1}: slice i=1 of rank {W - 1}'s call lies outside operand/output: "
+           "input_offsets[i] + send_sizes[i] > N")
+    mine = [int(s.index[0].start or 0) for s in put(x)[0].addressable_shards]
+    for r in mine:
+        want = bad if r == W - 1 else f"rank {r}: rank {W - 1} failed this call"
+        assert want in text, (want, text)
+    try:
+        jax.block_until_ready(f(*put(x, out, *idx)))
+        raise AssertionError("a call after the error was not refused")
+    except Exception as e:  # noqa: BLE001
+        assert "unusable" in str(e) or "failed this call" in str(e), str(e)[:500]
+    rank_print(f"recorded within {time.monotonic() - t0:.1f} s: {text[:300]}")
+    rank_print("PASS ragged fault")
+    sys.stdout.flush()
+    # rank 0 hosts the coordination service, whose end kills the others: it leaves last
+    from jax_nvcomm import _exchange
+    me = jax.process_index()
+    if me != 0:
+        _exchange.put(f"ragged_mp/fault/{me}", b"1")
+    else:
+        for r in range(1, jax.process_count()):
+            _exchange.get(f"ragged_mp/fault/{r}", 30, f"rank {r}'s fault report")
+    os._exit(0)  # the communicator is unusable: no collective close()
+
+
+if fault:
+    fault_case()
 
 with nvc.Communicator(mesh, "x", max_message_bytes=4 << 20) as comm:
     def one(x, out, io, ss, oo, rs):

@@ -295,7 +295,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         devices, a call larger than the buffers hold (naming the sizes and the
         max_message_bytes that would hold it).
       JaxRuntimeError (at run time, kernel path): a slice outside operand/output on some rank
-        (the error names the rank, the slice and its numbers; its peers report that rank), or
+        (the error names the rank, the slice and the bound it breaks, the host backend also
+        its offsets, size, N and M; its peers report that rank), or
         ranks disagreeing on the sizes (naming the receiver, the sender, the slice and both
         counts); a peer that never arrives fails after the communicator's timeout_s, naming it.
     """

@@ -307,9 +307,9 @@ tune1)  # one GPU: `python -m jax_nvcomm.tune` at world 1 (the world-1 rows for 
   # table: tune1/tuning_w1.json + .png; paste with `python -m jax_nvcomm.tune --adopt
   # tune1/tuning_w1.json --worlds 1 --into jax_nvcomm/tuning_builtin.json`), then `bench
   # allreduce --quick` with the XLA-best column (best1/allreduce.json + .png; the header lists
-  # the flags this jax accepts)
+  # the flags this jax accepts). TUNE1_ARGS: more tune options (e.g. --dtypes bfloat16)
   step tune_w1 330 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
-    $PY -m jax_nvcomm.tune --worlds 1 --out "$OUT/tune1/tuning_w1.json"
+    $PY -m jax_nvcomm.tune --worlds 1 ${TUNE1_ARGS:-} --out "$OUT/tune1/tuning_w1.json"
   step bench_best1 220 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
     $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/best1"
   grep -A40 "## tuning rows" "$OUT/all.log" | head -45 >"$OUT/tune1.txt"

@@ -278,7 +278,8 @@ def plot(env, path, meas):
 def adopt(src: str, into: str, worlds) -> dict:
     """`into` (a tuning file, e.g. the built-in table) with the rows of `src` of `worlds`
     (all when empty) in place of its rows of the same world, op and dtype, each with a note
-    naming the machine and date they were measured on. Written back to `into`."""
+    naming the machine and date they were measured on. Written back to `into`. A file
+    measured on CPU devices is refused (ValueError)."""
     with open(into, encoding="utf-8") as f:
         doc = json.load(f)
     tuning.validate(doc, into)
@@ -286,9 +287,13 @@ def adopt(src: str, into: str, worlds) -> dict:
         new = json.load(f)
     rows = tuning.validate(new, src)["rows"]
     m = new.get("machine") or {}
+    if m.get("platform") == "cpu":
+        raise ValueError(f"{src}: measured on CPU devices (machine.platform 'cpu'): its rows "
+                         "say nothing about GPUs; not adopted")
     where = (f"measured by `python -m jax_nvcomm.tune` on {m.get('device_count')} x "
              f"{m.get('device_kind')} ({m.get('platform')}, link {m.get('link')}, driver "
-             f"{m.get('driver')}, jax {m.get('jax')}), {new.get('created', '?')}")
+             f"{m.get('driver')}, jax {m.get('jax')}), {new.get('created', '?')}"
+             + (" (a run stopped before its end)" if new.get("complete") is False else ""))
     take = [(r, raw) for r, raw in zip(rows, new["allreduce"])
             if not worlds or r.world_size in worlds]
     if not take:

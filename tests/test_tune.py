@@ -174,6 +174,11 @@ def test_adopt_puts_measured_world_1_rows_into_a_table(tmp_path):
     assert len(rows) == len(before) + 1  # bf16 replaced, f32 added
     note = next(r for r in doc["allreduce"] if r["dtype"] == "float32")["note"]
     assert "1 x NVIDIA H200" in note[0] and "2026-12-02" in note[0]
+    cpu = json.loads(measured.read_text())
+    cpu["machine"]["platform"] = "cpu"
+    measured.write_text(json.dumps(cpu))
+    with pytest.raises(ValueError, match="measured on CPU devices"):
+        tune.adopt(str(measured), str(into), {1})
 
 
 # ---------------------------------------------------------------- XLA best (bench/xla_best.py)

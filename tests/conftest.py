@@ -17,8 +17,11 @@ for _var in ("JAX_NVCOMM_TUNING", "JAX_NVCOMM_ONESHOT_MAX_BYTES", "JAX_NVCOMM_TW
              "JAX_NVCOMM_LOCAL_MIN_BYTES"):
     os.environ.pop(_var, None)
 if "JAX_NVCOMM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["JAX_NVCOMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_nvcomm_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_NVCOMM_CACHE_DIR"], True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

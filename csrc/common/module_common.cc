@@ -112,26 +112,31 @@ std::string describe_error(const ErrorInfo& e) {
                                : "the receive belongs to another send");
       break;
     case kErrRaggedSlice: {
-      static const char* const fields[] = {"input_offsets < 0", "send_sizes < 0",
-                                           "input_offsets + send_sizes > operand rows",
-                                           "output_offsets < 0",
-                                           "output_offsets + send_sizes > output rows"};
-      const unsigned f = unsigned((e.observed >> 32) & 0xFFu);
+      // ragged_slice_detail: the slice in bits 0..31, the field in bits 32..39
+      static const char* kField[5] = {
+          "input_offsets[i] < 0", "send_sizes[i] < 0",
+          "input_offsets[i] + send_sizes[i] > N (the operand's rows)", "output_offsets[i] < 0",
+          "output_offsets[i] + send_sizes[i] > M (the output's rows, in the receiver's frame)"};
+      const unsigned field = unsigned((e.observed >> 32) & 0xFFu);
       std::snprintf(buf, sizeof buf,
-                    "jax_nvcomm: %s call #%llu: rank %d: slice %u: %s", op_name(e.op),
-                    (unsigned long long)e.seq, e.rank, unsigned(uint32_t(e.observed)),
-                    f < 5 ? fields[f] : "out of range");
+                    "jax_nvcomm: %s call #%llu: rank %d: slice i=%u of rank %d's call lies "
+                    "outside operand/output: %s", op_name(e.op), (unsigned long long)e.seq,
+                    e.rank, unsigned(uint32_t(e.observed)), e.peer,
+                    field < 5 ? kField[field] : "unknown field");
       break;
     }
-    case kErrRaggedRecv:
+    case kErrRaggedRecv: {
+      // ragged_recv_detail: sent rows in bits 0..27, expected in 28..55, slice j in 56..63
+      const uint64_t lim = (uint64_t(1) << 28) - 1;
+      const unsigned long long sent = e.observed & lim, want = (e.observed >> 28) & lim;
       std::snprintf(buf, sizeof buf,
-                    "jax_nvcomm: %s call #%llu: rank %d: rank %d sends %llu rows in slice %u, "
-                    "recv_sizes says %llu: ranks disagree on the sizes", op_name(e.op),
-                    (unsigned long long)e.seq, e.rank, e.peer,
-                    (unsigned long long)(e.observed & 0xFFFFFFFull),
-                    unsigned(e.observed >> 56),
-                    (unsigned long long)((e.observed >> 28) & 0xFFFFFFFull));
+                    "jax_nvcomm: %s call #%llu: rank %d: rank %d sends %llu%s rows in its slice "
+                    "j=%u to rank %d, but rank %d's recv_sizes expects %llu%s: ranks disagree on "
+                    "the sizes (send_sizes must equal all_to_all(recv_sizes))", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer, sent, sent == lim ? "+" : "",
+                    unsigned(e.observed >> 56), e.rank, e.rank, want, want == lim ? "+" : "");
       break;
+    }
     default:
       std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);
   }

@@ -41,13 +41,16 @@
 //      e = a + size * row_bytes) is bytes [ragged_cut(a, e, G, b), ragged_cut(a, e, G, b + 1)):
 //      G near-equal byte ranges cut at 16-byte aligned frame offsets, so that a slice of one
 //      long row (decode) still spreads over every block and each range starts vector-aligned.
-//   3. Receive: slices to myself are copied straight from the operand into the result. For every
+//   3. Receive: slices to myself are copied straight from the operand into the result, after
+//      checking send_sizes[me * k + j] == recv_sizes[me * k + j] (else kErrRaggedRecv, peer =
+//      me, observed = ragged_recv_detail(j, sent, expected)). For every
 //      src != me: wait (bounded, the communicator's deadline) for flags[p][0][src][b]; read
 //      header[src * k + j]; check its size == recv_sizes[src * k + j], else fail
 //      (kErrRaggedRecv, peer = src, observed = ragged_recv_detail(j, sent, expected)); copy block
 //      b's share of the slice (the same ragged_cut ranges, from the header's offset and size)
 //      from my frame to the same byte offsets of the result. A header offset outside
-//      [0, M - size] cannot come from a sender that passed step 1.
+//      [0, M - size] cannot come from a sender that passed step 1 (memory corruption:
+//      kErrRaggedSlice, peer = src, observed = ragged_slice_detail(src * k + j, 4)).
 //   4. finish_call: the last block advances Ctrl::seq (the kernel itself, so CUDA-graph
 //      replays need no host code).
 // The result buffer aliases `output` (XLA input_output_aliases), so rows nothing lands on keep

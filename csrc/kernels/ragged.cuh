@@ -3,8 +3,9 @@
 // the receiver's output rows), flags, descriptor, error codes and the 4-step protocol are shared
 // with the host protocol and live in common/ragged_layout.h; this header adds what is kernel's.
 //
-// Grid: G = ragged_blocks (cuda/ragged.cu) blocks of kRaggedThreads threads on every rank, a pure
-// function of the static sizes, <= kMaxBlocks. Block b of rank `me`, call s (p = s & 1):
+// Grid: G = ragged_blocks (cuda/ragged.cu: one block per ~32 KiB of the larger of operand and
+// output, 1..kMaxBlocks; fewer for virtual ranks sharing a GPU) blocks of kRaggedThreads threads
+// on every rank, a pure function of the static sizes. Block b of rank `me`, call s (p = s & 1):
 //   1. validate: the threads stride over all K = k * W slices (int32 or int64 offsets, widened
 //      to int64; each test is written so it cannot overflow: size > N - offset). Any bad slice:
 //      thread 0 finds the first (index, field), raises the poison flag of every block at every
@@ -22,15 +23,18 @@
 //      MEMBAR.SYS per block and call, whatever W), cumulative over the block's stores by the
 //      barrier before it.
 //   self: the block copies its share of my own k slices operand -> out (no frame, no flag),
-//      while the peers' pushes are in flight.
+//      while the peers' pushes are in flight; a size that differs from my recv_sizes entry ->
+//      kErrRaggedRecv naming me (the staging threads check, __syncthreads_or, thread 0 reports;
+//      my flags are already up, so no peer is left waiting).
 //   3. receive: for every src != me (me-1, me-2, ...): thread 0 waits for flags[p][0][src][b]
 //      (bounded, names src); __syncthreads_or broadcasts a failure (the block returns). Per
 //      chunk: threads j < chunk read header entry src*k+j (ld.cg, L2: written by src over NVLink)
 //      and recv_sizes[src*k+j]; a size that differs -> kErrRaggedRecv naming src, an entry
 //      outside [0, M) rows (impossible after src's step 1: memory corruption) ->
-//      kErrRaggedSlice naming src; both found with __syncthreads_or, reported by thread 0, the
-//      block returns. Else the block copies its ragged_cut share of each slice my frame -> out
-//      (ld.cg loads; same byte offsets, as the frame mirrors out).
+//      kErrRaggedSlice naming src (ragged_slice_detail(src*k+j, 4), as the host protocol);
+//      both found with __syncthreads_or, reported by thread 0, the block returns. Else the
+//      block copies its ragged_cut share of each slice my frame -> out (ld.cg loads; the same
+//      byte offsets, as the frame mirrors out).
 //   4. finish_call: the last block advances Ctrl::seq.
 //
 // Why it is safe (beyond ragged_layout.h's invariants):
@@ -112,16 +116,19 @@ __device__ __forceinline__ int ragged_bad_field(const RaggedKernelArgs& a, int64
 }
 
 // Threads t < nj stage slices i0 + t of this rank's arrays (validated); with hdr, also store
-// their header entries hdr[t] = {output offset, size} (a peer's header, 16-byte aligned).
+// their header entries hdr[t] = {output offset, size} (a peer's header, 16-byte aligned);
+// without (my slices to myself), check the size against recv_sizes: true when it differs.
 template <typename I>
-__device__ __forceinline__ void ragged_stage_send(RaggedStage& st, const RaggedKernelArgs& a,
+__device__ __forceinline__ bool ragged_stage_send(RaggedStage& st, const RaggedKernelArgs& a,
                                                   int64_t i0, int nj, longlong2* hdr) {
   const int t = threadIdx.x;
-  if (t >= nj) return;
+  if (t >= nj) return false;
   const int64_t in = ragged_index<I>(a.in_off, i0 + t), n = ragged_index<I>(a.send, i0 + t);
   const int64_t o = ragged_index<I>(a.out_off, i0 + t);
   if (hdr != nullptr) hdr[t] = make_longlong2(o, n);
+  else if (n != ragged_index<I>(a.recv, i0 + t)) return true;
   ragged_stage(st, t, o * a.row_bytes, n * a.row_bytes, (in - o) * a.row_bytes);
+  return false;
 }
 
 // Header entry h (sent by src) against recv_sizes entry `want`: kErrNone, kErrRaggedRecv (other
@@ -145,17 +152,32 @@ __device__ __forceinline__ void ragged_copy_staged(const RaggedStage& st, int nj
 }
 
 // Push (hdr != nullptr: d's header row of this rank, dst = d's frame) or self-copy (hdr null,
-// dst = out) of the k slices d*k .. d*k+k-1 of this rank's arrays.
+// dst = out) of the k slices d*k .. d*k+k-1 of this rank's arrays. False (the block leaves):
+// a self slice's size differs from my recv_sizes, recorded (kErrRaggedRecv naming me).
 template <typename I>
-__device__ __forceinline__ void ragged_send_slices(RaggedStage& st, const RaggedKernelArgs& a,
+__device__ __forceinline__ bool ragged_send_slices(const CommView& v, uint64_t seq,
+                                                   RaggedStage& st, const RaggedKernelArgs& a,
                                                    int d, longlong2* hdr, char* dst) {
   for (int64_t j0 = 0; j0 < a.k; j0 += kRaggedChunk) {
     const int nj = int(a.k - j0 < kRaggedChunk ? a.k - j0 : kRaggedChunk);
+    const int64_t i0 = int64_t(d) * a.k + j0;
     __syncthreads();  // the previous chunk's copies have read st
-    ragged_stage_send<I>(st, a, int64_t(d) * a.k + j0, nj, hdr != nullptr ? hdr + j0 : nullptr);
-    __syncthreads();
+    const bool wrong =
+        ragged_stage_send<I>(st, a, i0, nj, hdr != nullptr ? hdr + j0 : nullptr);
+    if (__syncthreads_or(wrong)) {
+      for (int j = 0; threadIdx.x == 0 && j < nj; ++j) {  // the first wrong one
+        const int64_t sent = ragged_index<I>(a.send, i0 + j);
+        const int64_t want = ragged_index<I>(a.recv, i0 + j);
+        if (sent == want) continue;
+        fail(v.err, kErrRaggedRecv, a.desc, v.rank, v.rank, seq,
+             ragged_recv_detail(j0 + j, sent, want));
+        break;
+      }
+      return false;
+    }
     ragged_copy_staged<false>(st, nj, dst, a.operand);
   }
+  return true;
 }
 
 template <typename I>
@@ -191,10 +213,11 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
         publish_flag(&v.peer_ctrl((me + 1 + t) % W)->flags[p][0][me][b], make_flag(seq, a.desc));
     }
     char* h = v.half(d, p);
-    ragged_send_slices<I>(
-        st, a, d,
-        d == me ? nullptr : reinterpret_cast<longlong2*>(ragged_header(h) + int64_t(me) * k),
-        d == me ? a.out : ragged_frame(h, W, k));
+    if (!ragged_send_slices<I>(
+            v, seq, st, a, d,
+            d == me ? nullptr : reinterpret_cast<longlong2*>(ragged_header(h) + int64_t(me) * k),
+            d == me ? a.out : ragged_frame(h, W, k)))
+      return;
   }
 
   // 3. receive every peer's slices from my frame.
@@ -226,10 +249,9 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
           const int64_t want = ragged_index<I>(a.recv, src * k + j);
           const uint32_t code = ragged_recv_error(e, want, a.m_rows);
           if (code == kErrNone) continue;
-          const uint32_t field = e.x < 0 ? 3u : e.y < 0 ? 1u : 4u;
           fail(v.err, code, a.desc, me, src, seq,
                code == kErrRaggedRecv ? ragged_recv_detail(j, e.y, want)
-                                      : ragged_slice_detail(int64_t(me) * k + j, field));
+                                      : ragged_slice_detail(src * k + j, 4));
           break;
         }
         return;

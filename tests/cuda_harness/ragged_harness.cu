@@ -600,11 +600,12 @@ int error_bad_slice(int field) {
   return ok ? 0 : 1;
 }
 
-// recv_sizes of rank 1 expect one more row from rank 3's slice 1: kErrRaggedRecv on rank 1
-// naming rank 3 and (slice, sent, expected); nobody else records anything.
-int error_recv() {
-  const Shape s{64, 96, 48, 2, false};
-  const int W = 4, me = 1, src = 3;
+// recv_sizes of rank 1 expect one more row from rank src's slice 1 (src = 3, or 1: its own
+// slice to itself): kErrRaggedRecv on rank 1 naming src and (slice, sent, expected); nobody
+// else records anything.
+int error_recv(int src) {
+  const Shape s{64, 96, 48, 2, src == 1};
+  const int W = 4, me = 1;
   const int64_t j = 1;
   int64_t sent = 0;
   World w(W, msg_bytes_for({s}, W));
@@ -810,11 +811,14 @@ int main(int argc, char** argv) {
                      return error_bad_slice(f);
                    },
                    true});
-  all.push_back({"error: recv_sizes disagree", [] {
-                   CK(cuda::ragged_load_kernels());
-                   return error_recv();
-                 },
-                 true});
+  for (int src : {3, 1})
+    all.push_back({src == 1 ? "error: recv_sizes disagree (own slice)"
+                            : "error: recv_sizes disagree (a peer's slice)",
+                   [src] {
+                     CK(cuda::ragged_load_kernels());
+                     return error_recv(src);
+                   },
+                   true});
   all.push_back({"error: a peer never calls", [] {
                    CK(cuda::ragged_load_kernels());
                    return error_timeout();

@@ -112,6 +112,18 @@ NVC_HD int64_t ragged_cut(int64_t a, int64_t e, int g, int b) {
   return c < a ? a : c;
 }
 
+// Step 1 for one slice (input offset, size, output offset) of a call with n operand and m
+// output rows: the first field out of bounds (ragged_slice_detail's field numbers), or -1.
+// Written so that no sum can overflow.
+NVC_HD int ragged_slice_field(int64_t in, int64_t size, int64_t out, int64_t n, int64_t m) {
+  if (in < 0) return 0;
+  if (size < 0) return 1;
+  if (in > n - size) return 2;
+  if (out < 0) return 3;
+  if (out > m - size) return 4;
+  return -1;
+}
+
 // kErrRaggedSlice detail: the slice index in bits 0..31, the field in bits 32..39
 // (0 input_offsets, 1 send_sizes, 2 input_offsets + send_sizes > N, 3 output_offsets,
 // 4 output_offsets + send_sizes > M).

@@ -7,7 +7,7 @@
 // output, 1..kMaxBlocks; fewer for virtual ranks sharing a GPU) blocks of kRaggedThreads threads
 // on every rank, a pure function of the static sizes. Block b of rank `me`, call s (p = s & 1):
 //   1. validate: the threads stride over all K = k * W slices (int32 or int64 offsets, widened
-//      to int64; each test is written so it cannot overflow: size > N - offset). Any bad slice:
+//      to int64; ragged_slice_field, the host protocol's test too). Any bad slice:
 //      thread 0 finds the first (index, field), raises the poison flag of every block at every
 //      peer (poison_fail), records kErrRaggedSlice; the whole block returns. Every block reads
 //      the same inputs, so every block fails alike and none has written anything.
@@ -101,18 +101,11 @@ __device__ __forceinline__ int64_t ragged_index(const void* p, int64_t i) {
   return int64_t(__ldg(static_cast<const I*>(p) + i));
 }
 
-// The first field of slice i that breaks ragged_layout.h's step 1 (its kErrRaggedSlice field
-// number), or -1.
+// The first field of slice i that breaks ragged_layout.h's step 1, or -1.
 template <typename I>
 __device__ __forceinline__ int ragged_bad_field(const RaggedKernelArgs& a, int64_t i) {
-  const int64_t in = ragged_index<I>(a.in_off, i), n = ragged_index<I>(a.send, i);
-  const int64_t o = ragged_index<I>(a.out_off, i);
-  if (in < 0) return 0;
-  if (n < 0) return 1;
-  if (n > a.n_rows - in) return 2;
-  if (o < 0) return 3;
-  if (n > a.m_rows - o) return 4;
-  return -1;
+  return ragged_slice_field(ragged_index<I>(a.in_off, i), ragged_index<I>(a.send, i),
+                            ragged_index<I>(a.out_off, i), a.n_rows, a.m_rows);
 }
 
 // Threads t < nj stage slices i0 + t of this rank's arrays (validated); with hdr, also store

@@ -23,13 +23,16 @@
 //   __syncthreads_or (or a warp vote) and leaves before it writes anything that depends on the
 //   missing or bad data, or (Lamport) computes on the NaN it got.
 // - Every wait also gives up, without recording, once Ctrl::failed is set by another thread of
-//   the rank (checked with the deadline), so one failure ends the whole grid within a poll
-//   period instead of at every block's deadline. No kernel has a grid-wide barrier (the
+//   the rank (flag waits: checked with the deadline; Lamport polls: once they have waited
+//   kLamportPatientNs, allreduce_oneshot.cuh), so one failure ends the whole grid at once
+//   instead of at every block's deadline. No kernel has a grid-wide barrier (the
 //   cooperative MoE launch only guarantees residency), so a block that leaves early leaves
 //   nobody waiting but flag waits, which are bounded.
 // - Every kernel reads Ctrl::failed at its start, with its counters, and exits at once when it
-//   is set (block-uniform: __syncthreads_or): a failed communicator does no more work, which
-//   also covers CUDA-graph replays, where no host code runs. Peers waiting for such a rank time
+//   is set (block-uniform: __syncthreads_or; the cluster kernel, whose blocks must all reach
+//   its cluster barriers, instead pushes nothing and gives up every poll at once): a failed
+//   communicator does no more work, which also covers CUDA-graph replays, where no host code
+//   runs. Peers waiting for such a rank time
 //   out (bounded) or see its poison flags.
 // - A failed call advances no counter reliably and leaves buffers in any state: the
 //   communicator is dead. The FFI handlers refuse every later call with the record's text
@@ -75,6 +78,34 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Whether a kernel of this rank already failed (Ctrl::failed): read at every kernel's start
+// and, with the deadline, in every wait.
+__device__ __forceinline__ bool comm_failed(const CommView& v) {
+  return *reinterpret_cast<volatile uint32_t*>(&v.ctrl()->failed) != 0u;
+}
+
+// Poll (one thread) until *flag == make_flag(seq, desc): kErrNone. Or a disagreement (same seq,
+// other descriptor: kErrMismatch), a peer that is ahead (kErrAhead), the deadline passed
+// (kErrTimeout), or another thread of this rank failed (Ctrl::failed, checked with the
+// deadline: kErrTimeout too, which fail() then does not record: the rank's first error is
+// kept), with the flag value last seen in *seen. Records nothing: for callers that report on
+// their block's way out, where no state is live across fail()'s call.
+__device__ __forceinline__ uint32_t poll_flag(const CommView& v, const uint64_t* flag,
+                                              uint64_t seq, uint32_t desc, uint64_t deadline,
+                                              uint64_t* seen) {
+  const uint64_t want = make_flag(seq, desc);
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t f = ld_acquire_sys(flag);
+    *seen = f;
+    if (f == want) return kErrNone;
+    if (flag_seq(f) == seq) return kErrMismatch;
+    if (flag_seq(f) > seq) return kErrAhead;
+    if ((++spins & 255u) == 0u && (comm_failed(v) || globaltimer() > deadline))
+      return kErrTimeout;
+  }
+}
+
 // Volatile 16-byte load (bypasses L1: data written by peers since this SM last looked).
 __device__ __forceinline__ uint4 ld_volatile_v4(const void* p) {
   uint4 v;
@@ -93,12 +124,6 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint
 // then waits for L1, not L2 or HBM). Only for read-only data of the call.
 __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
-// Whether a kernel of this rank already failed (Ctrl::failed): read at every kernel's start
-// and, with the deadline, in every wait.
-__device__ __forceinline__ bool comm_failed(const CommView& v) {
-  return *reinterpret_cast<volatile uint32_t*>(&v.ctrl()->failed) != 0u;
 }
 
 // Record an error of this rank and mark the communicator failed; returns (no trap). The first
@@ -140,24 +165,15 @@ __device__ __forceinline__ void fail_inline(const CommView& v, uint32_t code, ui
 
 // Wait (one thread) until *flag == make_flag(seq, desc): true. False when the call failed: a
 // timeout, a disagreement (same seq, other descriptor, e.g. a poison flag) or a peer that is
-// ahead (each recorded here), or another thread of this rank failed (recorded there).
+// ahead (each recorded here), or another thread of this rank failed (recorded there: this
+// fail() then records nothing).
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
                                           const CommView& v, int peer, uint64_t deadline) {
-  const uint64_t want = make_flag(seq, desc);
-  uint32_t spins = 0;
-  while (true) {
-    const uint64_t f = ld_acquire_sys(flag);
-    if (f == want) return true;
-    uint32_t code = flag_seq(f) == seq ? kErrMismatch : flag_seq(f) > seq ? kErrAhead : 0u;
-    if (code == 0u && (++spins & 255u) == 0u) {
-      if (comm_failed(v)) return false;
-      if (globaltimer() > deadline) code = kErrTimeout;
-    }
-    if (code != 0u) {
-      fail(v, code, desc, peer, seq, f);
-      return false;
-    }
-  }
+  uint64_t f = 0;
+  const uint32_t code = poll_flag(v, flag, seq, desc, deadline, &f);
+  if (code == kErrNone) return true;
+  fail(v, code, desc, peer, seq, f);
+  return false;
 }
 
 // Per-call start: every block reads the call's sequence number.
@@ -205,6 +221,21 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
   st_release_sys(flag, value);
 }
 
+// Raise the poison flag make_flag(s, poison_desc) of every block < nblocks of this rank at every
+// peer (flag-protocol phase 0), then record the error (fail; returns: the caller's block then
+// leaves). One thread. A peer waiting for any of these flags then reports kErrMismatch naming
+// this rank at once instead of timing out. No release: a poison flag publishes no data.
+__device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int nblocks,
+                                            uint32_t poison_desc, uint32_t code, uint32_t desc,
+                                            int peer, uint64_t observed) {
+  const uint64_t f = make_flag(s, poison_desc);
+  for (int r = 0; r < v.world; ++r)
+    if (r != v.rank)
+      for (int b = 0; b < nblocks; ++b)
+        st_relaxed_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
+  fail(v, code, desc, peer, s, observed);
+}
+
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
 // probe(i) syncs the block, then thread 0 of block 0 (-DNVC_PROBE_LAST: of the last block, which
 // owns the fused one-shot's row when tokens < blocks) adds the SM cycles since the previous probe
@@ -242,6 +273,57 @@ __device__ __forceinline__ void probe(int) {}
 // Read-only (non-coherent path) 16-byte load: for kernel inputs nobody writes during the call.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// ---- block-wide byte copy --------------------------------------------------------------------
+// One load of V (uint4, uint2, unsigned, unsigned short, unsigned char): kCoherent, data a peer
+// wrote during this call and published by a flag this block acquired (ld.global.cg, L2); else
+// data nobody writes during the call (ld.global.nc).
+template <bool kCoherent, typename V>
+__device__ __forceinline__ V ld_copy(const V* p) {
+  if constexpr (kCoherent) return __ldcg(p);
+  else return __ldg(p);
+}
+
+// The block copies n bytes at src to dst in accesses of V: bytes before dst's first V-aligned
+// address and after the last whole V one by one, the V's between four per thread and round
+// (four independent loads in flight before their stores). Needs dst == src modulo sizeof(V).
+template <bool kCoherent, typename V>
+__device__ __forceinline__ void block_copy_as(char* dst, const char* src, size_t n) {
+  constexpr size_t w = sizeof(V);
+  const size_t t = threadIdx.x, nt = blockDim.x;
+  size_t head = (w - (reinterpret_cast<uintptr_t>(dst) & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  const size_t nv = (n - head) / w;
+  const size_t tail = head + nv * w;
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(src);
+  if (t < head) dst[t] = char(ld_copy<kCoherent>(sb + t));
+  if (t < n - tail) dst[tail + t] = char(ld_copy<kCoherent>(sb + tail + t));
+  V* d = reinterpret_cast<V*>(dst + head);
+  const V* s = reinterpret_cast<const V*>(src + head);
+  size_t i = t;
+  for (; i + 3 * nt < nv; i += 4 * nt) {
+    const V a0 = ld_copy<kCoherent>(s + i), a1 = ld_copy<kCoherent>(s + i + nt);
+    const V a2 = ld_copy<kCoherent>(s + i + 2 * nt), a3 = ld_copy<kCoherent>(s + i + 3 * nt);
+    d[i] = a0;
+    d[i + nt] = a1;
+    d[i + 2 * nt] = a2;
+    d[i + 3 * nt] = a3;
+  }
+  for (; i < nv; i += nt) d[i] = ld_copy<kCoherent>(s + i);
+}
+
+// The block copies n bytes at src to dst (any alignment) in the widest accesses both allow: 16
+// bytes when dst == src modulo 16, else 8, 4, 2 or 1. Call from every thread of the block with
+// the same arguments; no barrier inside. kCoherent: see ld_copy.
+template <bool kCoherent>
+__device__ __forceinline__ void block_copy(char* dst, const char* src, size_t n) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  if ((mis & 15u) == 0) block_copy_as<kCoherent, uint4>(dst, src, n);
+  else if ((mis & 7u) == 0) block_copy_as<kCoherent, uint2>(dst, src, n);
+  else if ((mis & 3u) == 0) block_copy_as<kCoherent, unsigned>(dst, src, n);
+  else if ((mis & 1u) == 0) block_copy_as<kCoherent, unsigned short>(dst, src, n);
+  else block_copy_as<kCoherent, unsigned char>(dst, src, n);
 }
 
 // ---- 16-byte vectors of T (float, __nv_bfloat16, __half) <-> float32 --------------------

@@ -40,11 +40,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp", "faults_mp.py")
 CASES = ["kill", "kill-twoshot", "raise", "stall", "sizes-oneshot", "sizes-twoshot", "order",
-         "expert", "rows", "nan"]
+         "expert", "rows", "ragged", "nan"]
 # Not the repository root: `python -m` there would import the source folder of jax_nvcomm, not
 # the installed package.
 CWD = os.path.join(ROOT, "tests")
-LIVE = {"stall", "sizes-oneshot", "sizes-twoshot", "order", "expert", "rows", "nan"}
+LIVE = {"stall", "sizes-oneshot", "sizes-twoshot", "order", "expert", "rows", "ragged", "nan"}
 
 
 def expectation(case: str, w: int):
@@ -60,6 +60,8 @@ def expectation(case: str, w: int):
         return list(range(w)), rf"(expert id {e}\b|\] = {e} outside|rank {f} failed this call)"
     if case == "rows":
         return list(range(w)), rf"(row count|rank {f} failed this call)"
+    if case == "ragged":
+        return list(range(w)), rf"(lies outside operand/output|rank {f} failed this call)"
     # sizes / order: every rank, with a named disagreement (or, where the protocols differ,
     # a timeout naming a peer)
     return list(range(w)), r"(disagree|out of step|received a|timed out waiting for rank)"

@@ -151,12 +151,12 @@ faults)  # the fault matrix (scripts/faults.py): rows appended to $OUT/faults_ta
   step faults_sh2_dead 300 $FM -n 2 --timeout 10 --cases kill raise \
     --json "$OUT/faults_sh2_dead.json"
   step faults_sh2 480 $FM -n 2 --timeout 5 --json "$OUT/faults_sh2.json" --cases kill-twoshot \
-    stall sizes-oneshot sizes-twoshot order expert rows nan
+    stall sizes-oneshot sizes-twoshot order expert rows ragged nan
   ;;
 faults4)
   FM="$PY scripts/faults.py --platform gpu --table $OUT/faults_table.md"
   step faults_sh4 480 $FM -n 4 --timeout 5 --json "$OUT/faults_sh4.json" --cases kill raise \
-    stall sizes-oneshot sizes-twoshot order expert nan
+    stall sizes-oneshot sizes-twoshot order expert ragged nan
   step faults_launch 240 $FM -n 2 --timeout 5 --start launcher --json "$OUT/faults_launch.json" \
     --cases kill stall sizes-oneshot expert
   ;;

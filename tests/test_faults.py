@@ -1,6 +1,7 @@
 """The fault matrix on CPU devices (scripts/faults.py, one job per row, the ranks started
 directly or through the launcher): a killed, raising or stalled peer, ranks calling other sizes
-or ops, a bad expert id, a bad row count, and NaN/inf inputs (no error). Every row must pass:
+or ops, a bad expert id, a bad row count, a ragged slice out of range, and NaN/inf inputs (no
+error). Every row must pass:
 the ranks that must notice do, naming the op, call, rank and peer within the timeout + 5 s,
 nothing wrong is returned silently, every live process runs a fresh jitted computation, closes
 the communicator, and (when every process is alive) runs a new one. The GPU rows run the same
@@ -35,7 +36,8 @@ def test_fault_matrix_two_processes(tmp_path):
     rc, out, rows = matrix(tmp_path, "-n", "2")
     assert rc == 0, out[-6000:]
     assert sorted(rows) == sorted(["kill", "kill-twoshot", "raise", "stall", "sizes-oneshot",
-                                   "sizes-twoshot", "order", "expert", "rows", "nan"]), out
+                                   "sizes-twoshot", "order", "expert", "rows", "ragged",
+                                   "nan"]), out
     # the survivor names the op, its call number, itself and the dead peer, within the deadline
     for case in ("kill", "kill-twoshot", "raise", "stall"):
         rep = reports(rows[case])[0]

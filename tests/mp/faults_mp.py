@@ -26,6 +26,7 @@ Cases (--case=NAME), the faulty rank F = W - 1:
   order          F calls all_gather while the others call all_reduce
   expert         F's topk_ids hold expert id E (of E experts) at its token 1, slot 0
   rows           F passes num_rows = max_rows + 1 (traced) to all_gather_v
+  ragged         F's ragged_all_to_all slice to rank 0 starts past its operand
   nan            no fault: NaN and +-inf inputs to all_reduce (one-shot, two-shot, fused with
                  RMSNorm) and all_gather; every result must equal the reference, NaN included
 JAX_NVCOMM_TIMEOUT_S is the communicators' timeout_s (default here 3).
@@ -161,6 +162,27 @@ def rows_op(comm, bad=False, max_rows=6):
             lambda out: np.array_equal(mine(out)[0][:len(want)], want))
 
 
+def ragged_op(comm, bad=False, sz=3):
+    """ragged_all_to_all, k = 1: rank r sends rows [d*sz, (d+1)*sz) of its operand to rank d,
+    where they land at rows [r*sz, (r+1)*sz). bad: F's slice to rank 0 starts at row N."""
+    rng = fresh_rng()
+    n = W * sz
+    x = rng.standard_normal((W * n, COLS)).astype(np.float32)
+    out0 = rng.standard_normal((W * n, COLS)).astype(np.float32)
+    ar = np.arange(W, dtype=np.int32)
+    inp, size = np.tile(ar * sz, (W, 1)), np.full((W, W), sz, np.int32)
+    outo = np.tile((ar * sz)[:, None], (1, W))  # [sender r, peer d] = r * sz
+    if bad:
+        inp[F, 0] = n
+    f = smap(lambda v, o, a, b, c, d: nvc.ragged_all_to_all(v, o, a[0], b[0], c[0], d[0],
+                                                            comm)[None], 6)
+    blocks = x.reshape(W, n, COLS)
+    want = np.concatenate([blocks[r, ME * sz:(ME + 1) * sz] for r in range(W)])
+    args = [x, out0, inp, size, outo, size]
+    return (lambda: f(*(global_array(mesh, P("x"), a) for a in args)),
+            lambda out: np.array_equal(mine(out)[0], want))
+
+
 def nan_inputs(rows=ROWS):
     host = fresh_rng().standard_normal((W * rows, COLS)).astype(np.float32)
     b = host.reshape(W, rows, COLS)
@@ -207,6 +229,8 @@ def main():
             return moe_op(moe)
         if CASE == "rows":
             return rows_op(comm)
+        if CASE == "ragged":
+            return ragged_op(comm)
         return all_reduce_op(comm, strategy)
 
     warm = attempt(good_op(), comms)
@@ -234,6 +258,8 @@ def main():
         op = moe_op(moe, bad=True)
     elif CASE == "rows":
         op = rows_op(comm, bad=True)
+    elif CASE == "ragged":
+        op = ragged_op(comm, bad=True)
     elif CASE == "nan":
         op = all_reduce_op(comm, "oneshot", host=nan_inputs())
         for s in ("twoshot",):

@@ -219,8 +219,10 @@ __device__ __forceinline__ OneShotCall oneshot_exchange(const CommView& v, const
   const OneShotCall call{k, deadline, v.lamport(v.rank, cur, 0), cur, true};
 
   if (threadIdx.x < v.world) Policy::setup(v, mc, cur, s_dst);
-  if (__syncthreads_or(too_big || (kUniformExit && dead))) return OneShotCall{k, 0, 0, cur, false};
-  if (!kUniformExit && dead) return OneShotCall{k, deadline - v.timeout_ns, call.slot0, cur, true};
+  // one barrier decides for the whole block (too_big is the same everywhere already)
+  const bool stop = __syncthreads_or(kUniformExit ? too_big || dead : dead);
+  if (too_big || (kUniformExit && stop)) return OneShotCall{k, 0, nullptr, cur, false};
+  if (stop) return OneShotCall{k, deadline - v.timeout_ns, call.slot0, cur, true};
   const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;  // step 3
   probe(12);
 

@@ -12,7 +12,7 @@
 #   bash scripts/gpu_check.sh pytest   the pytest GPU suite (`pytest -m gpu`, tests/gpu/: kernels
 #                                      in-process on every local GPU, one process per GPU when
 #                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
-#                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
+#                                      fault matrix rows; ~6 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
 #   bash scripts/gpu_check.sh faults   the fault matrix on GPU 0 (scripts/faults.py), 2 processes

@@ -44,6 +44,7 @@ from jax import lax
 from . import _shard
 
 __all__ = ["moe_dispatch_xla", "moe_combine_xla", "all_reduce_rms_norm_xla",
+           "ragged_all_to_all_xla",
            "xla_all_reduce_rms_norm", "rms_norm_reference",
            "np_moe_dispatch", "np_moe_combine", "np_moe_rows"]
 
@@ -146,6 +147,25 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
         return _ragged_all_to_all_emulated(*a, axis_name=axis_name, chunk=chunk)
 
     return lax.platform_dependent(*args, cpu=emulated, default=real)
+
+
+def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_offsets,
+                          recv_sizes, *, axis_name):
+    """`lax.ragged_all_to_all(..., axis_name=axis_name)` wherever XLA implements it (GPU), and
+    on XLA:CPU, which has no ragged-all-to-all, an emulation from `lax.all_to_all` that moves
+    the same rows to the same places (each slice padded to the operand's rows, so it costs
+    world x operand rows per call: a stand-in for tests and CPU runs, not a fast path).
+
+    Args:
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as
+        `lax.ragged_all_to_all` (slices of one call must land in disjoint output rows).
+      axis_name: the mapped axis (inside `jax.shard_map`).
+
+    Returns:
+      `output` with the received slices written in, as `lax.ragged_all_to_all`.
+    """
+    return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                              recv_sizes, axis_name=axis_name, chunk=int(operand.shape[0]))
 
 
 def _auto_pieces(world, chunk, ragged_pieces):

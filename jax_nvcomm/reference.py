@@ -44,7 +44,6 @@ from jax import lax
 from . import _shard
 
 __all__ = ["moe_dispatch_xla", "moe_combine_xla", "all_reduce_rms_norm_xla",
-           "ragged_all_to_all_xla",
            "xla_all_reduce_rms_norm", "rms_norm_reference",
            "np_moe_dispatch", "np_moe_combine", "np_moe_rows"]
 
@@ -149,6 +148,15 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
     return lax.platform_dependent(*args, cpu=emulated, default=real)
 
 
+def _auto_pieces(world, chunk, ragged_pieces):
+    if ragged_pieces is not None:
+        p = int(ragged_pieces)
+        if p < 1:
+            raise ValueError(f"jax_nvcomm.reference: ragged_pieces must be >= 1, got {p}")
+        return p
+    return max(1, min(chunk, 512 // world))  # ~512 blocks over all peers: HBM/NVLink speed
+
+
 def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_offsets,
                           recv_sizes, *, axis_name):
     """`lax.ragged_all_to_all(..., axis_name=axis_name)` wherever XLA implements it (GPU), and
@@ -166,15 +174,6 @@ def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_off
     """
     return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                               recv_sizes, axis_name=axis_name, chunk=int(operand.shape[0]))
-
-
-def _auto_pieces(world, chunk, ragged_pieces):
-    if ragged_pieces is not None:
-        p = int(ragged_pieces)
-        if p < 1:
-            raise ValueError(f"jax_nvcomm.reference: ragged_pieces must be >= 1, got {p}")
-        return p
-    return max(1, min(chunk, 512 // world))  # ~512 blocks over all peers: HBM/NVLink speed
 
 
 def _num_tokens(num_tokens, max_tokens):

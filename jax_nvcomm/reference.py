@@ -161,8 +161,8 @@ def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_off
                           recv_sizes, *, axis_name):
     """`lax.ragged_all_to_all(..., axis_name=axis_name)` wherever XLA implements it (GPU), and
     on XLA:CPU, which has no ragged-all-to-all, an emulation from `lax.all_to_all` that moves
-    the same rows to the same places (each slice padded to the operand's rows, so it costs
-    world x operand rows per call: a stand-in for tests and CPU runs, not a fast path).
+    the same rows to the same places (each slice padded to min(operand rows, output rows), so
+    it moves world x that many rows per call: a stand-in for tests and CPU runs).
 
     Args:
       operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as
@@ -173,7 +173,8 @@ def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_off
       `output` with the received slices written in, as `lax.ragged_all_to_all`.
     """
     return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                              recv_sizes, axis_name=axis_name, chunk=int(operand.shape[0]))
+                              recv_sizes, axis_name=axis_name,
+                              chunk=max(1, min(int(operand.shape[0]), int(output.shape[0]))))
 
 
 def _num_tokens(num_tokens, max_tokens):

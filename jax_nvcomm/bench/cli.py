@@ -5,7 +5,7 @@ import argparse
 import os
 
 from . import __doc__ as _DOC
-from . import step, varlen
+from . import ragged, step, varlen
 from .allreduce import AR_METHODS, FUSED_METHODS, QUANT_METHODS, run_allreduce
 from .common import _setup_env, add_device_time_argument
 from .moe import run_moe
@@ -47,6 +47,9 @@ def _parser():
     varlen.add_arguments(sub.add_parser(
         "varlen", help="all_gather_v / reduce_scatter_v vs padded all_gather and zero-filled "
                        "psum (jax_nvcomm/bench/varlen.py)"))
+    ragged.add_arguments(sub.add_parser(
+        "ragged", help="ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes "
+                       "(jax_nvcomm/bench/ragged.py)"))
     step.add_arguments(sub.add_parser(
         "step", help="whole jitted model steps, jax_nvcomm vs XLA (jax_nvcomm/bench/step.py)"))
     return p
@@ -65,4 +68,6 @@ def main(argv=None):
         return run_allreduce(a)
     if a.what == "varlen":
         return varlen.run_varlen(a)
+    if a.what == "ragged":
+        return ragged.run_ragged(a)
     return run_moe(a)

@@ -129,8 +129,6 @@ def main(argv=None):
     if cpu and "lax" in impls:
         say("NOTE: XLA:CPU has no ragged-all-to-all: on CPU devices the lax side runs "
             "jax_nvcomm.reference's emulation of it (the same rows to the same places)")
-    if "nvc" in impls and not hasattr(nvc, "ragged_all_to_all"):
-        say("NOTE: this jax_nvcomm has no ragged_all_to_all yet: the nvc side runs XLA's op")
 
     def programs(impl):
         """(forward, train step), jitted; impl "dense": the reference without exchanges."""

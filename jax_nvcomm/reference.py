@@ -214,7 +214,8 @@ def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_off
     """`lax.ragged_all_to_all(..., axis_name=axis_name)` wherever XLA implements it (GPU), and
     on XLA:CPU, which has no ragged-all-to-all, an emulation from `lax.all_to_all` that moves
     the same rows to the same places (each slice padded to min(operand rows, output rows), so
-    it moves world x that many rows per call: a stand-in for tests and CPU runs).
+    it moves world x that many rows per call: a stand-in for tests and CPU runs). 1-byte
+    floats travel as uint8, so every bit pattern (NaN payloads of float8_e5m2) arrives.
 
     Args:
       operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as
@@ -224,9 +225,12 @@ def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_off
     Returns:
       `output` with the received slices written in, as `lax.ragged_all_to_all`.
     """
-    return _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                              recv_sizes, axis_name=axis_name,
-                              chunk=max(1, min(int(operand.shape[0]), int(output.shape[0]))))
+    chunk = max(1, min(int(operand.shape[0]), int(output.shape[0])))  # no valid slice is longer
+    (operand, dt), (output, _) = _as_bits(operand), _as_bits(output)
+    res = _ragged_all_to_all(_shard.varying(operand, axis_name), _shard.varying(output, axis_name),
+                             input_offsets, send_sizes, output_offsets, recv_sizes,
+                             axis_name=axis_name, chunk=chunk)
+    return _from_bits(res, dt)
 
 
 def _num_tokens(num_tokens, max_tokens):

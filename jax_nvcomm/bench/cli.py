@@ -7,7 +7,7 @@ import os
 from . import __doc__ as _DOC
 from . import ragged, step, varlen
 from .allreduce import AR_METHODS, FUSED_METHODS, QUANT_METHODS, run_allreduce
-from .common import _setup_env, add_device_time_argument
+from .common import _setup_env, add_loop_arguments
 from .moe import run_moe
 
 
@@ -17,12 +17,7 @@ def _parser():
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("allreduce", "moe"):
         s = sub.add_parser(name)
-        s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
-        s.add_argument("--quick", action="store_true", help="few, small sizes (CPU smoke run)")
-        s.add_argument("--reps", type=int, default=None, help="program runs per method")
-        s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
-        s.add_argument("--steps", type=int, default=None, help="loop steps per program")
-        add_device_time_argument(s)
+        add_loop_arguments(s)
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
                            help="measure crossovers per world size; print THRESHOLDS")

@@ -217,14 +217,9 @@ def run_ragged(a):
 
 
 def add_arguments(s):
-    s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
-    s.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
-    s.add_argument("--reps", type=int, default=None, help="program runs per method")
-    s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
-    s.add_argument("--steps", type=int, default=None, help="loop steps per program")
+    B.add_loop_arguments(s)
     s.add_argument("--hidden", type=int, nargs="*", help="row widths (default 2048 7168)")
     s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank (128 512 4096)")
     s.add_argument("--top-k", type=int, default=8)
     s.add_argument("--routing", nargs="*", choices=ROUTINGS, help="default: both")
     s.add_argument("--methods", nargs="*", choices=METHODS, help="default: all")
-    B.add_device_time_argument(s)

@@ -102,7 +102,7 @@ def collectives(impl, *, axis_name, comm=None):
     if impl == "nvc":
         if comm is None:
             raise ValueError("collectives: impl 'nvc' needs comm (a jax_nvcomm.Communicator)")
-        return Collectives(lambda *args: _nvc_ragged_all_to_all(*args, comm),
+        return Collectives(lambda *args: nvc.ragged_all_to_all(*args, comm),
                            lambda a: nvc.all_gather(a, comm, tiled=False),
                            lambda a: nvc.all_reduce(a, comm))
     if impl == "lax":
@@ -114,17 +114,6 @@ def collectives(impl, *, axis_name, comm=None):
         return Collectives(ragged, partial(lax.all_gather, axis_name=axis_name),
                            partial(lax.psum, axis_name=axis_name))
     raise ValueError(f"collectives: impl must be one of {IMPLS}, got {impl!r}")
-
-
-def _nvc_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                           recv_sizes, comm):
-    # TEMPORARY stand-in until nvc.ragged_all_to_all is on main: XLA's op, same signature
-    if hasattr(nvc, "ragged_all_to_all"):
-        return nvc.ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                                     output_offsets, recv_sizes, comm)
-    from jax_nvcomm.reference import ragged_all_to_all_xla
-    return ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_offsets,
-                                 recv_sizes, axis_name=comm.axis_name)
 
 
 # ------------------------------------------------------------------------------ the layer

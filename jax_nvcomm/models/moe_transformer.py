@@ -693,7 +693,7 @@ def ragged_available(impls=IMPLS):
     """Unavailable unless the ep-ragged layout can run with `impls` (jax_nvcomm's side needs
     nvc.ragged_all_to_all)."""
     import jax_nvcomm as nvc
-    if "jax_nvcomm" in impls and not hasattr(nvc, "ragged_all_to_all") and False:  # TEMPORARY
+    if "jax_nvcomm" in impls and not hasattr(nvc, "ragged_all_to_all"):
         raise Unavailable("the ep-ragged layout needs jax_nvcomm.ragged_all_to_all, which this "
                           "build of jax_nvcomm does not have")
 

@@ -15,14 +15,20 @@ group-size exchange in the timed call). Methods:
   xla         lax.ragged_all_to_all (on CPU devices jax_nvcomm.reference's emulation)
   xla pieces  the same with each slice split into ~512/W consecutive updates (reference.py:
               XLA's GPU kernel runs one thread block per update and peer)
+  <xla method> best  (--xla-best, on for GPUs) the fastest of that method compiled with XLA's
+              defaults and with each ragged-all-to-all fast-path flag of this XLA
+              (bench/xla_best.py)
 Times: loop us per call and device time (bench/__init__.py). Writes OUT/ragged.json, the tables
 and OUT/ragged.png.
 """
 from __future__ import annotations
 
 from . import common as B
+from . import xla_best
 
-METHODS = ["nvc", "xla", "xla pieces"]
+XLA_METHODS = ["xla", "xla pieces"]
+METHODS = ["nvc"] + XLA_METHODS
+COLUMNS = METHODS + [f"{m} best" for m in XLA_METHODS]  # the tables' columns
 ROUTINGS = ("balanced", "skewed")
 EXPERTS = {2048: 128, 7168: 256}
 
@@ -59,8 +65,8 @@ def exchange_plan(ids_all, experts, world):
 
 
 def _xla_methods(axis, world, M, N):
-    """XLA's side: name -> fn(operand, output, in_off, send, out_off, recv). The place for
-    further XLA variants (e.g. XLA with its fast-path flags) as more entries."""
+    """XLA's side: name -> fn(operand, output, in_off, send, out_off, recv) (each also timed
+    with XLA's fast-path flags: --xla-best)."""
     from .. import reference
     chunk = max(1, min(M, N))
 
@@ -134,10 +140,19 @@ def _point(env, mesh, hidden, experts, T, K, routing, a):
                                    for b in out.addressable_shards]
                 except Exception as e:  # noqa: BLE001 - the timing says what failed
                     r["agree_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                r.update(B._measure(env, f"{op} {routing} T={T} H={hidden} {name}", mesh,
-                                    body, (x, *offs), (P("x"),) * 5, 1, a))
+                def run(opts=None, dev=None, body=body, what=f"{op} {routing} T={T} "
+                        f"H={hidden} {name}"):
+                    return B._measure(env, what, mesh, body, (x, *offs), (P("x"),) * 5, 1, a,
+                                      compiler_options=opts, device_time=dev)
+                r.update(run())
                 rows.append(r)
                 env.log(f"#   H={hidden} T={T} {routing} {op} {name}: {B._cell(r)}")
+                if name.startswith("xla") and xla_best.enabled(a.xla_best, env.platform):
+                    b = xla_best.best(env, f"{name} best", lambda o, run=run: run(o, False),
+                                      default=r, mode=a.xla_best)
+                    rows.append(b)
+                    env.log(f"#   H={hidden} T={T} {routing} {op} {name} best: {B._cell(b)} "
+                            f"[{b['xla_flags']}; {b['xla_variants']}]")
             for r in rows:
                 if r.get("op") == op and r["method"] in first and r["method"] != "xla" \
                         and "xla" in first:
@@ -156,6 +171,8 @@ def run_ragged(a):
     env = B.Env()
     a.device_time_on = B._device_time_on(env, a)
     env.header("ragged", a)
+    for line in xla_best.header_lines(env.platform, a.xla_best):
+        env.log(f"# {line}")
     cpu = env.platform == "cpu"
     W = env.world
     small = a.quick or cpu
@@ -174,10 +191,10 @@ def run_ragged(a):
                 rows += _point(env, mesh, h, E, T, min(K, E), routing, a)
     keys = [("hidden", lambda r: str(r["hidden"])), ("routing", lambda r: r["routing"]),
             ("tokens", lambda r: str(r["tokens"])), ("op", lambda r: r["op"])]
-    xla = [m for m in METHODS if m.startswith("xla")]
+    xla = [m for m in COLUMNS if m.startswith("xla")]
     env.log(f"\n## ragged_all_to_all, world {W}: {B._units(a)}; speedup = best XLA / nvc "
             "(loop time); recv max/mean: the busiest rank's received rows over the mean")
-    B._pivot(env, [r for r in rows if "skipped" not in r or r["op"] != "*"], keys, METHODS, [
+    B._pivot(env, [r for r in rows if "skipped" not in r or r["op"] != "*"], keys, COLUMNS, [
         ("speedup", lambda g: B._ratio(g, min(xla, key=lambda m: g.get(m, {}).get(
             "median_us", 1e300)), ["nvc"])),
         ("recv max/mean", lambda g: next(
@@ -194,6 +211,7 @@ def run_ragged(a):
                     f"{r['skipped']}")
     env.log("# agree: each method's output of one call equals XLA's bit for bit (nvc/xla "
             "pieces)")
+    env.log(xla_best.summary_line(rows, env.platform, a.xla_best))
     bad = [r for r in rows if r.get("agree") is False]
     for r in bad:
         env.log(f"# DISAGREE: H={r['hidden']} T={r['tokens']} {r['routing']} {r['op']} "
@@ -204,7 +222,8 @@ def run_ragged(a):
     B._write_json(env, a.out, "ragged.json", dict(
         meta=dict(platform=env.platform, topology=env.topology(), world=W,
                   processes=env.nprocs, device_kind=env.devices[0].device_kind,
-                  unroll=a.unroll, steps=a.steps, reps=a.reps, top_k=K, dtype="bfloat16"),
+                  unroll=a.unroll, steps=a.steps, reps=a.reps, top_k=K, dtype="bfloat16",
+                  xla_best=xla_best.meta(rows, env.platform, a.xla_best)),
         rows=rows))
     series = {}
     for r in rows:
@@ -223,3 +242,4 @@ def add_arguments(s):
     s.add_argument("--top-k", type=int, default=8)
     s.add_argument("--routing", nargs="*", choices=ROUTINGS, help="default: both")
     s.add_argument("--methods", nargs="*", choices=METHODS, help="default: all")
+    B.add_xla_best_argument(s)

@@ -23,6 +23,9 @@
 #   bash scripts/gpu_check.sh ragged   ragged_all_to_all's GPU tests: in-process, world 1 against
 #                                      XLA's, 2 and 4 processes sharing GPU 0, CUDA-graph loops;
 #                            raggedmem one process of tests/mp/ragged_mp.py under memcheck
+#   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
+#                                      no package build): every case and error case, memcheck,
+#                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -86,7 +89,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-ensure_built
+[ "${MODES[*]}" = raggedk ] || ensure_built  # the kernel harness alone needs no package
 
 run_part() {
 case "$1" in
@@ -102,14 +105,34 @@ shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
 harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
-  [ -x build/ar_h ] && [ -x build/moe_h ] ||
-    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
+  [ -x build/ar_h ] && [ -x build/moe_h ] && [ -x build/ragged_h ] ||
+    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu & wait"
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
   step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
+  # ragged_all_to_all: every case (error cases included) in child processes, then memcheck
+  step ragged_harness 240 build/ragged_h
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  ;;
+raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
+  # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
+  # graph-time table (decode 1-8 tokens, prefill 512-4096 tokens x top-8 x 7168 bf16)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  [ -x build/ragged_h ] || step ragged_build 240 \
+    $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu
+  step ragged_harness 240 build/ragged_h
+  grep -A80 "=== ragged_harness" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  grep -A80 "=== memcheck_ragged" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  step ragged_time 300 build/ragged_h --graph-time
+  grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
+  cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -358,7 +381,7 @@ stepragged)  # bench step's ep-ragged layout beside high-throughput, both preset
     --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
   tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -175,7 +175,7 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, *, axis_name, c
     # 4. exchange: received rows ordered by (source rank, local expert)
     buf = lax.pcast(jnp.zeros((R, x.shape[1]), x.dtype), axis_name, to="varying")
     recv = coll.ragged_all_to_all(x_sorted, buf, input_offsets, send_sizes, output_offsets,
-                             recv_sizes)
+                                  recv_sizes)
 
     # 5. local experts: group the received rows by expert, ragged_dot, ungroup
     seg_sizes = sizes[:, me, :].reshape(-1)                           # (source, expert) groups
@@ -189,7 +189,7 @@ def moe_experts(x, topk_weights, topk_ids, w_gate, w_up, w_down, *, axis_name, c
     # 6. send the results back where the rows came from, unsort, weight the k rows, sum
     back = lax.pcast(jnp.zeros((T * K, x.shape[1]), y.dtype), axis_name, to="varying")
     y = coll.ragged_all_to_all(y, back, _exclusive_cumsum(recv_sizes), recv_sizes,
-                          _exclusive_cumsum(chunk, axis=1)[:, me], send_sizes)
+                               _exclusive_cumsum(chunk, axis=1)[:, me], send_sizes)
     y = y[_inverse(order)].reshape(T, K, -1).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", y, topk_weights).astype(x.dtype)
 

@@ -175,15 +175,15 @@ def main(argv=None):
                 if s.replica_id == 0]
 
     def rel_err(got, want):
-        """Relative L2 error of got against want (a result dict or stored arrays), max over
-        the outputs and gradients; this process's blocks."""
-        worst = 0.0
+        """(relative L2 error, array name) of got against want (a result dict or stored
+        arrays), the largest over the output and the gradients; this process's blocks."""
+        worst = (0.0, "-")
         for k, arr in got.items():
             num = den = 0.0
             for idx, v in blocks(arr):
                 w = np.asarray(want[k][idx], np.float64)
                 num, den = num + np.sum((v - w) ** 2), den + np.sum(w ** 2)
-            worst = max(worst, float(np.sqrt(num / max(den, 1e-300))))
+            worst = max(worst, (float(np.sqrt(num / max(den, 1e-300))), k))
         return worst
 
     tol = TOLERANCE[dtype.name]
@@ -193,11 +193,11 @@ def main(argv=None):
     if ref is not None:
         checks += [(c, "the reference", ref) for c in impls]
     for cand, base, want in checks:
-        err = rel_err(results[cand], want)
+        err, name = rel_err(results[cand], want)
         ok &= err < tol
         where = f" (process {jax.process_index()})" if jax.process_count() > 1 else ""
         print(f"{cand} vs {base}{where}: max relative L2 error of output and gradients "
-              f"{err:.1e}: {'agree' if err < tol else 'DISAGREE'} (tolerance {tol:g})")
+              f"{err:.1e} ({name}): {'agree' if err < tol else 'DISAGREE'} (tolerance {tol:g})")
     if not checks:
         say("no comparison (one impl and no --ref)")
     if a.save_ref:

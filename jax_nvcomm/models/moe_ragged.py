@@ -118,8 +118,12 @@ def collectives(impl, *, axis_name, comm=None):
 
 # ------------------------------------------------------------------------------ the layer
 def route(x, router, top_k):
-    """Softmax router, top-k, weights renormalised: (float32 [T, K], int32 [T, K])."""
-    probs = jax.nn.softmax(x.astype(jnp.float32) @ router.astype(jnp.float32), axis=-1)
+    """Softmax router, top-k, weights renormalised: (float32 [T, K], int32 [T, K]). The
+    logits in full float32 (no TF32 on GPUs): near-tied top-k choices stay the same when the
+    token count per rank, hence the matmul's shape, changes with the world size."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
     w, ids = lax.top_k(probs, top_k)
     return w / w.sum(-1, keepdims=True), ids.astype(jnp.int32)
 

@@ -12,9 +12,18 @@
 #   bash scripts/gpu_check.sh pytest   the pytest GPU suite (`pytest -m gpu`, tests/gpu/: kernels
 #                                      in-process on every local GPU, one process per GPU when
 #                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
-#                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
+#                                      fault matrix rows; ~6 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
+#   bash scripts/gpu_check.sh faults   the fault matrix on GPU 0 (scripts/faults.py), 2 processes
+#                                      started directly: a peer killed / raising with timeout 10 s
+#                                      (the survivor's named error, fresh GPU work, exit 0), then
+#                                      every other case with timeout 5 s; plus the harnesses'
+#                                      --error modes when build/ar_h, build/moe_h exist (~5 min).
+#                                      Rows in $OUT/faults_table.md (PASS/FAIL per row), details
+#                                      (every rank's report) in $OUT/faults_*.json
+#   bash scripts/gpu_check.sh faults4  the same with 4 processes sharing GPU 0, and 2 processes
+#                                      through the launcher (--share-gpu) (~5 min)
 #   bash scripts/gpu_check.sh tune1    one GPU: `tune` at world 1 (tune1/tuning_w1.json, the rows
 #                                      for the built-in table) and `bench allreduce --quick` with
 #                                      the XLA-best column (best1/); ~5 min with the build
@@ -110,7 +119,8 @@ harness)
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
-  step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
+  step ar_error 120 build/ar_h --error    # timeouts / disagreements: records, no trap
+  step moe_error 60 build/moe_h --error  # the bad-expert records, no trap
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
   # ragged_all_to_all: every case (error cases included) in child processes, then memcheck
@@ -141,10 +151,21 @@ share)  # SHARE_NS: the process counts (default 2 4 8)
     step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
   done
   ;;
-faults)  # FAULT_LAUNCH: launcher flags (default --share-gpu; empty: one process per GPU)
-  for c in dead sizes order; do
-    step fault_$c 90 $L -n 2 ${FAULT_LAUNCH---share-gpu} --timeout 85 tests/mp/faults_mp.py --case=$c
-  done
+faults)  # the fault matrix (scripts/faults.py): rows appended to $OUT/faults_table.md
+  [ -x build/ar_h ] && step ar_error 120 build/ar_h --error
+  [ -x build/moe_h ] && step moe_error 60 build/moe_h --error
+  FM="$PY scripts/faults.py --platform gpu --table $OUT/faults_table.md"
+  step faults_sh2_dead 300 $FM -n 2 --timeout 10 --cases kill raise \
+    --json "$OUT/faults_sh2_dead.json"
+  step faults_sh2 480 $FM -n 2 --timeout 5 --json "$OUT/faults_sh2.json" --cases kill-twoshot \
+    stall sizes-oneshot sizes-twoshot order expert rows ragged nan
+  ;;
+faults4)
+  FM="$PY scripts/faults.py --platform gpu --table $OUT/faults_table.md"
+  step faults_sh4 480 $FM -n 4 --timeout 5 --json "$OUT/faults_sh4.json" --cases kill raise \
+    stall sizes-oneshot sizes-twoshot order expert ragged nan
+  step faults_launch 240 $FM -n 2 --timeout 5 --start launcher --json "$OUT/faults_launch.json" \
+    --cases kill stall sizes-oneshot expert
   ;;
 demo1)  # the example: one GPU, then 2 processes sharing it, compared with the stored reference
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz

@@ -17,9 +17,9 @@ import os
 import numpy as np
 
 # world size -> (oneshot_max_bytes, twoshot_max_bytes).
-# Provenance (README "Performance"; docs/bench_h200x2_allreduce.txt):
+# Provenance (README "Performance"; docs/perf/bench_h200x2_allreduce.txt):
 #   2: 2 x H200 (NVLink), bf16, one process, 2026-11-29, from the sweep of
-#      `bench allreduce --hidden 4096` (docs/bench_h200x2_allreduce.json; tests/test_bench.py
+#      `bench allreduce --hidden 4096` (docs/perf/bench_h200x2_allreduce.json; tests/test_bench.py
 #      recomputes it with `crossovers`, the rule `--tune` applies): one-shot beats lax.psum up
 #      to its Lamport slot (1 MiB: 12.5 vs 19.2 us); the plain two-shot beats psum up to 32 MiB,
 #      but the fused two-shot loses to psum + XLA's RMSNorm from 16 MiB (112.0 vs 111.3 us), and

@@ -222,7 +222,7 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
 kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
   # one- and two-shot, hidden 4096 and 7168, 1-512 tokens) and its phase probes (a -DNVC_PROBE
   # build); (2) device time per call (--device-time on) of the ops at the targets' sizes;
-  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/bench_h200x2_kern13.txt
+  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kern13.txt
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
@@ -270,7 +270,7 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   grep -A22 "=== cl_bench" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape" > "$OUT/clusterab.txt"
   ;;
 probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block (2 GPUs), MoE
-  # kernels (2 virtual ranks on one GPU); docs/kernel_latency.md reads them
+  # kernels (2 virtual ranks on one GPU); docs/perf/kernel_latency.md reads them
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
   [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &

@@ -4,8 +4,8 @@ sweep of message sizes; on one device also the fused epilogue's bandwidth agains
 kernel; `--tune`: the crossovers per world size."""
 from __future__ import annotations
 
-from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm,
-                     _pivot, _plot, _put, _ratio, _units, _varying, _write_json)
+from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm, _pivot,
+                     add_loop_arguments, _plot, _put, _ratio, _units, _varying, _write_json)
 
 
 def _ar_shapes(hiddens, min_bytes, max_bytes):
@@ -341,3 +341,20 @@ def _tune(env, a, min_bytes, max_bytes):
                 source=src)
 
 
+def add_arguments(s):
+    """The flags of `bench allreduce`."""
+    add_loop_arguments(s, quick="a CPU smoke run: hidden 512, messages up to 64 KiB, 7 runs")
+    s.add_argument("--tune", action="store_true",
+                   help="also measure the one-shot / two-shot / psum crossovers of this world "
+                        "size and print them as a THRESHOLDS table (jax_nvcomm/strategy.py)")
+    s.add_argument("--hidden", type=int, nargs="*", metavar="H",
+                   help="hidden sizes (default: 4096 7168 8192; 512 with --quick)")
+    s.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest message per rank; sizes double from 4 KiB up to it (default: "
+                        "128 MiB; 64 KiB with --quick)")
+    s.add_argument("--tokens", type=int, nargs="*", metavar="T",
+                   help="only the shapes with these tokens per rank (default: every size)")
+    s.add_argument("--methods", nargs="*", choices=AR_METHODS + FUSED_METHODS + QUANT_METHODS,
+                   metavar="METHOD",
+                   help="only these methods (default: all): " + ", ".join(
+                       repr(m) for m in AR_METHODS + FUSED_METHODS + QUANT_METHODS))

@@ -1340,7 +1340,8 @@ def setup_platform(cpu_devices: int = 8) -> None:
 _NOT_SHOWN = ("iters", "dtype", "heads")
 
 
-def parse_args(argv=None, prog=None) -> Config:
+def arg_parser(prog=None) -> argparse.ArgumentParser:
+    """The command line of the example (`python -m jax_nvcomm.demo --help`)."""
     p = argparse.ArgumentParser(
         prog=prog, description="MoE decoder stack with jax_nvcomm vs XLA's collectives "
         "(low-latency TP layout, high-throughput DP-attention + EP layout, and opt-in "
@@ -1349,12 +1350,12 @@ def parse_args(argv=None, prog=None) -> Config:
     g = p.add_argument_group("model (defaults: CPU {} / GPU {})".format(
         " ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items() if k not in _NOT_SHOWN),
         " ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items() if k not in _NOT_SHOWN)))
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
+    g.add_argument("--layers", type=int, help="decoder layers")
+    g.add_argument("--hidden", type=int, help="hidden size (model width)")
     g.add_argument("--heads", type=int, help="attention heads (default: max(8, hidden/128), "
                    "rounded up to a multiple of the world size for the low-latency layout)")
-    g.add_argument("--experts", type=int)
-    g.add_argument("--top-k", dest="top_k", type=int)
+    g.add_argument("--experts", type=int, help="routed experts (a multiple of the world size)")
+    g.add_argument("--top-k", dest="top_k", type=int, help="experts per token")
     g.add_argument("--ffn", type=int, help="intermediate size of one expert")
     g.add_argument("--shared-ffn", dest="shared_ffn", type=int,
                    help="intermediate size of the shared expert (0: none; default: --ffn's "
@@ -1365,7 +1366,7 @@ def parse_args(argv=None, prog=None) -> Config:
     g.add_argument("--context", type=int, help="decode: length of the fixed K/V context")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"),
                    help="default: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
     r = p.add_argument_group("run")
     r.add_argument("--devices", type=int, help="use the first N devices (default: all; "
                    "max(8, N) CPU devices when no GPU is present)")
@@ -1376,7 +1377,8 @@ def parse_args(argv=None, prog=None) -> Config:
                         "CPU prefill alone takes about as long as the two others)")
     r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
-    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before the timed ones (default: 2)")
     x = r.add_mutually_exclusive_group()
     x.add_argument("--xla-only", action="store_true", help="run only XLA's collectives")
     x.add_argument("--nvcomm-only", action="store_true",
@@ -1393,7 +1395,12 @@ def parse_args(argv=None, prog=None) -> Config:
                          "moe_dispatch_recv (the default)")
     sp.add_argument("--no-split", dest="split", action="store_false",
                     help="high-throughput: fused moe_dispatch, the shared expert outside it "
-                         "(for comparison: README, 'Split-phase MoE')")
+                         "(for comparison: docs/guide.md, 'Split-phase MoE')")
+    return p
+
+
+def parse_args(argv=None, prog=None) -> Config:
+    p = arg_parser(prog)
     a = p.parse_args(argv)
 
     def split(s, allowed, flag):

@@ -281,9 +281,10 @@ class Communicator(_Base):
     allocation / multicast granularity that the driver reports.)
 
     Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
-    when `multicast` is True (opt-in, see that property and README "Multicast"). Groups whose
-    ranks span several hosts (or GPUs without peer access) get no buffers: with backend="auto"
-    every op runs XLA's collectives (`xla_fallback`), an explicit backend is refused.
+    when `multicast` is True (opt-in, see that property and docs/DESIGN.md "Multicast").
+    Groups whose ranks span several hosts (or GPUs without peer access) get no buffers: with
+    backend="auto" every op runs XLA's collectives (`xla_fallback`), an explicit backend is
+    refused.
 
     Create it outside jit, collectively: every process of the job, same arguments, same order.
 

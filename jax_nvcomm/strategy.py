@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 # world size -> (oneshot_max_bytes, twoshot_max_bytes).
-# Provenance (README "Performance"; docs/perf/bench_h200x2_allreduce.txt):
+# Provenance (docs/perf/README.md; docs/perf/bench_h200x2_allreduce.txt):
 #   2: 2 x H200 (NVLink), bf16, one process, 2026-11-29, from the sweep of
 #      `bench allreduce --hidden 4096` (docs/perf/bench_h200x2_allreduce.json; tests/test_bench.py
 #      recomputes it with `crossovers`, the rule `--tune` applies): one-shot beats lax.psum up

@@ -427,7 +427,8 @@ def dp_tp_collectives(impl, axis, num_rows, max_rows, comm=None):
       world * max_rows rows; no count exchange, no compaction; the padding rows are computed and
       dropped). Of XLA's two choices it is the one to beat: zero-filled lax.psum of a
       [world * max_rows] buffer moves about twice the bytes of psum_scatter on the way back,
-      and padded all_gather was XLA's best gather at every load of `bench varlen` (README)."""
+      and padded all_gather was XLA's best gather at every load of `bench varlen`
+      (docs/perf/README.md)."""
     from jax import lax
     if impl == "jax_nvcomm":
         import jax_nvcomm as nvc
@@ -1319,10 +1320,10 @@ def allow_ragged_nccl_fallback() -> None:
 def setup_platform(cpu_devices: int = 8) -> None:
     """Before any JAX backend starts: join the launcher's job if started by it; otherwise,
     without a GPU, use `cpu_devices` CPU host devices."""
-    from .. import _dist
-    if _dist.is_launched():
+    if os.environ.get("JAX_NVCOMM_LAUNCHED") == "1":  # a rank of `python -m jax_nvcomm.launch`
+        import jax_nvcomm as nvc
         allow_ragged_nccl_fallback()
-        _dist.distributed_initialize()
+        nvc.distributed_initialize()
         return
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized() or _gpu_present():

@@ -60,7 +60,8 @@ def test_faults_named_within_deadline(case, pattern):
     rec = [ln for ln in out.splitlines() if "recorded:" in ln]
     assert got, out[-6000:]
     assert any(re.search(pattern, ln) for ln in rec), out[-6000:]
-    if not share:  # sharing one GPU, a trap can stall the other process (README)
+    # sharing one GPU, a trap can stall the other process (docs/DESIGN.md, "Failure behaviour")
+    if not share:
         assert rc == 0, out[-6000:]
 
 
@@ -77,5 +78,6 @@ def test_bad_expert_record():
     if not share:  # one process per GPU: both failing calls return with the error
         assert rc == 0 and out.count("GOT after") == 2, out[-6000:]
     elif out.count("GOT after") < 2:  # sharing one GPU, a trap can stall the other process
-        # (README, "Faults"); rank 1 printed its record before blocking. Shown by pytest -rP.
+        # (docs/DESIGN.md, "Failure behaviour"); rank 1 printed its record before blocking.
+        # Shown by pytest -rP.
         print("shared GPU: a failing call stayed blocked until the job ended (record printed)")

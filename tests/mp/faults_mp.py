@@ -83,8 +83,8 @@ try:
                 # The kernel records before it traps, so the record is readable before the call
                 # returns. Printed now: with two processes sharing one GPU the failing call
                 # itself sometimes stays blocked until the other (also faulted) process exits
-                # (README, "Faults"); with one process per GPU it returns (the GPU test
-                # requires both GOT lines there).
+                # (docs/DESIGN.md, "Failure behaviour"); with one process per GPU it returns
+                # (the GPU test requires both GOT lines there).
                 print_record(comm, wait_s=10.0)
             jax.block_until_ready(out)
         finally:

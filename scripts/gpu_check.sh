@@ -15,6 +15,9 @@
 #                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
+#   bash scripts/gpu_check.sh ragged   ragged_all_to_all's GPU tests: in-process, world 1 against
+#                                      XLA's, 2 and 4 processes sharing GPU 0, CUDA-graph loops;
+#                            raggedmem one process of tests/mp/ragged_mp.py under memcheck
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -295,7 +298,16 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+ragged)  # ragged_all_to_all: tests/gpu/test_gpu_ragged.py (it starts tests/mp/ragged_mp.py)
+  step ragged_pytest 500 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu \
+    tests/gpu/test_gpu_ragged.py
+  ;;
+raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
+  step ragged_memcheck 500 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
+    compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
+  grep -E "ERROR SUMMARY|Invalid|PASS ragged" "$OUT/all.log" | tail -4 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -40,6 +40,7 @@ def test_guide_blocks_run_in_order_on_8_cpu_devices():
         assert err < 1e-4, (label, text)
     assert "other rows zero: True" in text
     assert "bitwise equal to the fused calls': True" in text
+    assert "ragged_all_to_all: equal to the exchange done in numpy: True" in text
     assert "FP8 output: float8_e4m3fn" in text
     assert "error: jax_nvcomm: all_reduce: x must be" in text
     assert "Warning" not in out.stderr, out.stderr[-4000:]

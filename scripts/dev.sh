@@ -93,12 +93,12 @@ build_package() {
   fi
   local log="$VENV/build.log"
   "${pip[@]}" -v . >"$log" 2>&1 </dev/null &
-  local pid=$! shown=0 rc=0
+  local pid=$! shown=0 rc=0 steps='^ *\[[0-9]*/[0-9]*\] '  # ninja's lines, as pip -v indents them
   show() {  # the progress lines of the log not shown yet
     local n
-    n=$(grep -c '^\[[0-9]*/[0-9]*\]' "$log" || true)
+    n=$(grep -c "$steps" "$log" || true)
     if [ "$n" -gt "$shown" ]; then
-      grep '^\[[0-9]*/[0-9]*\]' "$log" | sed -n "$((shown + 1)),${n}p" | cut -c1-100 >&2
+      grep "$steps" "$log" | sed -n "$((shown + 1)),${n}p" | sed 's/^ *//' | cut -c1-100 >&2
       shown=$n
     fi
   }

@@ -67,3 +67,18 @@ def test_guide_skips_few_blocks_and_says_why():
     for b in skipped:
         assert len(b.arg) > 20, f"guide.md:{b.line}: the skip needs a reason"
     assert sum(b.mode == "run" for b in BLOCKS) >= 8
+
+
+def test_guide_lists_every_environment_variable_the_code_reads():
+    """Every JAX_NVCOMM_* name in the package, its C++ sources, the build and the scripts has a
+    row in the guide's table of environment variables."""
+    text = GUIDE.read_text()
+    table = text[text.index("## Environment variables"):]
+    table = table[:table.index("\n## ", 1)]
+    files = [ROOT / "CMakeLists.txt"]
+    for folder, pattern in (("jax_nvcomm", "*.py"), ("csrc", "*.*"), ("scripts", "*.sh")):
+        files += (ROOT / folder).rglob(pattern)
+    names = {n for f in files for n in re.findall(r"JAX_NVCOMM_[A-Z0-9_]*[A-Z0-9]", f.read_text())}
+    assert len(names) > 15
+    missing = sorted(n for n in names if f"`{n}`" not in table)
+    assert not missing, f"not in docs/guide.md's environment table: {missing}"

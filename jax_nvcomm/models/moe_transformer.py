@@ -163,7 +163,7 @@ GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=7
                     iters=20, split=True)
 # CPU: scaled down so that the default run (8 host devices, both layouts and phases, both
 # implementations) takes well under a minute on 2 cores.
-CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
+CPU_DEFAULTS = dict(layers=2, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
                     shared_ffn=128, tokens=128, decode_tokens=4, context=64, dtype="float32",
                     iters=5, split=True)
 

@@ -4,6 +4,7 @@ variable-length gather / reduce-scatter and ragged all-to-all as XLA FFI custom 
 repository, docs/API.md; how to use them in model code: docs/guide.md."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
+from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
@@ -16,7 +17,6 @@ from .ragged import ragged_all_to_all
 from .strategy import select_strategy
 from .varlen import all_gather_v, reduce_scatter_v
 
-__version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [

@@ -15,9 +15,17 @@
 #                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
+#   bash scripts/gpu_check.sh tune1    one GPU: `tune` at world 1 (tune1/tuning_w1.json, the rows
+#                                      for the built-in table) and `bench allreduce --quick` with
+#                                      the XLA-best column (best1/); ~5 min with the build
+#   bash scripts/gpu_check.sh tuneN    all GPUs: `tune --quick` (TUNE_ARGS), bench allreduce and
+#                                      moe --quick with XLA best
 #   bash scripts/gpu_check.sh ragged   ragged_all_to_all's GPU tests: in-process, world 1 against
 #                                      XLA's, 2 and 4 processes sharing GPU 0, CUDA-graph loops;
 #                            raggedmem one process of tests/mp/ragged_mp.py under memcheck
+#   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
+#                                      no package build): every case and error case, memcheck,
+#                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -74,7 +82,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-ensure_built
+[ "${MODES[*]}" = raggedk ] || ensure_built  # the kernel harness alone needs no package
 
 run_part() {
 case "$1" in
@@ -90,14 +98,34 @@ shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
 harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
-  [ -x build/ar_h ] && [ -x build/moe_h ] ||
-    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
+  [ -x build/ar_h ] && [ -x build/moe_h ] && [ -x build/ragged_h ] ||
+    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu & wait"
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
   step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
+  # ragged_all_to_all: every case (error cases included) in child processes, then memcheck
+  step ragged_harness 240 build/ragged_h
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  ;;
+raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
+  # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
+  # graph-time table (decode 1-8 tokens, prefill 512-4096 tokens x top-8 x 7168 bf16)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  [ -x build/ragged_h ] || step ragged_build 240 \
+    $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu
+  step ragged_harness 240 build/ragged_h
+  grep -A80 "=== ragged_harness" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  grep -A80 "=== memcheck_ragged" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  step ragged_time 300 build/ragged_h --graph-time
+  grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
+  cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -298,6 +326,23 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
+tune1)  # one GPU: `python -m jax_nvcomm.tune` at world 1 (the world-1 rows for the built-in
+  # table: tune1/tuning_w1.json + .png; paste with `python -m jax_nvcomm.tune --adopt
+  # tune1/tuning_w1.json --worlds 1 --into jax_nvcomm/tuning_builtin.json`), then `bench
+  # allreduce --quick` with the XLA-best column (best1/allreduce.json + .png; the header lists
+  # the flags this jax accepts). TUNE1_ARGS: more tune options (e.g. --dtypes bfloat16)
+  step tune_w1 330 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    $PY -m jax_nvcomm.tune --worlds 1 ${TUNE1_ARGS:-} --out "$OUT/tune1/tuning_w1.json"
+  step bench_best1 220 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/best1"
+  grep -A40 "## tuning rows" "$OUT/all.log" | head -45 >"$OUT/tune1.txt"
+  ;;
+tuneN)  # all local GPUs: tune every world size (bf16 and the other dtypes), then the quick
+  # all-reduce and MoE benchmarks with their XLA-best columns (needs 2+ GPUs to mean anything)
+  step tune_all 590 $PY -m jax_nvcomm.tune ${TUNE_ARGS:---quick} --out "$OUT/tuneN/tuning.json"
+  step bench_bestN 300 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bestN"
+  step moe_bestN 300 $PY -m jax_nvcomm.bench moe --quick --out "$OUT/bestN"
+  ;;
 ragged)  # ragged_all_to_all: tests/gpu/test_gpu_ragged.py (it starts tests/mp/ragged_mp.py)
   step ragged_pytest 500 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu \
     tests/gpu/test_gpu_ragged.py
@@ -307,7 +352,7 @@ raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
     compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
   grep -E "ERROR SUMMARY|Invalid|PASS ragged" "$OUT/all.log" | tail -4 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

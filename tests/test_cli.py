@@ -1,8 +1,8 @@
 """Every command line of the package describes itself: `--help` of the example
 (`python -m jax_nvcomm.demo`), the benchmarks (`python -m jax_nvcomm.bench` and each
-subcommand), the launcher and the topology report names the command's purpose and gives every
-flag a description; `python -m jax_nvcomm.topology` on a machine without GPUs says so and exits
-0 without any warning."""
+subcommand), the tuning (`python -m jax_nvcomm.tune`), the launcher and the topology report
+names the command's purpose and gives every flag a description; `python -m
+jax_nvcomm.topology` on a machine without GPUs says so and exits 0 without any warning."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jax_nvcomm import tune
 from jax_nvcomm.bench import cli as bench_cli
 from jax_nvcomm.models import moe_transformer
 
@@ -40,6 +41,12 @@ def _subcommands(parser):
 def test_demo_help_describes_every_flag():
     p = moe_transformer.arg_parser("python -m jax_nvcomm.demo")
     assert "MoE" in p.description
+    assert _undescribed(p) == []
+
+
+def test_tune_help_describes_every_flag():
+    p = tune._parser()
+    assert "tuning file" in p.description
     assert _undescribed(p) == []
 
 

@@ -42,6 +42,7 @@ def test_guide_blocks_run_in_order_on_8_cpu_devices():
     assert "bitwise equal to the fused calls': True" in text
     assert "ragged_all_to_all: equal to the exchange done in numpy: True" in text
     assert "FP8 output: float8_e4m3fn" in text
+    assert re.search(r"^oneshot: all_reduce_rms_norm \(8, 256\) float32", text, re.M), text
     assert "error: jax_nvcomm: all_reduce: x must be" in text
     assert "Warning" not in out.stderr, out.stderr[-4000:]
 

@@ -135,15 +135,9 @@ def _check_args(operand, output, index, comm):
 # the XLA path and the kernel call
 
 def _xla(operand, output, io, ss, oo, rs, comm):
-    """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py). 1-byte
-    floats travel as uint8, so every bit pattern (NaN payloads of float8_e5m2) arrives."""
-    axis = comm.axis_name
-    chunk = max(1, min(operand.shape[0], output.shape[0]))  # no valid slice is longer
-    (operand, dt), (output, _) = reference._as_bits(operand), reference._as_bits(output)
-    res = reference._ragged_all_to_all(_shard.varying(operand, axis),
-                                       _shard.varying(output, axis), io, ss, oo, rs,
-                                       axis_name=axis, chunk=chunk)
-    return reference._from_bits(res, dt)
+    """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py)."""
+    return reference.ragged_all_to_all_xla(operand, output, io, ss, oo, rs,
+                                           axis_name=comm.axis_name)
 
 
 def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):

@@ -26,6 +26,13 @@
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
+#                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
+#                                      training step), then 2 and 4 processes sharing GPU 0, nvc
+#                                      only, against the one-GPU results (~5 min)
+#   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
+#                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
+#                                      + high-throughput rows, then 2 processes sharing GPU 0
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -352,7 +359,29 @@ raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
     compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
   grep -E "ERROR SUMMARY|Invalid|PASS ragged" "$OUT/all.log" | tail -4 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN]..." >&2; exit 2 ;;
+moeragged)  # examples/moe_ragged.py: world 1 (nvc, lax and the dense reference agree; lax's
+  # results stored), then ranks sharing GPU 0 (no NCCL: nvc only) against the stored results
+  step mr_1gpu 240 $PY examples/moe_ragged.py --devices 1 --save-ref /tmp/moe_ragged_ref.npz
+  for n in 2 4; do
+    step mr_sh$n 240 $L -n $n --share-gpu --timeout 235 examples/moe_ragged.py --impl nvc \
+      --ref /tmp/moe_ragged_ref.npz
+  done
+  grep -E "^(\[rank [0-9]+\] )?(moe_ragged:|lax :|nvc :|nvc vs|lax vs|error)" "$OUT/all.log" | \
+    tail -20 | tee -a "$OUT/summary.txt"
+  ;;
+benchragged)  # nvc.ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes, every local GPU
+  step bench_ragged 560 $PY -m jax_nvcomm.bench ragged --out "$OUT/ragged" --reps 7
+  grep -A40 "^## ragged_all_to_all" "$OUT/all.log" | grep -v "^\[" | tee -a "$OUT/summary.txt"
+  ;;
+stepragged)  # bench step's ep-ragged layout beside high-throughput, both presets, one process;
+  # then 2 processes sharing GPU 0 (jax_nvcomm's steps only)
+  step step_ragged 360 $PY -m jax_nvcomm.bench step --layouts ep-ragged high-throughput \
+    --out "$OUT/step_ragged" --iters 20 --no-trace
+  step step_ragged_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.bench step \
+    --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
+  tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, moe, step, varlen
+from . import allreduce, moe, ragged, step, varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -16,6 +16,8 @@ SUBCOMMANDS = {
                  "(loop benchmark)"),
     "varlen": (varlen, "all_gather_v / reduce_scatter_v vs padded all_gather and zero-filled "
                        "psum (loop benchmark)"),
+    "ragged": (ragged, "ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes (loop "
+                       "benchmark)"),
     "step": (step, "whole jitted steps of the example model, jax_nvcomm vs XLA's collectives"),
 }
 
@@ -41,4 +43,6 @@ def main(argv=None):
         return allreduce.run_allreduce(a)
     if a.what == "varlen":
         return varlen.run_varlen(a)
+    if a.what == "ragged":
+        return ragged.run_ragged(a)
     return moe.run_moe(a)

@@ -294,7 +294,7 @@ def _device_time_on(env, a) -> bool:
 
 
 def add_loop_arguments(s, quick: str):
-    """The flags of every loop benchmark (allreduce, moe, varlen): output, sizes of the timed
+    """The flags of every loop benchmark (allreduce, moe, varlen, ragged): output, sizes of the timed
     programs (defaults chosen in `loop_defaults`), --device-time. `quick`: what --quick does."""
     s.add_argument("--out", default="bench_out", metavar="DIR",
                    help="directory for the JSON results and the PNG plot (default: bench_out)")

@@ -30,6 +30,11 @@
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
 #                                      only, against the one-GPU results (~5 min)
+#   bash scripts/gpu_check.sh docs     what a user runs first, on the GPUs: topology CLI (no
+#                                      warning), the README's quickstart, every block of
+#                                      docs/guide.md, the three small examples; the guide's
+#                                      launcher script with 2 and 4 processes sharing GPU 0 and,
+#                                      with 2+ GPUs, one process per GPU (~4 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -381,7 +386,22 @@ stepragged)  # bench step's ep-ragged layout beside high-throughput, both preset
     --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
   tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
+docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py etc. run on CPU)
+  step docs_topology 60 $PY -W error -m jax_nvcomm.topology
+  step docs_readme 180 $PY tests/doc_blocks.py README.md --first
+  step docs_guide 400 $PY tests/doc_blocks.py docs/guide.md
+  for ex in tp_mlp ep_moe dp_attention; do step "ex_$ex" 180 $PY "examples/$ex.py"; done
+  $PY tests/doc_blocks.py docs/guide.md --launch-script /tmp/guide_launch.py
+  for n in 2 4; do
+    step "docs_launch_sh$n" 180 $L -n $n --share-gpu --timeout 175 /tmp/guide_launch.py
+  done
+  [ "$NG" -ge 2 ] && step docs_launch2 180 $L -n 2 --timeout 175 /tmp/guide_launch.py
+  local shown="^(backend |custom calls|max \||--- |.*: relative|.*equal|.*agree|2-D mesh|FP8"
+  shown+="|DP ->|error|graph capture|oneshot|twoshot|xla:|host |  GPU|  link|\[rank 0\] .*proc)"
+  grep -E "$shown" \
+    "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

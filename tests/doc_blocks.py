@@ -3,7 +3,8 @@ code (test_readme.py, test_guide.py). A block may be marked by an HTML comment o
 before its fence (invisible in the rendered page):
     <!-- doc-test: skip REASON -->     not run here (needs GPUs, ...), REASON says why
     <!-- doc-test: launch N -->        a script for `python -m jax_nvcomm.launch -n N`
-Unmarked blocks run in the order of the file, in one process, sharing their names."""
+Unmarked blocks run in the order of the file, in one process, sharing their names
+(`run_blocks`; also `python tests/doc_blocks.py FILE.md`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,13 +46,24 @@ def python_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-RUNNER = """\
-import sys
-from doc_blocks import python_blocks
-from pathlib import Path
-ns = {"__name__": "__main__"}
-for b in python_blocks(Path(sys.argv[1])):
-    if b.mode == "run":
-        print(f"--- {b.path.name}:{b.line}", flush=True)
-        exec(b.compiled(), ns)
-"""
+def run_blocks(path: Path, first_only: bool = False) -> None:
+    """Run the unmarked blocks of `path` in order in this process, sharing one namespace (or
+    only the file's first block), printing a line before each."""
+    ns = {"__name__": "__main__"}
+    for b in python_blocks(path)[:1] if first_only else python_blocks(path):
+        if b.mode == "run":
+            print(f"--- {b.path.name}:{b.line}", flush=True)
+            exec(b.compiled(), ns)
+
+
+if __name__ == "__main__":
+    # python tests/doc_blocks.py FILE.md [--first]: run its blocks (the tests and
+    # scripts/gpu_check.sh's part `docs`);  ... FILE.md --launch-script OUT: write its first
+    # launcher block to OUT
+    import sys
+    target = Path(sys.argv[1]).resolve()
+    if "--launch-script" in sys.argv:
+        out = Path(sys.argv[sys.argv.index("--launch-script") + 1])
+        out.write_text(next(b.code for b in python_blocks(target) if b.mode == "launch"))
+    else:
+        run_blocks(target, first_only="--first" in sys.argv)

@@ -1,5 +1,7 @@
-"""jax_nvcomm: NVLink all-reduce (fused with residual-add + RMSNorm) and MoE dispatch/combine
-as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. Reference: docs/API.md of the repository and the functions' docstrings."""
+"""jax_nvcomm: NVLink all-reduce (fused with residual-add + RMSNorm), MoE dispatch/combine,
+variable-length gather / reduce-scatter and ragged all-to-all as XLA FFI custom calls for
+`jax.jit` + `jax.shard_map` programs. Reference: the functions' docstrings and, in the
+repository, docs/API.md; how to use them in model code: docs/guide.md."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
 from ._version import __version__

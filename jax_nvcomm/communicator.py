@@ -101,7 +101,7 @@ class _Base:
     # CUDA: may XLA record this communicator's calls into its command buffers (CUDA graphs)?
     # None: JAX_NVCOMM_GRAPH_CAPTURE (default yes). Set True/False before tracing a program;
     # False keeps our calls out of the graphs (XLA cuts them there, as at NCCL collectives),
-    # so the first graph of a step starts sooner: docs/step_speed.md, variant D.
+    # so the first graph of a step starts sooner: docs/perf/step_speed.md, variant D.
     graph_capture: bool | None = None
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
@@ -156,7 +156,7 @@ class _Base:
         self._closed = False
 
     def _setup_topology(self, prefix, requested, what) -> bool:
-        """Gather every rank's host and device facts and decide the transport (topology.py).
+        """Gather every rank's host and device facts and decide the transport (topology/).
         True when the groups cannot use our buffers and the communicator falls back to XLA's
         collectives (backend="auto"); an explicit backend is refused instead."""
         facts, links = topology.gather(prefix, self._groups, self._backend,
@@ -226,7 +226,7 @@ class _Base:
     def xla_fallback(self) -> bool:
         """True when this communicator holds no buffers and every op runs XLA's collectives
         (lax.psum, lax.all_gather, reference's ragged_all_to_all path): its groups span
-        several hosts or GPUs without peer access (jax_nvcomm/topology.py). Only with
+        several hosts or GPUs without peer access (jax_nvcomm/topology/). Only with
         backend="auto"; decided alike in every process at setup."""
         return self._xla_fallback
 
@@ -357,9 +357,10 @@ class Communicator(_Base):
     allocation / multicast granularity that the driver reports.)
 
     Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
-    when `multicast` is True (opt-in, see that property and README "Multicast"). Groups whose
-    ranks span several hosts (or GPUs without peer access) get no buffers: with backend="auto"
-    every op runs XLA's collectives (`xla_fallback`), an explicit backend is refused.
+    when `multicast` is True (opt-in, see that property and docs/DESIGN.md "Multicast").
+    Groups whose ranks span several hosts (or GPUs without peer access) get no buffers: with
+    backend="auto" every op runs XLA's collectives (`xla_fallback`), an explicit backend is
+    refused.
 
     Create it outside jit, collectively: every process of the job, same arguments, same order.
 

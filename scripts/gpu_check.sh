@@ -39,6 +39,11 @@
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
 #                                      only, against the one-GPU results (~5 min)
+#   bash scripts/gpu_check.sh docs     what a user runs first, on the GPUs: topology CLI (no
+#                                      warning), the README's quickstart, every block of
+#                                      docs/guide.md, the three small examples; the guide's
+#                                      launcher script with 2 and 4 processes sharing GPU 0 and,
+#                                      with 2+ GPUs, one process per GPU (~4 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -281,7 +286,7 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
 kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
   # one- and two-shot, hidden 4096 and 7168, 1-512 tokens) and its phase probes (a -DNVC_PROBE
   # build); (2) device time per call (--device-time on) of the ops at the targets' sizes;
-  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/bench_h200x2_kern13.txt
+  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kern13.txt
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
@@ -329,7 +334,7 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   grep -A22 "=== cl_bench" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape" > "$OUT/clusterab.txt"
   ;;
 probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block (2 GPUs), MoE
-  # kernels (2 virtual ranks on one GPU); docs/kernel_latency.md reads them
+  # kernels (2 virtual ranks on one GPU); docs/perf/kernel_latency.md reads them
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
   [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
@@ -402,7 +407,22 @@ stepragged)  # bench step's ep-ragged layout beside high-throughput, both preset
     --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
   tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
+docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py etc. run on CPU)
+  step docs_topology 60 $PY -W error -m jax_nvcomm.topology
+  step docs_readme 180 $PY tests/doc_blocks.py README.md --first
+  step docs_guide 400 $PY tests/doc_blocks.py docs/guide.md
+  for ex in tp_mlp ep_moe dp_attention; do step "ex_$ex" 180 $PY "examples/$ex.py"; done
+  $PY tests/doc_blocks.py docs/guide.md --launch-script /tmp/guide_launch.py
+  for n in 2 4; do
+    step "docs_launch_sh$n" 180 $L -n $n --share-gpu --timeout 175 /tmp/guide_launch.py
+  done
+  [ "$NG" -ge 2 ] && step docs_launch2 180 $L -n 2 --timeout 175 /tmp/guide_launch.py
+  local shown="^(backend |custom calls|max \||--- |.*: relative|.*equal|.*agree|2-D mesh|FP8"
+  shown+="|DP ->|error|graph capture|oneshot|twoshot|xla:|host |  GPU|  link|\[rank 0\] .*proc)"
+  grep -E "$shown" \
+    "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

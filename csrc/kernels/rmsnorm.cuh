@@ -268,7 +268,9 @@ __device__ __forceinline__ int64_t rmsnorm_rows_first(const RowCfg& rc, int64_t 
 
 // Asks L1 for the residual vectors of this thread's first step of rmsnorm_rows over
 // [row_begin, row_end) (its kEpiPairs pairs): for a caller that waits before the epilogue, so
-// that pass 1's residual loads are short. Costs no registers.
+// that pass 1's residual loads are short. Costs no registers. residual_out may alias residual:
+// harmless, since a vector is only ever overwritten by the thread that read it, after it did,
+// and the rows are this block's alone.
 __device__ __forceinline__ void rmsnorm_rows_prefetch_residual(const ArTensors& t,
                                                                const RowCfg& rc,
                                                                int64_t row_begin,

@@ -173,8 +173,28 @@ def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what="moe_dispat
 # ---------------------------------------------------------------------------------------------
 # kernel calls
 
-def _dispatch_call(x, topk_ids, moe, nt, x_scale, tok):
-    """The dispatch kernel call: ((expert_x, counts, expert_x_scale, token_dest, expert_src),
+_NO_VMAP = (
+    "jax_nvcomm: {what}: jax.vmap is not supported: a MoECommunicator's call carries "
+    "max_tokens tokens, and each micro-batch's expert rows are counted and ordered on their "
+    "own, so a batch cannot fold into one call. Fold the micro-batches into the tokens (a "
+    "communicator with max_tokens = batch * tokens) and call it once, or call it once per "
+    "micro-batch (a loop, lax.map, or the split halves to overlap them)")
+
+
+def moe_call(moe, what, fn):
+    """A MoE kernel call `fn(*arrays, tok) -> (*outs, tok)` as the ops call it: per device with
+    every argument and result whole over auto mesh axes (`_shard.per_device`: routing
+    orders rows across all tokens, so every group along an auto axis makes the same call on
+    all of them), and a custom_vmap whose rule refuses vmap with the reason (`_NO_VMAP`)."""
+    def call(*args):
+        *arrays, tok = args
+        return _shard.per_device(moe, fn, tuple(arrays), tok, None, None)
+
+    return _shard.batching(call, _NO_VMAP.format(what=what))
+
+
+def _dispatch_kernel(x, scale, topk_ids, nt, tok, moe):
+    """The dispatch kernel call: (expert_x, counts, expert_x_scale, token_dest, expert_src,
     the call's order token)."""
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
@@ -184,16 +204,16 @@ def _dispatch_call(x, topk_ids, moe, nt, x_scale, tok):
     rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
     results = (rt((L, R, H), moe.dtype), rt((L,), jnp.int32), rt((L, R, S), jnp.float32),
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))
-    scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
     args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
-    return _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
+    outs, tok = _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
+    return (*outs, tok)
 
 
-def _combine_call(expert_y, topk_weights, handle, moe, tok):
+def _combine_kernel(expert_y, topk_weights, token_dest, expert_src, counts, tok, moe):
     """The combine kernel call: (y, the call's order token)."""
     axis = moe.axis_name
     args = [_shard.varying(a, axis) for a in
-            (expert_y, topk_weights, handle.token_dest, handle.expert_src, handle.expert_counts)]
+            (expert_y, topk_weights, token_dest, expert_src, counts)]
     vma = frozenset().union(*[_shard.vma_of(a) for a in args])
     rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), expert_y.dtype, vma)
     return _shard.ffi_call(moe, "moe_combine", rt, *args, order=tok)
@@ -330,10 +350,13 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
 
+    call = moe_call(moe, what, lambda *a: _dispatch_kernel(*a, moe))
+    T, S = moe.max_tokens, moe.scale_cols
+
     @jax.custom_vjp
     def dispatch(x, x_scale, ids, nt, tok):
-        outs, tok = _dispatch_call(x, ids, moe, nt, x_scale, tok)
-        return (*outs, tok)
+        scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
+        return call(x, scale, ids, nt, tok)
 
     def fwd(x, x_scale, ids, nt, tok):
         out = dispatch(x, x_scale, ids, nt, tok)
@@ -385,9 +408,11 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
     _inflight.check_fused(moe, what)
 
+    call = moe_call(moe, what, lambda *a: _combine_kernel(*a, moe))
+
     @jax.custom_vjp
     def combine(ey, w, handle, tok):
-        return _combine_call(ey, w, handle, moe, tok)
+        return call(ey, w, handle.token_dest, handle.expert_src, handle.expert_counts, tok)
 
     def fwd(ey, w, handle, tok):
         return combine(ey, w, handle, tok), (ey, w, handle)

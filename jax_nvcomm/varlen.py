@@ -119,10 +119,11 @@ def _gather_call(x, nr, tok, comm, zero_tail=True):
     axis, W = comm.axis_name, comm.world_size
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
-    vma = (_shard.vma_of(x) | _shard.vma_of(nr)) - {axis}
-    rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype, vma),
-           _shard.result_type(x, (W + 1,), jnp.int32, vma),
-           _shard.result_type(x, (), jnp.int32, vma))
+    vma_n = _shard.vma_of(nr) - {axis}  # the offsets and total depend on the counts only
+    rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype,
+                              (_shard.vma_of(x) - {axis}) | vma_n),
+           _shard.result_type(x, (W + 1,), jnp.int32, vma_n),
+           _shard.result_type(x, (), jnp.int32, vma_n))
     return _shard.ffi_call(comm, "all_gather_v", rts, x, nr, order=tok,
                            zero_tail=np.int64(1 if zero_tail else 0))
 
@@ -134,6 +135,86 @@ def _scatter_call(y, offsets, tok, comm):
     vma = _shard.vma_of(y) | _shard.vma_of(offsets)
     rt = _shard.result_type(y, (y.shape[0] // W,) + tuple(y.shape[1:]), y.dtype, vma)
     return _shard.ffi_call(comm, "reduce_scatter_v", rt, y, offsets, order=tok)
+
+
+def _rows_first(v, nb):
+    """v [*batch, rows, ...] (nb batch dims) as [rows, *batch, ...]: a vmapped batch widens
+    every row, so one call moves the whole batch."""
+    return jnp.moveaxis(v, nb, 0) if nb else v
+
+
+def _rows_back(v, nb):
+    return jnp.moveaxis(v, 0, nb) if nb else v
+
+
+def _local_gather_v(x, nr, tok, comm, zero_tail, nb):
+    """One device's all_gather_v of x [*batch, max_rows, ...]: ((gathered, offsets, total),
+    tok); the XLA path when the (widened or split) rows do not fit the buffers."""
+    x = _rows_first(x, nb)
+    if not fits(comm, x.shape[0], _row_bytes(x)):
+        outs = xla_all_gather_v(x, jnp.clip(nr, 0, x.shape[0]), comm.axis_name,
+                                comm.world_size)
+    else:
+        outs, tok = _gather_call(x, nr, tok, comm, zero_tail)
+    g, off, tot = outs
+    return _rows_back(g, nb), off, tot, tok
+
+
+def _local_scatter_v(y, offsets, tok, comm, nb):
+    """One device's reduce_scatter_v of y [*batch, W * max_rows, ...]: (y_mine, tok); the XLA
+    path when the (widened or split) rows do not fit the buffers or 16-byte vectors."""
+    y = _rows_first(y, nb)
+    row = _row_bytes(y)
+    if row % 16 or not fits(comm, y.shape[0] // comm.world_size, row):
+        out = xla_reduce_scatter_v(y, offsets, comm.axis_name, comm.world_size)
+    else:
+        out, tok = _scatter_call(y, offsets, tok, comm)
+    return _rows_back(out, nb), tok
+
+
+_NO_BATCHED_COUNTS = (
+    "jax_nvcomm: {what}: vmap with a batched {arg} is not supported: ONE call carries the "
+    "whole batch only when every batch element has the same rows (one {arg}), and each "
+    "element's own counts would need a second message. Pass {arg} unbatched, fold the batch "
+    "into the rows yourself and call it once, or call it once per element (lax.map)")
+
+
+def gather_v_call(comm, zero_tail, nb=0):
+    """The kernel call of all_gather_v, `(x, nr, tok) -> (gathered, offsets, total, tok)`, x
+    [*batch, max_rows, ...] with nb batch dims. Per device (`_shard.per_device`: the dims
+    after the rows and the batch dims independent; the counts whole); under vmap (num_rows
+    unbatched) the call for nb + 1 batch dims: ONE message, rows widened by the batch."""
+    def call(x, nr, tok):
+        dims = tuple(d for d in range(x.ndim) if d != nb)
+        local = lambda a, n, t: _local_gather_v(a, n, t, comm, zero_tail, nb)
+        return _shard.per_device(comm, local, (x, nr), tok, (dims, ()), (dims, (), ()))
+
+    def rule(size, batched, x, nr, tok):
+        if batched[1]:
+            raise NotImplementedError(_NO_BATCHED_COUNTS.format(what="all_gather_v",
+                                                                arg="num_rows"))
+        *outs, tok = gather_v_call(comm, zero_tail, nb + 1)(x, nr, tok)
+        return tuple(outs), (True, False, False), tok
+
+    return _shard.batching(call, rule)
+
+
+def scatter_v_call(comm, nb=0):
+    """The kernel call of reduce_scatter_v, `(y, offsets, tok) -> (y_mine, tok)`, y
+    [*batch, W * max_rows, ...] with nb batch dims; as `gather_v_call` (offsets unbatched)."""
+    def call(y, offsets, tok):
+        dims = tuple(d for d in range(y.ndim) if d != nb)
+        local = lambda a, o, t: _local_scatter_v(a, o, t, comm, nb)
+        return _shard.per_device(comm, local, (y, offsets), tok, (dims, ()), (dims,))
+
+    def rule(size, batched, y, offsets, tok):
+        if batched[1]:
+            raise NotImplementedError(_NO_BATCHED_COUNTS.format(what="reduce_scatter_v",
+                                                                arg="offsets"))
+        out, tok = scatter_v_call(comm, nb + 1)(y, offsets, tok)
+        return (out,), (True,), tok
+
+    return _shard.batching(call, rule)
 
 
 def _my_rows(ct, offsets, nr, axis):
@@ -196,10 +277,11 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     tracked = _vma_tracked(x, axis)
     float_x = jnp.issubdtype(x.dtype, jnp.inexact)
 
+    call = gather_v_call(comm, zero_tail)
+
     @jax.custom_vjp
     def gather(v, n, tok):
-        (g, off, tot), tok = _gather_call(v, n, tok, comm, zero_tail)
-        return g, off, tot, tok
+        return call(v, n, tok)
 
     def fwd(v, n, tok):
         out = gather(v, n, tok)
@@ -265,9 +347,11 @@ def reduce_scatter_v(y, offsets, comm):
             or not fits(comm, max_rows, row)):
         return xla_reduce_scatter_v(y, offsets, axis, W)
 
+    call = scatter_v_call(comm)
+
     @jax.custom_vjp
     def scatter(v, off, tok):
-        return _scatter_call(v, off, tok, comm)
+        return call(v, off, tok)
 
     def fwd(v, off, tok):
         return scatter(v, off, tok), off

@@ -193,12 +193,27 @@ def moe_call(moe, what, fn):
     return _shard.batching(call, _NO_VMAP.format(what=what))
 
 
-def _dispatch_kernel(x, scale, topk_ids, nt, tok, moe):
-    """The dispatch kernel call: (expert_x, counts, expert_x_scale, token_dest, expert_src,
-    the call's order token)."""
+def scales_in(x_scale):
+    """The x_scale operands of a dispatch kernel function: none when there are no scales (a
+    zero-size operand is made inside: passed into a nested shard_map, jax 0.11's partitioner
+    crashes on it)."""
+    return () if x_scale is None else (x_scale,)
+
+
+def scales_of(moe, rest):
+    """(x_scale, tok) of a dispatch kernel function's trailing operands (`scales_in`, token)."""
+    *scale, tok = rest
+    return (scale[0] if scale else jnp.zeros((moe.max_tokens, moe.scale_cols), jnp.float32),
+            tok)
+
+
+def _dispatch_kernel(x, topk_ids, nt, *rest, moe):
+    """The dispatch kernel call on (x, topk_ids, nt, *scales_in(x_scale), tok): (expert_x,
+    counts, expert_x_scale, token_dest, expert_src, the call's order token)."""
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
     L, R = moe.num_local_experts, W * T
+    scale, tok = scales_of(moe, rest)
     x = _shard.varying(x, axis)  # varies over the axis now, when check_vma tracks it
     vma = _shard.vma_of(x) | _shard.vma_of(topk_ids)
     rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
@@ -209,7 +224,7 @@ def _dispatch_kernel(x, scale, topk_ids, nt, tok, moe):
     return (*outs, tok)
 
 
-def _combine_kernel(expert_y, topk_weights, token_dest, expert_src, counts, tok, moe):
+def _combine_kernel(expert_y, topk_weights, token_dest, expert_src, counts, tok, *, moe):
     """The combine kernel call: (y, the call's order token)."""
     axis = moe.axis_name
     args = [_shard.varying(a, axis) for a in
@@ -350,13 +365,11 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
 
-    call = moe_call(moe, what, lambda *a: _dispatch_kernel(*a, moe))
-    T, S = moe.max_tokens, moe.scale_cols
+    call = moe_call(moe, what, lambda *a: _dispatch_kernel(*a, moe=moe))
 
     @jax.custom_vjp
     def dispatch(x, x_scale, ids, nt, tok):
-        scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
-        return call(x, scale, ids, nt, tok)
+        return call(x, ids, nt, *scales_in(x_scale), tok)
 
     def fwd(x, x_scale, ids, nt, tok):
         out = dispatch(x, x_scale, ids, nt, tok)
@@ -408,7 +421,7 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
     _inflight.check_fused(moe, what)
 
-    call = moe_call(moe, what, lambda *a: _combine_kernel(*a, moe))
+    call = moe_call(moe, what, lambda *a: _combine_kernel(*a, moe=moe))
 
     @jax.custom_vjp
     def combine(ey, w, handle, tok):

@@ -39,7 +39,8 @@ from jax import lax
 
 from . import _fallback, _inflight, _order, _shard
 from .moe import (Dispatched, MoECommunicator, MoEHandle, _check_combine_args,
-                  _check_dispatch_args, _combine_grads, _dispatch_cotangents, moe_call)
+                  _check_dispatch_args, _combine_grads, _dispatch_cotangents, moe_call,
+                  scales_in, scales_of)
 
 
 @jax.tree_util.register_dataclass
@@ -128,7 +129,8 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
     T, K, S = moe.max_tokens, moe.top_k, moe.scale_cols
     nt = jnp.asarray(T if num_tokens is None else num_tokens).astype(jnp.int32)
 
-    def kernel(x, scale, ids, nt, tok):
+    def kernel(x, ids, nt, *rest):
+        scale, tok = scales_of(moe, rest)
         xv = _shard.varying(x, axis)
         vma = _shard.vma_of(xv) | _shard.vma_of(ids)
         rts = (_shard.result_type(xv, (T, K), jnp.int32, vma),
@@ -141,8 +143,7 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
 
     @jax.custom_vjp
     def send(x, x_scale, ids, nt, tok):
-        scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
-        return call(x, scale, ids, nt, tok)
+        return call(x, ids, nt, *scales_in(x_scale), tok)
 
     def fwd(*args):
         return send(*args), None

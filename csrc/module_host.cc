@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "common/bindings.h"
+#include "common/ragged_layout.h"
 #include "transport/host_shm.h"
 
 namespace nb = nanobind;
@@ -48,6 +49,12 @@ NB_MODULE(_host, m) {
     keep->addrs = std::move(addrs);
     keep->sizes = std::move(sizes);
     registry().for_each(comm_id, [&](RankContext& c) { c.resources = keep; });
+  });
+  // ragged_layout.h ragged_fits: whether a ragged_all_to_all with an output of m_rows rows of
+  // row_bytes and k slices per peer fits a Communicator's buffers (jax_nvcomm/ragged.py).
+  m.def("ragged_fits", [](uint64_t max_message_bytes, int world, int64_t m_rows,
+                          uint64_t row_bytes, int64_t k) {
+    return ragged_fits(max_message_bytes, world, m_rows, row_bytes, k);
   });
   m.def("read_seq", [](uint64_t buf_addr) {
     return reinterpret_cast<const Ctrl*>(buf_addr)->seq;

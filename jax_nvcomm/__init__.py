@@ -2,6 +2,7 @@
 as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. Reference: docs/API.md of the repository and the functions' docstrings."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
+from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
@@ -10,10 +11,10 @@ from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispat
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
                         moe_dispatch_recv, moe_dispatch_send)
 from .moe_split import overlap as moe_overlap
+from .ragged import ragged_all_to_all
 from .strategy import select_strategy
 from .varlen import all_gather_v, reduce_scatter_v
 
-__version__ = "0.1.0"
 CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
+    "ragged_all_to_all",
 ]

@@ -78,5 +78,31 @@ def agree(prefix: str, config: dict, timeout_s: float) -> None:
                 f"{mine.get(k)!r} in process {me} but {theirs.get(k)!r} in process {p}")
 
 
+_FAILED = "\0failed\0"
+
+
+def from_process0(key: str, make, timeout_s: float, what: str) -> str:
+    """Process 0's `make()` (a str) in every process: process 0 computes and publishes it, the
+    others read it (bounded by `timeout_s`) and never call `make`. An exception in process 0's
+    `make` is published too and raised in every process as a RuntimeError naming it (and the
+    original in process 0)."""
+    c = client()
+    if c is None:
+        return make()
+    if jax.process_index() == 0:
+        try:
+            value = make()
+        except Exception as e:
+            put(key, (_FAILED + f"{type(e).__name__}: {e}").encode())
+            raise
+        put(key, value.encode())
+        return value
+    value = get(key, timeout_s, what).decode()
+    if value.startswith(_FAILED):
+        raise RuntimeError(f"jax_nvcomm: process 0 failed to make {what}: "
+                           f"{value[len(_FAILED):]}")
+    return value
+
+
 def digest(*parts) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:12]

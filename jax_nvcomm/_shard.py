@@ -91,7 +91,7 @@ def graph_capture(comm) -> bool:
 _DECLARE_EFFECT = os.environ.get("JAX_NVCOMM_DECLARE_EFFECT", "0") == "1"
 
 
-def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
+def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, aliases=None, **attrs):
     """Call op's FFI target for comm's backend, with comm_id and `attrs`. Host targets
     ("nvc_<op>") take the rank's registry slot as first operand; CUDA targets
     ("nvc_cuda_<op>", or "nvc_cuda_<op>_nograph" when `graph_capture(comm)` is off) find the
@@ -100,6 +100,9 @@ def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     `order` is the order token of `_order` (the previous call's); it goes in as the last
     operand and the call's own token comes back as the last result: returns
     (results, order_out), results shaped like `results` (one type or a tuple of types).
+    `aliases` ({index into args: index into results}) makes those results share the buffer of
+    those operands (XLA's input_output_aliases; the host targets' slot operand, which comes
+    first, is accounted for here).
     Declared without a side effect (a declared effect costs JAX's fast dispatch path: see
     docs/step_speed.md); the order token keeps our calls in program order instead."""
     attrs["comm_id"] = np.int64(comm.comm_id)
@@ -110,11 +113,13 @@ def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, **attrs):
     rts = rts + (result_type(order, order.shape, order.dtype, tok_vma),)
     if comm.backend == "host":
         slot = varying(host_slot(comm), comm.axis_name)
-        outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=effect)(
-            slot, *args, order, **attrs)
+        io = {i + 1: o for i, o in (aliases or {}).items()} or None
+        outs = jax.ffi.ffi_call(f"nvc_{op}", rts, has_side_effect=effect,
+                                input_output_aliases=io)(slot, *args, order, **attrs)
     else:
         target = f"nvc_cuda_{op}" + ("" if graph_capture(comm) else "_nograph")
-        outs = jax.ffi.ffi_call(target, rts, has_side_effect=effect)(
+        outs = jax.ffi.ffi_call(target, rts, has_side_effect=effect,
+                                input_output_aliases=dict(aliases) if aliases else None)(
             *args, order, **attrs, **(cuda_attrs or {}))
     outs, tok = tuple(outs[:-1]), outs[-1]
     return (outs[0] if single else outs), tok

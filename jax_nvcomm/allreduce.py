@@ -37,7 +37,7 @@ def _resolve(comm, strategy, shape, dtype, what):
                          f"'xla', got {strategy!r}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
     if strategy == "auto":
-        return select_strategy(comm, shape, dtype)
+        return select_strategy(comm, shape, dtype, op=what)
     if strategy != "xla" and nbytes > comm.max_message_bytes:
         return "xla"  # API.md: messages larger than max_message_bytes use "xla"
     if strategy == "oneshot" and nbytes > comm.lamport_slot_bytes:
@@ -122,9 +122,9 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     Args:
       x: the local shard, bfloat16, float16 or float32, any shape.
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
-      strategy: "auto" (`select_strategy`, from the static shape, dtype and world size),
-        "oneshot", "twoshot" or "xla" (`lax.psum`). Messages larger than
-        `comm.max_message_bytes` use "xla".
+      strategy: "auto" (`select_strategy`, from the static shape, dtype, world size and the
+        communicator's tuning table), "oneshot", "twoshot" or "xla" (`lax.psum`). Messages
+        larger than `comm.max_message_bytes` use "xla".
 
     Returns:
       An array of x's shape and dtype, invariant across the axis (typed as after `lax.psum`).

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax._src import core as _core
 
-from . import _exchange, _ffi, _multicast, topology
+from . import _exchange, _ffi, _multicast, topology, tuning
 from ._symmetric import SymmetricBuffers
 
 _ids = itertools.count(1)
@@ -76,6 +76,7 @@ class _Base:
     _xla_fallback = False
     _transport_reason = "not set up"
     _topology = ((), {})
+    _tuning = None
     # CUDA: may XLA record this communicator's calls into its command buffers (CUDA graphs)?
     # None: JAX_NVCOMM_GRAPH_CAPTURE (default yes). Set True/False before tracing a program;
     # False keeps our calls out of the graphs (XLA cuts them there, as at NCCL collectives),
@@ -83,7 +84,7 @@ class _Base:
     graph_capture: bool | None = None
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
-               lamport_range=(0, 0), zero_bytes=None, multicast_capable=False):
+               lamport_range=(0, 0), zero_bytes=None, multicast_capable=False, tuned=False):
         what = type(self).__name__
         _check_not_traced(what)
         _check_mesh_axis(mesh, axis_name, what)
@@ -115,6 +116,10 @@ class _Base:
                     cuda_alloc=alloc if self._backend == "cuda" else None,
                     multicast_requested=mc_req, requested_backend=backend)
         _exchange.agree(prefix, full, DEFAULT_SETUP_TIMEOUT_S)
+        if tuned:  # process 0's strategy table, in every process (tuning.py)
+            platform = np.asarray(mesh.devices).flat[0].platform
+            self._tuning = tuning.shared(prefix, DEFAULT_SETUP_TIMEOUT_S,
+                                         jax.local_devices(backend=platform))
         self._groups = groups_of(mesh, axis_name)
         if self._setup_topology(prefix, backend, what):
             return  # XLA fallback: no buffers
@@ -324,7 +329,7 @@ class Communicator(_Base):
         self._setup(mesh, axis_name, backend, lay["total"], self._max_message_bytes, timeout_s,
                     dict(max_message_bytes=self._max_message_bytes),
                     lamport_range=(lay["lamport_offset"], lay["total"] - lay["lamport_offset"]),
-                    zero_bytes=lay["ctrl_bytes"], multicast_capable=True)
+                    zero_bytes=lay["ctrl_bytes"], multicast_capable=True, tuned=True)
 
     @property
     def max_message_bytes(self) -> int:
@@ -334,6 +339,14 @@ class Communicator(_Base):
     def nbytes(self) -> int:
         """Bytes of communication buffer held per rank (per device)."""
         return int(self._layout["total"])
+
+    @property
+    def tuning(self) -> tuning.Table:
+        """The all-reduce strategy table of this communicator (`select_strategy`), fixed at
+        setup by process 0 and the same in every process: from JAX_NVCOMM_TUNING, this
+        machine's tuning cache, or the built-in table, with the environment's threshold
+        overrides (docs/tuning.md). `tuning.describe()` names the source."""
+        return self._tuning
 
     @property
     def lamport_slot_bytes(self) -> int:

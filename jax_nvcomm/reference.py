@@ -1,5 +1,6 @@
 """Pure-JAX baselines (XLA collectives only) with exactly the semantics of `nvc.moe_dispatch`,
-`nvc.moe_combine` and `nvc.all_reduce_rms_norm` (API.md), plus float64 numpy references.
+`nvc.moe_combine`, `nvc.all_reduce_rms_norm` and `nvc.ragged_all_to_all` (API.md), plus float64
+numpy references.
 
 Used by the benchmark (`python -m jax_nvcomm.bench`), the examples and the tests. The JAX
 functions run inside `jax.shard_map` over `axis_name`, one call per device on its local shard,
@@ -44,7 +45,7 @@ from jax import lax
 from . import _shard
 
 __all__ = ["moe_dispatch_xla", "moe_combine_xla", "all_reduce_rms_norm_xla",
-           "xla_all_reduce_rms_norm", "rms_norm_reference",
+           "xla_all_reduce_rms_norm", "rms_norm_reference", "ragged_all_to_all_reference",
            "np_moe_dispatch", "np_moe_combine", "np_moe_rows"]
 
 _IMPLS = ("ragged", "dense")
@@ -152,6 +153,57 @@ def _ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offset
         return _ragged_all_to_all_emulated(*a, axis_name=axis_name, chunk=chunk)
 
     return lax.platform_dependent(*args, cpu=emulated, default=real)
+
+
+def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+    """`lax.ragged_all_to_all`'s semantics from `lax.all_gather` and a scatter: runs on every
+    platform (XLA:CPU has no ragged-all-to-all) and shares no code with the emulation above
+    or with `nvc.ragged_all_to_all`, so tests can hold either against it.
+
+    Every rank gathers every rank's operand and index arrays; with K = len(input_offsets) and
+    k = K // world, slice me * k + j of rank r (rows input_offsets[.] .. + send_sizes[.] of
+    r's operand) is written into `output` at rows output_offsets[.] .. (offsets in this
+    receiver's frame, given by the sender). Rows no slice lands on keep output's values. The
+    row counts are the senders' send_sizes; `recv_sizes` must agree (lax's contract) and is
+    not read. Differentiable in operand and output by JAX's autodiff (gather, scatter,
+    all_gather), under either check_vma setting: the output's cotangent is zero where slices
+    land, and an operand row sent in several slices gets the sum of their cotangents. Each rank
+    receives world x N rows: a reference, not a fast path.
+
+    Args:
+      operand: [N, ...] rows to send.
+      output: [M, ...], same dtype and trailing dims.
+      input_offsets, send_sizes, output_offsets, recv_sizes: integer [K], K a multiple of the
+        size of axis_name.
+      axis_name: the shard_map axis to exchange over.
+
+    Returns:
+      [M, ...]: output with the received slices written in.
+    """
+    del recv_sizes
+    W = int(lax.axis_size(axis_name))
+    K = int(input_offsets.shape[0])
+    if K % W:
+        raise ValueError(f"jax_nvcomm.reference: ragged_all_to_all_reference: {K} slices are "
+                         f"not a multiple of the size of axis {axis_name!r} ({W})")
+    k = K // W
+    N, M = int(operand.shape[0]), int(output.shape[0])
+    operand = _shard.varying(operand, axis_name)
+    output = _shard.varying(output, axis_name)
+    idx = jnp.stack([jnp.asarray(a).astype(jnp.int32) for a in
+                     (input_offsets, send_sizes, output_offsets)])            # [3, K]
+    everyone = lax.all_gather(operand, axis_name)                              # [W, N, ...]
+    idx = lax.all_gather(_shard.varying(idx, axis_name), axis_name)            # [W, 3, K]
+    mine = lax.dynamic_slice_in_dim(idx, lax.axis_index(axis_name) * k, k, axis=2)
+    io, ss, oo = mine[:, 0], mine[:, 1], mine[:, 2]                            # [W, k]
+    c = jnp.arange(max(N, 1), dtype=jnp.int32)
+    src = jnp.clip(io[:, :, None] + c, 0, max(N - 1, 0))                       # [W, k, N]
+    dst = jnp.where(c < ss[:, :, None], oo[:, :, None] + c, M)                 # M: dropped
+    if N == 0:
+        return output
+    rows = everyone[jnp.arange(W)[:, None, None], src]                         # [W, k, N, ...]
+    return output.at[dst.reshape(-1)].set(rows.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
 def _auto_pieces(world, chunk, ragged_pieces):

@@ -1,92 +1,145 @@
-"""Strategy choice for all-reduce: a pure function of (shape, dtype, world size, communicator
-limits), decided at trace time and therefore identical on every rank.
+"""Strategy choice for all-reduce: a pure function of (shape, dtype, op, world size, the
+communicator's limits and tuning table), decided at trace time and therefore identical on every
+rank. No file is read here: the table was fixed at communicator setup (jax_nvcomm/tuning.py).
 
-    bytes <= oneshot_max(world)          -> "oneshot"  (Lamport push, one round trip)
-    bytes <= twoshot_max(world)          -> "twoshot"  (reduce-scatter + all-gather)
-    otherwise                            -> "xla"      (lax.psum: NCCL / XLA's own kernels)
+  world size >= 2:
+    bytes <= oneshot_max_bytes (and the Lamport slot) -> "oneshot"  (Lamport push, one round)
+    bytes <= twoshot_max_bytes                        -> "twoshot"  (reduce-scatter + gather)
+    otherwise                                         -> "xla"      (lax.psum: NCCL / XLA)
+  world size 1 (no communication; both names run the local kernel):
+    bytes >= local_min_bytes (not None)               -> "twoshot"
+    otherwise                                         -> "xla"      (XLA's own ops)
+  empty messages and messages above comm.max_message_bytes -> "xla".
 
-The table below holds the crossovers. `python -m jax_nvcomm.bench allreduce --tune` measures
-them on the machine at hand and prints a table in this format. Overrides, strongest first:
-keyword arguments of `select_strategy`, then the environment variables
-JAX_NVCOMM_ONESHOT_MAX_BYTES / JAX_NVCOMM_TWOSHOT_MAX_BYTES, then the table.
+Each threshold comes from, strongest first: a keyword argument of `select_strategy`, the
+environment at setup (JAX_NVCOMM_ONESHOT_MAX_BYTES, JAX_NVCOMM_TWOSHOT_MAX_BYTES,
+JAX_NVCOMM_LOCAL_MIN_BYTES), the communicator's tuning table (file, cache or built-in; a row the
+file lacks comes from the built-in table). `explain=True` says which one decided.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import numpy as np
 
-# world size -> (oneshot_max_bytes, twoshot_max_bytes).
-# Provenance (README "Performance"; docs/bench_h200x2_allreduce.txt):
-#   2: 2 x H200 (NVLink), bf16, one process, 2026-11-29, from the sweep of
-#      `bench allreduce --hidden 4096` (docs/bench_h200x2_allreduce.json; tests/test_bench.py
-#      recomputes it with `crossovers`, the rule `--tune` applies): one-shot beats lax.psum up
-#      to its Lamport slot (1 MiB: 12.5 vs 19.2 us); the plain two-shot beats psum up to 32 MiB,
-#      but the fused two-shot loses to psum + XLA's RMSNorm from 16 MiB (112.0 vs 111.3 us), and
-#      the table serves both ops: two-shot up to 8 MiB.
-#   1: no communication: "auto" picks "xla". Our world-1 kernel (allreduce_local.cuh) runs the
-#      fused epilogue at 1.9-2.2 TB/s on one H200, XLA's add + RMSNorm at 2.3-2.6 TB/s.
-#   4, 8, 16: not measured (4/8-GPU machines were not lent): published crossovers for
-#      8 x H100/H200 (one-shot to ~128-256 KiB) until `bench allreduce --tune` replaces them.
-THRESHOLDS: dict[int, tuple[int, int]] = {
-    1: (0, 0),
-    2: (1 << 20, 8 << 20),
-    4: (256 << 10, 32 << 20),
-    8: (128 << 10, 32 << 20),
-    16: (64 << 10, 32 << 20),
-}
+from . import tuning
+
+FIELDS = ("oneshot_max_bytes", "twoshot_max_bytes", "local_min_bytes")
 
 
-def _table(world: int) -> tuple[int, int]:
-    keys = sorted(THRESHOLDS)
-    best = keys[0]
-    for k in keys:
-        if k <= world:
-            best = k
-    return THRESHOLDS[best]
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `select_strategy(..., explain=True)` returns: the strategy and why.
+
+    Attributes:
+      strategy: "oneshot", "twoshot" or "xla".
+      nbytes: the message's bytes per rank.
+      thresholds: {field: bytes or None} as applied (FIELDS).
+      sources: {field: where it came from}: "keyword", "env VAR", or the table's row
+        ("tuning file PATH (JAX_NVCOMM_TUNING)", "tuning cache PATH (...)", "built-in table").
+      source: the source of the decisive threshold, or "limit" (empty message, above
+        max_message_bytes).
+      reason: one sentence.
+    """
+    strategy: str
+    nbytes: int
+    thresholds: dict
+    sources: dict
+    source: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.strategy}: {self.reason}"
 
 
-def thresholds(world: int, *, oneshot_max_bytes: int | None = None,
-               twoshot_max_bytes: int | None = None) -> tuple[int, int]:
-    one, two = _table(world)
-    env_one = os.environ.get("JAX_NVCOMM_ONESHOT_MAX_BYTES")
-    env_two = os.environ.get("JAX_NVCOMM_TWOSHOT_MAX_BYTES")
-    if env_one:
-        one = int(env_one)
-    if env_two:
-        two = int(env_two)
-    if oneshot_max_bytes is not None:
-        one = int(oneshot_max_bytes)
-    if twoshot_max_bytes is not None:
-        two = int(twoshot_max_bytes)
-    return one, two
+def _table(comm) -> tuning.Table:
+    t = getattr(comm, "tuning", None)
+    return t if t is not None else tuning.Table("built-in", builtin=tuning.builtin_rows())
 
 
-def select_strategy(comm, shape, dtype, *, oneshot_max_bytes: int | None = None,
-                    twoshot_max_bytes: int | None = None) -> str:
-    """The strategy "auto" picks for an all-reduce of `shape`/`dtype` on `comm`.
+def _thresholds(comm, op, dtype_name, keywords):
+    """({field: value}, {field: source}) for the communicator's world, op and dtype."""
+    table = _table(comm)
+    world = int(comm.world_size)
+    row, where = table.lookup(world, op, dtype_name)
+    vals, srcs = {}, {}
+    for f in FIELDS:
+        vals[f] = getattr(row, f) if row is not None else (None if f == "local_min_bytes"
+                                                           else 0)
+        srcs[f] = (f"{where}, row {row.label()}" if row is not None
+                   else f"{where}: no row (defaults)")
+    for f, v in table.overrides:
+        vals[f], srcs[f] = v, f"env {tuning.ENV_OVERRIDES[f]} (at setup)"
+    for f, v in keywords.items():
+        if v is not None:
+            vals[f], srcs[f] = int(v), "keyword"
+    return vals, srcs
 
-    A pure function of the static shape, dtype and world size: one-shot up to the first
-    threshold (and `comm.lamport_slot_bytes`), two-shot up to the second, "xla" above it, for
-    empty messages and above `comm.max_message_bytes`.
+
+def select_strategy(comm, shape, dtype, *, op: str = "all_reduce",
+                    oneshot_max_bytes: int | None = None,
+                    twoshot_max_bytes: int | None = None,
+                    local_min_bytes: int | None = None, explain: bool = False):
+    """The strategy "auto" picks for `op` on a message of `shape`/`dtype` on `comm`.
+
+    A pure function of the static shape, dtype, op, world size and the communicator's limits
+    and tuning table (fixed at setup: docs/tuning.md). World size >= 2: one-shot up to
+    oneshot_max_bytes (and `comm.lamport_slot_bytes`), two-shot up to twoshot_max_bytes,
+    "xla" above. World size 1: our (local) kernel from local_min_bytes on, "xla" below or
+    when the table has none. Empty messages and those above `comm.max_message_bytes`: "xla".
 
     Args:
       comm: a `Communicator`.
       shape: the per-rank shape of x.
       dtype: x's dtype.
-      oneshot_max_bytes, twoshot_max_bytes: override the thresholds (default: the world size's
-        table, or JAX_NVCOMM_ONESHOT_MAX_BYTES / JAX_NVCOMM_TWOSHOT_MAX_BYTES).
+      op: "all_reduce", "all_reduce_rms_norm" or "all_reduce_rms_norm_quant": the table has a
+        row per op (the fused ops' XLA baseline is psum + XLA's add + RMSNorm).
+      oneshot_max_bytes, twoshot_max_bytes, local_min_bytes: override the thresholds (default:
+        the environment's at setup, JAX_NVCOMM_ONESHOT_MAX_BYTES / _TWOSHOT_MAX_BYTES /
+        _LOCAL_MIN_BYTES, else the table's row).
+      explain: return a `Choice` (strategy, thresholds, where each came from, the reason)
+        instead of the strategy name.
 
     Returns:
-      "oneshot", "twoshot" or "xla".
+      "oneshot", "twoshot" or "xla"; with explain=True a `Choice`.
+
+    Raises:
+      ValueError: an op outside the three above.
     """
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    one, two = thresholds(comm.world_size, oneshot_max_bytes=oneshot_max_bytes,
-                          twoshot_max_bytes=twoshot_max_bytes)
-    if nbytes > comm.max_message_bytes or nbytes == 0:
-        return "xla"
-    if nbytes <= min(one, comm.lamport_slot_bytes):
-        return "oneshot"
-    if nbytes <= two:
-        return "twoshot"
-    return "xla"
+    if op not in tuning.OPS:
+        raise ValueError(f"jax_nvcomm: select_strategy: op must be one of "
+                         f"{', '.join(tuning.OPS)}, got {op!r}")
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    vals, srcs = _thresholds(comm, op, dt.name, dict(
+        oneshot_max_bytes=oneshot_max_bytes, twoshot_max_bytes=twoshot_max_bytes,
+        local_min_bytes=local_min_bytes))
+    one, two, local = (vals[f] for f in FIELDS)
+    size = f"{nbytes} B"
+    if nbytes == 0:
+        strat, field, why = "xla", None, "an empty message"
+    elif nbytes > comm.max_message_bytes:
+        strat, field, why = "xla", None, (f"{size} > max_message_bytes "
+                                          f"{comm.max_message_bytes}")
+    elif comm.world_size == 1:
+        field = "local_min_bytes"
+        if local is not None and nbytes >= local:
+            strat, why = "twoshot", f"world 1: {size} >= local_min_bytes {local} (our kernel)"
+        else:
+            strat = "xla"
+            why = ("world 1: no local_min_bytes (XLA's ops)" if local is None else
+                   f"world 1: {size} < local_min_bytes {local} (XLA's ops)")
+    elif nbytes <= min(one, comm.lamport_slot_bytes):
+        strat, field, why = "oneshot", "oneshot_max_bytes", f"{size} <= oneshot_max_bytes {one}"
+    elif nbytes <= two:
+        field = "twoshot_max_bytes"
+        strat, why = "twoshot", f"{size} <= twoshot_max_bytes {two}" + (
+            f" (above lamport_slot_bytes {comm.lamport_slot_bytes})" if nbytes <= one else
+            f", > oneshot_max_bytes {one}")
+    else:
+        strat, field, why = "xla", "twoshot_max_bytes", f"{size} > twoshot_max_bytes {two}"
+    if not explain:
+        return strat
+    source = srcs[field] if field else "limit"
+    return Choice(strat, nbytes, vals, srcs, source, f"{op} {tuple(shape)} {dt.name}: {why}; "
+                  f"from {source}")

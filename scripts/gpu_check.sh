@@ -15,6 +15,14 @@
 #                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
+#   bash scripts/gpu_check.sh tune1    one GPU: `tune` at world 1 (tune1/tuning_w1.json, the rows
+#                                      for the built-in table) and `bench allreduce --quick` with
+#                                      the XLA-best column (best1/); ~5 min with the build
+#   bash scripts/gpu_check.sh tuneN    all GPUs: `tune --quick` (TUNE_ARGS), bench allreduce and
+#                                      moe --quick with XLA best
+#   bash scripts/gpu_check.sh ragged   ragged_all_to_all's GPU tests: in-process, world 1 against
+#                                      XLA's, 2 and 4 processes sharing GPU 0, CUDA-graph loops;
+#                            raggedmem one process of tests/mp/ragged_mp.py under memcheck
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -295,7 +303,33 @@ stepfull)  # the step benchmark with both presets, one process; then one process
   [ "$NG" -ge 2 ] && step step_mpN 300 $L -n "$NG" --timeout 295 -m jax_nvcomm.bench step --presets example --out "$OUT/step_mp" --iters 30 --machine "h200x${NG}_mp"
   tail -12 "$OUT"/step*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull]..." >&2; exit 2 ;;
+tune1)  # one GPU: `python -m jax_nvcomm.tune` at world 1 (the world-1 rows for the built-in
+  # table: tune1/tuning_w1.json + .png; paste with `python -m jax_nvcomm.tune --adopt
+  # tune1/tuning_w1.json --worlds 1 --into jax_nvcomm/tuning_builtin.json`), then `bench
+  # allreduce --quick` with the XLA-best column (best1/allreduce.json + .png; the header lists
+  # the flags this jax accepts). TUNE1_ARGS: more tune options (e.g. --dtypes bfloat16)
+  step tune_w1 330 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    $PY -m jax_nvcomm.tune --worlds 1 ${TUNE1_ARGS:-} --out "$OUT/tune1/tuning_w1.json"
+  step bench_best1 220 env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" \
+    $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/best1"
+  grep -A40 "## tuning rows" "$OUT/all.log" | head -45 >"$OUT/tune1.txt"
+  ;;
+tuneN)  # all local GPUs: tune every world size (bf16 and the other dtypes), then the quick
+  # all-reduce and MoE benchmarks with their XLA-best columns (needs 2+ GPUs to mean anything)
+  step tune_all 590 $PY -m jax_nvcomm.tune ${TUNE_ARGS:---quick} --out "$OUT/tuneN/tuning.json"
+  step bench_bestN 300 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bestN"
+  step moe_bestN 300 $PY -m jax_nvcomm.bench moe --quick --out "$OUT/bestN"
+  ;;
+ragged)  # ragged_all_to_all: tests/gpu/test_gpu_ragged.py (it starts tests/mp/ragged_mp.py)
+  step ragged_pytest 500 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu \
+    tests/gpu/test_gpu_ragged.py
+  ;;
+raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
+  step ragged_memcheck 500 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
+    compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
+  grep -E "ERROR SUMMARY|Invalid|PASS ragged" "$OUT/all.log" | tail -4 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|tune1|tuneN]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -11,6 +11,18 @@ else:
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+# the strategy table every test expects is the built-in one: no tuning file or threshold from
+# the caller's environment, and a tuning cache of its own (tests/test_tuning.py sets its own)
+for _var in ("JAX_NVCOMM_TUNING", "JAX_NVCOMM_ONESHOT_MAX_BYTES", "JAX_NVCOMM_TWOSHOT_MAX_BYTES",
+             "JAX_NVCOMM_LOCAL_MIN_BYTES"):
+    os.environ.pop(_var, None)
+if "JAX_NVCOMM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["JAX_NVCOMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_nvcomm_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_NVCOMM_CACHE_DIR"], True)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -403,7 +403,12 @@ def test_select_strategy_table_and_overrides(comms, monkeypatch):
     assert nvc.select_strategy(c, (4, 64), jnp.float32, oneshot_max_bytes=0) == "twoshot"
     assert nvc.select_strategy(c, (4, 64), jnp.float32, oneshot_max_bytes=0,
                                twoshot_max_bytes=0) == "xla"
+    # the environment's thresholds are read at setup (test_tuning.py has the precedence)
+    monkeypatch.delenv("JAX_NVCOMM_TUNING", raising=False)
     monkeypatch.setenv("JAX_NVCOMM_ONESHOT_MAX_BYTES", "0")
-    assert nvc.select_strategy(c, (4, 64), jnp.float32) == "twoshot"
+    with nvc.Communicator(c.mesh, "x", max_message_bytes=1 << 20) as c0:
+        assert nvc.select_strategy(c0, (4, 64), jnp.float32) == "twoshot"
     monkeypatch.setenv("JAX_NVCOMM_TWOSHOT_MAX_BYTES", "16")
-    assert nvc.select_strategy(c, (4, 64), jnp.float32) == "xla"
+    with nvc.Communicator(c.mesh, "x", max_message_bytes=1 << 20) as c16:
+        assert nvc.select_strategy(c16, (4, 64), jnp.float32) == "xla"
+    assert nvc.select_strategy(c, (4, 64), jnp.float32) == "oneshot"  # set up before

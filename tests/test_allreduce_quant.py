@@ -69,7 +69,8 @@ def test_matches_reference(comms, rng, world, dtype, strategy, tokens, hidden):
     # the "xla" strategy adds the residual to lax.psum(x), rounded to x.dtype (the reference
     # takes that sum from lax.psum); the host protocol sums in float32
     xla = (strategy if strategy != "auto" else
-           nvc.select_strategy(c, (tokens, hidden), dtype)) == "xla"
+           nvc.select_strategy(c, (tokens, hidden), dtype,
+                               op="all_reduce_rms_norm_quant")) == "xla"
     sums = f64(psum[0]) if xla else parts.sum(0)
     for rank in range(world):
         r64 = sums + res64[rank]

@@ -34,11 +34,13 @@ def test_a_method_missing_at_a_size_counts_as_a_loss():
     assert bench_ar.crossovers(rows) == (4096, 8192)
 
 
-def test_thresholds_source_is_the_strategy_table_format():
-    src = bench_ar.thresholds_source({2: (1 << 20, 8 << 20)}, {2: (0, 0), 4: (256 << 10, 32 << 20)})
-    ns = {}
-    exec(src, ns)  # noqa: S102 - our own generated source
-    assert ns["THRESHOLDS"] == {2: (1 << 20, 8 << 20), 4: (256 << 10, 32 << 20)}
+def test_tune_rows_are_tuning_file_rows():
+    from jax_nvcomm import tuning
+    rows = bench_ar.tuning_rows({2: (1 << 20, 8 << 20), 4: (256 << 10, 32 << 20)})
+    parsed = tuning.parse_rows(rows, "bench --tune")
+    assert [(r.world_size, r.oneshot_max_bytes, r.twoshot_max_bytes) for r in parsed] == [
+        (2, 1 << 20, 8 << 20), (4, 256 << 10, 32 << 20)]
+    assert tuning.pick(parsed, 2, "all_reduce_rms_norm", "bfloat16").twoshot_max_bytes == 8 << 20
 
 
 # ---- kernels' device time per call from a profiler trace (_trace.device_time, --device-time)
@@ -201,10 +203,18 @@ def test_bench_allreduce_device_time_on_cpu(tmp_path, monkeypatch, capsys, mode)
                      "--reps", "1", "--unroll", "1", "--steps", "1", "--device-time", mode,
                      "--out", str(tmp_path / "out")])
     assert rc == 0
-    rows = [r for r in json.loads((tmp_path / "out" / "allreduce.json").read_text())["rows"]
-            if "median_us" in r]
+    data = json.loads((tmp_path / "out" / "allreduce.json").read_text())
+    # measured rows; the "<XLA method> best" rows are copies of XLA's default on CPU devices
+    rows = [r for r in data["rows"] if "median_us" in r and "xla_variants" not in r]
     assert rows
+    best = {r["method"]: r for r in data["rows"] if "xla_variants" in r}
+    for m, b in bench_ar.BEST.items():
+        base = next(r for r in rows if r["method"] == m and r["bytes"] == 4096)
+        assert best[b]["median_us"] == base["median_us"] and best[b]["xla_flags"] == "default"
+        assert "CPU devices" in best[b]["xla_best_note"]
+    assert data["meta"]["xla_best"]["enabled"] is False
     text = capsys.readouterr().out
+    assert "lax.psum best" in text and "XLA best: CPU devices" in text
     if mode == "on":
         assert len(traced) == len(rows)
         assert all(r["device_us"] is None and r["device_note"] for r in rows), rows

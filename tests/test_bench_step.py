@@ -29,9 +29,35 @@ def test_bench_step_rows_have_turns_bound_and_agreement(tmp_path, capsys):
         assert r["bound_ratio"] == pytest.approx(r["xla_ms"] / r["bound_ms"])
         # the first (sequential) pass is kept beside the medians of the pass in turns
         assert set(r["sequential_ms"]) == {"jax_nvcomm", "xla"}, r
+        # XLA best on CPU devices: XLA's default (the flags do not apply), said so
+        assert r["xla_best_ms"] == r["xla_ms"] and r["xla_best_flags"] == "default", r
+        assert "not tried" in r["xla_best_note"] and r["best_ratio"] == pytest.approx(r["ratio"])
     assert "env" in data["meta"]
     text = capsys.readouterr().out
-    assert "XLA/bound" in text and "wrote" in text
+    assert "XLA/bound" in text and "wrote" in text and "ms XLA best" in text
+
+
+def test_xla_variants_are_timed_in_turns_and_the_fastest_kept():
+    """cfg.xla_variants (what bench step passes on GPUs): the XLA step compiled with each
+    flag set joins the turns; one XLA refuses is reported, not fatal. On CPU the options are
+    accepted (one DebugOptions for every backend) and change nothing that matters here."""
+    asked = []
+
+    def variants(compiled):
+        asked.append(compiled)
+        return [("nccl-symmetric", {"xla_gpu_experimental_enable_nccl_symmetric_buffers": True}),
+                ("bogus", {"xla_gpu_no_such_flag_here": True})]
+    cfg = mt.Config(layouts=("low-latency",), phases=("decode",), impls=("xla",), iters=2,
+                    warmup=1, quiet=True, layers=1, xla_variants=variants)
+    res = mt.run(cfg)
+    (row,) = res["rows"]
+    assert len(asked) == 1
+    best = row["xla_best"]
+    assert set(best["variants"]) == {"xla", "xla+nccl-symmetric"}
+    assert set(row["ms"]) >= {"xla", "xla+nccl-symmetric"}
+    assert best["ms"] == min(best["variants"].values())
+    assert best["flags"] in ("default", "nccl-symmetric")
+    assert "No such compile option" in best["errors"]["bogus"]
 
 
 _COMM_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",

@@ -109,3 +109,25 @@ def test_several_devices_per_process():
         assert rc == 0, out[-4000:]
         assert out.count("layout: 2 processes x 2 devices = world 4") == 2, out[-4000:]
         assert out.count("PASS") == 2, out[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_process_takes_process_0s_tuning_table(n, tmp_path):
+    """Each process names its own tuning file (and the others an override): every process
+    chooses with process 0's (explain names its file), and "auto" calls at sizes where the
+    files disagree run and are right (tests/mp/tuning_mp.py)."""
+    rc, out = launch(n, "tuning_mp.py", "--case=agree", f"--dir={tmp_path}", timeout=180)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS tuning table of process 0") == n, out[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_process_0s_bad_tuning_file_fails_every_process(tmp_path):
+    rc, out = launch(2, "tuning_mp.py", "--case=bad", f"--dir={tmp_path}", timeout=120)
+    assert rc == 0, out[-4000:]
+    got = [l for l in out.splitlines() if "GOT" in l]
+    assert len(got) == 2, out[-4000:]
+    assert any("GOT ValueError" in l and "dtype must be one of" in l for l in got), got
+    assert any("GOT RuntimeError: jax_nvcomm: process 0 failed to make process 0's tuning "
+               "table: ValueError" in l for l in got), got

@@ -27,6 +27,7 @@ static const char* op_name(uint32_t desc) {
     case kOpMoeCombine: return "moe_combine";
     case kOpAllGatherV: return "all_gather_v";
     case kOpReduceScatterV: return "reduce_scatter_v";
+    case kOpRaggedAllToAll: return "ragged_all_to_all";
     default: return "unknown op";
   }
 }
@@ -110,6 +111,32 @@ std::string describe_error(const ErrorInfo& e) {
                     e.peer < 0 ? "a fused call while split sends are outstanding"
                                : "the receive belongs to another send");
       break;
+    case kErrRaggedSlice: {
+      // ragged_slice_detail: the slice in bits 0..31, the field in bits 32..39
+      static const char* kField[5] = {
+          "input_offsets[i] < 0", "send_sizes[i] < 0",
+          "input_offsets[i] + send_sizes[i] > N (the operand's rows)", "output_offsets[i] < 0",
+          "output_offsets[i] + send_sizes[i] > M (the output's rows, in the receiver's frame)"};
+      const unsigned field = unsigned((e.observed >> 32) & 0xFFu);
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: slice i=%u of rank %d's call lies "
+                    "outside operand/output: %s", op_name(e.op), (unsigned long long)e.seq,
+                    e.rank, unsigned(uint32_t(e.observed)), e.peer,
+                    field < 5 ? kField[field] : "unknown field");
+      break;
+    }
+    case kErrRaggedRecv: {
+      // ragged_recv_detail: sent rows in bits 0..27, expected in 28..55, slice j in 56..63
+      const uint64_t lim = (uint64_t(1) << 28) - 1;
+      const unsigned long long sent = e.observed & lim, want = (e.observed >> 28) & lim;
+      std::snprintf(buf, sizeof buf,
+                    "jax_nvcomm: %s call #%llu: rank %d: rank %d sends %llu%s rows in its slice "
+                    "j=%u to rank %d, but rank %d's recv_sizes expects %llu%s: ranks disagree on "
+                    "the sizes (send_sizes must equal all_to_all(recv_sizes))", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer, sent, sent == lim ? "+" : "",
+                    unsigned(e.observed >> 56), e.rank, e.rank, want, want == lim ? "+" : "");
+      break;
+    }
     default:
       std::snprintf(buf, sizeof buf, "jax_nvcomm: error code %u on rank %d", e.code, e.rank);
   }

@@ -4,6 +4,9 @@ sweep of message sizes; on one device also the fused epilogue's bandwidth agains
 kernel; `--tune`: the crossovers per world size."""
 from __future__ import annotations
 
+import json
+
+from . import xla_best
 from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm,
                      _pivot, _plot, _put, _ratio, _units, _varying, _write_json)
 
@@ -30,6 +33,8 @@ AR_METHODS = ["nvc oneshot", "nvc twoshot", "lax.psum"]
 FUSED_METHODS = ["nvc fused oneshot", "nvc fused twoshot", "psum+rmsnorm"]
 # all_reduce_rms_norm_quant (FP8 output), next to the fused op it extends
 QUANT_METHODS = ["nvc quant oneshot", "nvc quant twoshot", "psum+rmsnorm+quant"]
+# XLA at its best (bench/xla_best.py): each XLA method with the fastest of its flags
+BEST = {m[-1]: m[-1] + " best" for m in (AR_METHODS, FUSED_METHODS, QUANT_METHODS)}
 
 
 def _ar_methods(env, comm, axis, eps, fused):
@@ -75,18 +80,22 @@ def _ar_methods(env, comm, axis, eps, fused):
     return m
 
 
-def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True):
-    """Rows for one message shape [tokens, hidden] bf16 per rank (comm None: XLA only)."""
+def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True,
+              dtype="bfloat16", quiet=False):
+    """Rows for one message shape [tokens, hidden] of `dtype` per rank (comm None: XLA only);
+    with --xla-best (bench/xla_best.py) each XLA method also gets its "<method> best" row.
+    quiet: no line per row (the caller reports)."""
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import PartitionSpec as P
     axis = "x"
     W = int(mesh.shape[axis])
-    nbytes = tokens * hidden * 2
+    dt = jnp.dtype(dtype)
+    nbytes = tokens * hidden * dt.itemsize
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((W * tokens, hidden)).astype(jnp.bfloat16)
-    res = rng.standard_normal((W * tokens, hidden)).astype(jnp.bfloat16)
-    w = (1 + 0.1 * rng.standard_normal((hidden,))).astype(jnp.bfloat16)
+    x = rng.standard_normal((W * tokens, hidden)).astype(dt)
+    res = rng.standard_normal((W * tokens, hidden)).astype(dt)
+    w = (1 + 0.1 * rng.standard_normal((hidden,))).astype(dt)
     xs, rs, ws = _put(env, mesh, x, P(axis)), _put(env, mesh, res, P(axis)), _put(env, mesh, w, P())
     rows = []
     for fused in ((False, True, "quant") if fused_too else (False,)):
@@ -95,7 +104,10 @@ def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True):
         for name, (body, carry_n) in _ar_methods(env, comm, axis, 1e-6, fused).items():
             if methods is not None and name not in methods:
                 continue
-            row = dict(method=name, hidden=hidden, tokens=tokens, bytes=nbytes, world=W)
+            row = dict(method=name, hidden=hidden, tokens=tokens, bytes=nbytes, world=W,
+                       dtype=dt.name)
+            args = (xs, rs, ws) if carry_n == 2 else (xs, ws)
+            specs = (P(axis), P(axis), P()) if carry_n == 2 else (P(axis), P())
             if "oneshot" in name and nbytes > comm.lamport_slot_bytes:
                 row.update(skipped=f"> lamport_slot_bytes {comm.lamport_slot_bytes}")
             elif "nvc" in name and nbytes > comm.max_message_bytes:
@@ -103,26 +115,24 @@ def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True):
             elif W == 1 and name == "lax.psum":
                 row.update(skipped="a psum over one device is compiled away")
             else:
-                args = (xs, rs, ws) if carry_n == 2 else (xs, ws)
-                specs = (P(axis), P(axis), P()) if carry_n == 2 else (P(axis), P())
                 row.update(_measure(env, name, mesh, body, args, specs, carry_n, a))
-                env.log(f"#   {tokens}x{hidden} ({_human(nbytes)}) {name}: {_cell(row)}")
+                if not quiet:
+                    env.log(f"#   {tokens}x{hidden} ({_human(nbytes)}) {name}: {_cell(row)}")
             rows.append(row)
+            if name in BEST and getattr(a, "xla_best", "off") != "off" and "skipped" not in row:
+                b = xla_best.best(env, BEST[name], lambda opts, body=body, args=args,
+                                  specs=specs, carry_n=carry_n: _measure(
+                                      env, name, mesh, body, args, specs, carry_n, a,
+                                      compiler_options=opts, device_time=False),
+                                  default=row, mode=a.xla_best)
+                rows.append(b)
+                if not quiet and len(b["xla_variants"]) > 1:
+                    env.log(f"#   {tokens}x{hidden} ({_human(nbytes)}) {BEST[name]}: "
+                            f"{_cell(b)} [{b['xla_flags']}; {b['xla_variants']}]")
     return rows
 
 
-def _fmt_bytes_py(n):
-    """An int as Python source in strategy.py's style (`512 << 10`)."""
-    if n == 0:
-        return "0"
-    if n % (1 << 20) == 0:
-        return f"{n >> 20} << 20"
-    if n % (1 << 10) == 0:
-        return f"{n >> 10} << 10"
-    return str(n)
-
-
-def _crossover(by, one_m, two_m, base_m):
+def crossover(by, one_m, two_m, base_m):
     """(oneshot_max, twoshot_max) of one op from {bytes: {method: us}}: one-shot up to the last
     size of the leading run where it is fastest, two-shot up to the last size (beyond that) of
     the run where it beats the XLA baseline. A size with no measurement of a method is a loss."""
@@ -152,7 +162,7 @@ def _crossover(by, one_m, two_m, base_m):
 
 
 def crossovers(rows):
-    """(oneshot_max, twoshot_max) for strategy.THRESHOLDS from rows of one world size. The table
+    """(oneshot_max, twoshot_max) of one world size (bf16 rows, `--tune`). The table
     serves all_reduce and all_reduce_rms_norm alike, so where fused rows were measured too each
     threshold is the smaller of the plain op's (vs lax.psum) and the fused op's (vs psum +
     XLA's add + RMSNorm) crossovers: no op is sent to a strategy that loses for it."""
@@ -160,22 +170,18 @@ def crossovers(rows):
     for r in rows:
         if "median_us" in r:
             by.setdefault(r["bytes"], {})[r["method"]] = r["median_us"]
-    one, two = _crossover(by, *AR_METHODS)
+    one, two = crossover(by, *AR_METHODS)
     if any(FUSED_METHODS[0] in t or FUSED_METHODS[1] in t for t in by.values()):
-        f_one, f_two = _crossover(by, *FUSED_METHODS)
+        f_one, f_two = crossover(by, *FUSED_METHODS)
         one, two = min(one, f_one), min(two, f_two)
     return one, two
 
 
-def thresholds_source(measured, current):
-    """strategy.THRESHOLDS as Python source: measured worlds replace the current entries."""
-    lines = ["THRESHOLDS: dict[int, tuple[int, int]] = {"]
-    for w in sorted(set(current) | set(measured)):
-        one, two = measured.get(w, current.get(w))
-        note = "  # measured" if w in measured else "  # not measured here: kept"
-        lines.append(f"    {w}: ({_fmt_bytes_py(one)}, {_fmt_bytes_py(two)}),{note}")
-    lines.append("}")
-    return "\n".join(lines)
+def tuning_rows(measured, dtype="bfloat16"):
+    """Rows of a tuning file (jax_nvcomm/tuning.py) from {world: (oneshot_max, twoshot_max)}:
+    one per world size for every op (the smaller crossover of the plain and the fused op)."""
+    return [dict(world_size=w, op="*", dtype=dtype, oneshot_max_bytes=int(one),
+                 twoshot_max_bytes=int(two)) for w, (one, two) in sorted(measured.items())]
 
 
 COPY_METHOD = "copy (XLA -x)"
@@ -244,6 +250,8 @@ def run_allreduce(a):
     env = Env()
     a.device_time_on = _device_time_on(env, a)
     env.header("allreduce", a)
+    for line in xla_best.header_lines(env.platform, a.xla_best):
+        env.log(f"# {line}")
     hiddens = a.hidden or ([512] if a.quick else [4096, 7168, 8192])
     max_bytes = a.max_bytes or ((64 << 10) if a.quick else (128 << 20))
     min_bytes = 4 << 10
@@ -269,21 +277,27 @@ def run_allreduce(a):
     rows = result["rows"]
     keys = [("bytes", lambda r: _human(r["bytes"])),
             ("shape", lambda r: f"{r['tokens']}x{r['hidden']}")]
+    best_note = ("; vs best = XLA best / best jax_nvcomm (XLA best: the fastest of XLA's "
+                 "default and its flags, header)")
+
+    def vs(methods):
+        return [("speedup", lambda g: _ratio(g, methods[-1], methods[:2])),
+                ("vs best", lambda g: _ratio(g, BEST[methods[-1]], methods[:2])),
+                ("XLA flags", lambda g: g.get(BEST[methods[-1]], {}).get("xla_flags", "-"))]
     env.log(f"\n## all-reduce, bf16, world {env.world}: {_units(a)}; "
-            "speedup = lax.psum / best jax_nvcomm (loop times)")
-    _pivot(env, rows, keys, AR_METHODS,
-           [("speedup", lambda g: _ratio(g, "lax.psum", AR_METHODS[:2]))])
+            "speedup = lax.psum / best jax_nvcomm (loop times)" + best_note)
+    _pivot(env, rows, keys, AR_METHODS + [BEST["lax.psum"]], vs(AR_METHODS))
     env.log(f"\n## all-reduce + residual + RMSNorm, bf16, world {env.world}: {_units(a)}; "
-            "speedup = psum+rmsnorm / best fused")
-    _pivot(env, rows, keys, FUSED_METHODS,
-           [("speedup", lambda g: _ratio(g, "psum+rmsnorm", FUSED_METHODS[:2]))])
+            "speedup = psum+rmsnorm / best fused" + best_note)
+    _pivot(env, rows, keys, FUSED_METHODS + [BEST["psum+rmsnorm"]], vs(FUSED_METHODS))
     env.log(f"\n## all-reduce + residual + RMSNorm + FP8 output (all_reduce_rms_norm_quant), "
             f"bf16 in, world {env.world}: {_units(a)}; fused/quant = the fused op's time / the "
-            "quant op's, same strategy (>= 0.91: within 10%)")
-    _pivot(env, rows, keys, QUANT_METHODS,
+            "quant op's, same strategy (>= 0.91: within 10%)" + best_note)
+    _pivot(env, rows, keys, QUANT_METHODS + [BEST["psum+rmsnorm+quant"]],
            [(f"fused/quant {s}", lambda g, s=s: _ratio(g, f"nvc fused {s}", [f"nvc quant {s}"]))
-            for s in ("oneshot", "twoshot")]
-           + [("speedup", lambda g: _ratio(g, "psum+rmsnorm+quant", QUANT_METHODS[:2]))])
+            for s in ("oneshot", "twoshot")] + vs(QUANT_METHODS))
+    env.log(xla_best.summary_line(rows, env.platform, a.xla_best))
+    result["meta"]["xla_best"] = xla_best.meta(rows, env.platform, a.xla_best)
     if env.world == 1:
         result["single_device"] = _single_device_report(env, a)
     if a.tune:
@@ -301,8 +315,7 @@ def run_allreduce(a):
 
 
 def _tune(env, a, min_bytes, max_bytes):
-    """Crossovers per available world size; prints a THRESHOLDS table for strategy.py."""
-    from .. import strategy
+    """Crossovers per available world size; prints them as rows of a tuning file."""
     worlds = [w for w in (2, 4, 8, 16, 32, 64) if w <= env.world] or [env.world]
     if env.nprocs > 1:
         worlds = [env.world]  # the launcher's processes: only the whole job
@@ -333,11 +346,14 @@ def _tune(env, a, min_bytes, max_bytes):
         _pivot(env, rows, [("bytes", lambda r: _human(r["bytes"]))], AR_METHODS + FUSED_METHODS)
         env.log(f"# world {w}: oneshot <= {_human(measured[w][0])}, twoshot <= "
                 f"{_human(measured[w][1])}, then lax.psum")
-    src = thresholds_source(measured, dict(strategy.THRESHOLDS))
+    rows = tuning_rows(measured)
     if env.platform == "cpu":
-        env.log("# NOTE: measured on CPU devices: do NOT paste these into strategy.py")
-    env.log("\n# paste into jax_nvcomm/strategy.py:\n" + src)
+        env.log("# NOTE: measured on CPU devices: meaningless as thresholds")
+    env.log("\n# tuning-file rows (bf16, every op; `python -m jax_nvcomm.tune` measures each op "
+            "and dtype and writes a file that communicators use, docs/tuning.md):")
+    for r in rows:
+        env.log("#   " + json.dumps(r))
     return dict(rows=rows_all, thresholds={str(k): list(v) for k, v in measured.items()},
-                source=src)
+                tuning_rows=rows)
 
 

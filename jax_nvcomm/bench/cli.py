@@ -7,7 +7,7 @@ import os
 from . import __doc__ as _DOC
 from . import step, varlen
 from .allreduce import AR_METHODS, FUSED_METHODS, QUANT_METHODS, run_allreduce
-from .common import _setup_env, add_device_time_argument
+from .common import _setup_env, add_device_time_argument, add_xla_best_argument
 from .moe import run_moe
 
 
@@ -23,9 +23,10 @@ def _parser():
         s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
         s.add_argument("--steps", type=int, default=None, help="loop steps per program")
         add_device_time_argument(s)
+        add_xla_best_argument(s)
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
-                           help="measure crossovers per world size; print THRESHOLDS")
+                           help="measure crossovers per world size; print them as tuning-file rows")
             s.add_argument("--hidden", type=int, nargs="*", help="hidden sizes")
             s.add_argument("--max-bytes", type=int, default=None)
             s.add_argument("--tokens", type=int, nargs="*",

@@ -170,17 +170,21 @@ def _program(env, mesh, body, in_specs, carry_n, unroll, steps, init=None):
                                  out_specs=jax.sharding.PartitionSpec("x")))
 
 
-def _compile(fn, args):
-    """Compile with XLA's all-reduce simplifier off (it would fold psum(psum(x)))."""
+def _compile(fn, args, options=None):
+    """Compile with XLA's all-reduce simplifier off (it would fold psum(psum(x))) and the
+    given XLA debug options (bench/xla_best.py); an option XLA refuses raises."""
     lowered = fn.lower(*args)
+    extra = dict(options or {})
     try:
-        return lowered.compile(compiler_options={"xla_disable_hlo_passes": "all-reduce-simp"})
+        return lowered.compile(compiler_options={"xla_disable_hlo_passes": "all-reduce-simp",
+                                                 **extra})
     except Exception:  # noqa: BLE001 - an XLA without that option
-        return lowered.compile()
+        return lowered.compile(compiler_options=extra) if extra else lowered.compile()
 
 
 _OP_RE = re.compile(r"=\s.*?\s([a-z][a-z0-9-]*)\(")  # "%name = type opcode(" in HLO text
-_OPS = ("all-reduce", "all-to-all", "ragged-all-to-all", "custom-call", "while", "sort")
+_OPS = ("all-reduce", "all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter",
+        "collective-permute", "custom-call", "while", "sort")
 
 
 def _hlo_ops(compiled):
@@ -204,12 +208,13 @@ def _hlo_ops(compiled):
     return counts
 
 
-def _time(env, fn, args, calls, reps, device_time=False):
+def _time(env, fn, args, calls, reps, device_time=False, compiler_options=None):
     """Per-call microseconds over `reps` runs of fn(*args); device_time: also the kernels'
-    device time per call from a profiler trace of 2 more runs (`_device_time`)."""
+    device time per call from a profiler trace of 2 more runs (`_device_time`);
+    compiler_options: XLA debug options of this compilation (bench/xla_best.py)."""
     import numpy as np
     jax = env.jax
-    fn = _compile(fn, args)
+    fn = _compile(fn, args, compiler_options)
     ops = _hlo_ops(fn)
     jax.block_until_ready(fn(*args))  # warm up
     per = []
@@ -295,6 +300,14 @@ def add_device_time_argument(s):
                         "2 more runs of each program (device 0); auto: on for GPUs")
 
 
+def add_xla_best_argument(s):
+    """--xla-best, for every bench subcommand with an "XLA best" column (bench/xla_best.py)."""
+    s.add_argument("--xla-best", choices=("auto", "on", "off"), default="auto",
+                   help="also each XLA method compiled with each fast-path flag of this XLA "
+                        "that concerns its collectives; the fastest is the 'best' column "
+                        "(auto: on for GPUs; on CPU the column equals XLA's default)")
+
+
 def _units(a) -> str:
     """What a table cell holds (see `_cell`)."""
     s = "loop us per call, median (p10-p90)"
@@ -304,13 +317,16 @@ def _units(a) -> str:
 
 
 def _measure(env, name, mesh, body, args, in_specs, carry_n, a, unroll=None, steps=None,
-             init=None):
-    """Build, run and time one method; errors become a row note instead of a crash."""
+             init=None, compiler_options=None, device_time=None):
+    """Build, run and time one method; errors become a row note instead of a crash.
+    compiler_options: XLA debug options (bench/xla_best.py); device_time: None = --device-time."""
     unroll, steps = unroll or a.unroll, steps or a.steps
+    if device_time is None:
+        device_time = getattr(a, "device_time_on", False)
     try:
         fn = _program(env, mesh, body, in_specs, carry_n, unroll, steps, init)
-        return _time(env, fn, args, 1 + unroll * steps, a.reps,
-                     device_time=getattr(a, "device_time_on", False))
+        return _time(env, fn, args, 1 + unroll * steps, a.reps, device_time=device_time,
+                     compiler_options=compiler_options)
     except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
         return _failed(env, name, e)
 

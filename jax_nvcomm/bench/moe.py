@@ -3,8 +3,10 @@
 rank, bf16 and fp8 dispatch."""
 from __future__ import annotations
 
+from . import xla_best
 from .common import (Env, _cell, _device_time_on, _human, _measure, _pivot, _plot, _put,
                      _ratio, _row0, _units, _write_json)
+
 
 def _moe_config(env, a):
     world = env.world
@@ -156,8 +158,13 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
                      ("dispatch+combine", b_both, (x, sc, ids, ey, wts), specs5, None)]
             for op, body, args, specs, init in progs:
                 row = dict(base, method=name, op=op, unroll=unroll, steps=steps)
-                row.update(_measure(env, f"{name} {op}", mesh, body, args, specs, 3, a,
-                                    unroll=unroll, steps=steps, init=init))
+
+                def run(opts=None, dev=None, body=body, args=args, specs=specs, init=init,
+                        op=op):
+                    return _measure(env, f"{name} {op}", mesh, body, args, specs, 3, a,
+                                    unroll=unroll, steps=steps, init=init,
+                                    compiler_options=opts, device_time=dev)
+                row.update(run())
                 if W == 1 and "median_us" in row:
                     pairs = T * K
                     moved = {"dispatch": T * H * isz + pairs * H * isz,
@@ -167,6 +174,13 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
                     row["GBps"] = moved[op] / (row["median_us"] * 1e-6) / 1e9
                 rows.append(row)
                 env.log(f"#   T={T} {dtype_name} {name} {op}: {_cell(row)}")
+                if name.startswith("xla") and getattr(a, "xla_best", "off") != "off":
+                    b = xla_best.best(env, f"{name} best", lambda o: run(o, False),
+                                      default=row, mode=a.xla_best)
+                    rows.append(b)
+                    if len(b["xla_variants"]) > 1:
+                        env.log(f"#   T={T} {dtype_name} {name} best {op}: {_cell(b)} "
+                                f"[{b['xla_flags']}; {b['xla_variants']}]")
     finally:
         if moe is not None:
             moe.close()
@@ -177,6 +191,8 @@ def run_moe(a):
     env = Env()
     a.device_time_on = _device_time_on(env, a)
     env.header("moe", a)
+    for line in xla_best.header_lines(env.platform, a.xla_best):
+        env.log(f"# {line}")
     cfg = _moe_config(env, a)
     env.log(f"# config: world {env.world}, experts {cfg['experts']} "
             f"({cfg['experts'] // env.world} per rank), top-{cfg['top_k']}, hidden "
@@ -190,12 +206,21 @@ def run_moe(a):
         for T in cfg["tokens"]:
             rows += _moe_point(env, mesh, cfg, T, dtype_name, a)
     env.log(f"\n## MoE dispatch/combine, world {env.world}: {_units(a)}; "
-            "speedup = best XLA reference / jax_nvcomm (loop times)")
+            "speedup = faster XLA reference / jax_nvcomm (loop times); vs best = the fastest "
+            "XLA reference with XLA's flags (header) / jax_nvcomm")
     methods = ["nvc"] + (["nvc split"] if getattr(a, "split", False) else []) + [
-        "xla ragged", "xla dense"]
-    extra = [("speedup", lambda g: _ratio(g, min(
-        ("xla ragged", "xla dense"), key=lambda m: g.get(m, {}).get("median_us", 1e300)),
-        ["nvc"]))]
+        "xla ragged", "xla dense", "xla ragged best", "xla dense best"]
+
+    def fastest(g, names):
+        return min(names, key=lambda m: g.get(m, {}).get("median_us", 1e300))
+    extra = [("speedup", lambda g: _ratio(g, fastest(g, ("xla ragged", "xla dense")), ["nvc"])),
+             ("vs best", lambda g: _ratio(g, fastest(g, ("xla ragged best", "xla dense best")),
+                                          ["nvc"])),
+             ("XLA flags", lambda g: flags_cell(g))]
+
+    def flags_cell(g):
+        m = fastest(g, ("xla ragged best", "xla dense best"))
+        return f"{m[4:-5]}: {g[m]['xla_flags']}" if m in g else "-"
     if env.world == 1:
         extra += [(f"GB/s {m}", lambda g, m=m: f"{g[m]['GBps']:.0f}"
                    if "GBps" in g.get(m, {}) else "-") for m in methods]
@@ -210,11 +235,13 @@ def run_moe(a):
         env.log("# one device: GB/s = minimal bytes / time: dispatch reads x and writes one row "
                 "per (token, k); combine reads those rows and writes y: the local pack/unpack "
                 "passes' achieved HBM bandwidth")
+    env.log(xla_best.summary_line(rows, env.platform, a.xla_best))
     _write_json(env, a.out, "moe.json", dict(
         meta=dict(platform=env.platform, topology=env.topology(), world=env.world,
                   processes=env.nprocs,
                   device_kind=env.devices[0].device_kind, unroll=a.unroll, steps=a.steps,
-                  reps=a.reps, **{k: v for k, v in cfg.items()}), rows=rows))
+                  reps=a.reps, xla_best=xla_best.meta(rows, env.platform, a.xla_best),
+                  **{k: v for k, v in cfg.items()}), rows=rows))
     series = {}
     for r in rows:
         if "median_us" in r:

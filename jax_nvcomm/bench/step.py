@@ -22,6 +22,10 @@ For every (preset, layout, phase) row and each implementation:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);
   - agreement of the two implementations' outputs (as the example checks it);
+  - XLA best (--xla-best, bench/xla_best.py): the XLA step compiled with each fast-path flag
+    of this XLA that concerns its collectives, timed in the same turns; the fastest of them
+    and XLA's default is `xla_best_ms` (`xla_best_flags` names it), `best_ratio` = it / ours;
+    on CPU devices it equals XLA's default (the flags do not apply);
   - with several local GPUs, from the same trace, each other device against device 0
     (`<impl>_skew`: when its first kernel starts and its last one ends relative to device 0's,
     and its busy time): a device that starts late makes its peers wait inside collectives.
@@ -34,6 +38,9 @@ import dataclasses
 import json
 import os
 import sys
+
+from . import xla_best
+from .common import _hlo_ops, add_xla_best_argument
 
 PRESETS = {
     "example": {},
@@ -79,6 +86,17 @@ def _row(preset, r):
                bound_ratio=(ms["xla"] / ms["none"] if ms.get("xla") and ms.get("none")
                             else None),
                sequential_ms=r.get("ms_sequential"))
+    # XLA at its best (bench/xla_best.py): the fastest of the XLA step with XLA's flags
+    best = r.get("xla_best")
+    if best and best.get("ms") is not None:
+        out.update(xla_best_ms=best["ms"], xla_best_flags=best["flags"],
+                   xla_variants=best.get("variants"), xla_variant_errors=best.get("errors"))
+    elif ms.get("xla"):
+        out.update(xla_best_ms=ms["xla"], xla_best_flags="default",
+                   xla_best_note=("no flag concerns this step's collectives" if best else
+                                  "XLA's flags not tried (CPU devices or --xla-best off)"))
+    if out.get("xla_best_ms") and ms.get("jax_nvcomm"):
+        out["best_ratio"] = out["xla_best_ms"] / ms["jax_nvcomm"]
     for impl, key in (("jax_nvcomm", "nvcomm"), ("xla", "xla")):
         s = tr.get(impl)
         if s:
@@ -104,18 +122,22 @@ def _tok(r) -> str:
 
 def format_table(rows) -> str:
     head = (f"{'preset':10} {'layout':16} {'phase':8} {'tok':>5} {'ms nvcomm':>10} "
-            f"{'ms XLA':>9} {'XLA/nvc':>8} {'1st kernel us nvc/XLA':>22} "
-            f"{'busy us nvc/XLA':>18} {'agree':>6} {'XLA/bound':>10}")
+            f"{'ms XLA':>9} {'XLA/nvc':>8} {'ms XLA best':>11} {'best/nvc':>9} "
+            f"{'1st kernel us nvc/XLA':>22} "
+            f"{'busy us nvc/XLA':>18} {'agree':>6} {'XLA/bound':>10}  XLA flags")
     lines = [head]
     for r in rows:
         fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
              f"{_fmt(r.get('xla_first_kernel_us'), '.0f')}"
         busy = f"{_fmt(r.get('nvcomm_busy_us'), '.0f')}/{_fmt(r.get('xla_busy_us'), '.0f')}"
+        bound = _fmt(r.get("bound_ratio"), ".2f") + "x" if r.get("bound_ratio") else "-"
         lines.append(f"{r['preset']:10} {r['layout']:16} {r['phase']:8} {_tok(r):>5} "
                      f"{_fmt(r['nvcomm_ms'], '.3f'):>10} {_fmt(r['xla_ms'], '.3f'):>9} "
-                     f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} {fk:>22} "
-                     f"{busy:>18} {str(r['agree']):>6} "
-                     f"{_fmt(r.get('bound_ratio'), '.2f') + 'x' if r.get('bound_ratio') else '-':>10}")
+                     f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} "
+                     f"{_fmt(r.get('xla_best_ms'), '.3f'):>11} "
+                     f"{_fmt(r.get('best_ratio'), '.2f') + 'x' if r.get('best_ratio') else '-':>9} "
+                     f"{fk:>22} {busy:>18} {str(r['agree']):>6} {bound:>10}"
+                     f"  {r.get('xla_best_flags', '-')}")
     return "\n".join(lines)
 
 
@@ -146,6 +168,15 @@ def plot(rows, path, title):
     return True
 
 
+def _variants_of(platform):
+    """cfg.xla_variants of the model run: the flags of this XLA that concern the compiled XLA
+    step's collectives (bench/xla_best.py)."""
+    def variants(compiled):
+        ops = xla_best.program_ops({"hlo_ops": _hlo_ops(compiled)})
+        return xla_best.variants(ops, platform)
+    return variants
+
+
 def run_step(a) -> int:
     from ..models import moe_transformer as mt
     mt.setup_platform(8)
@@ -162,10 +193,16 @@ def run_step(a) -> int:
     os.makedirs(a.out, exist_ok=True)
     trace_root = None if a.no_trace else os.path.join(a.trace_dir or a.out, "traces")
     presets = a.presets or (["example"] if platform == "cpu" else ["example", "moe-slice"])
+    mode = getattr(a, "xla_best", "auto")
+    if main_proc:
+        for line in xla_best.header_lines(platform, mode):
+            print(f"# {line}", flush=True)
     base = mt.Config(iters=a.iters, warmup=a.warmup, quiet=a.quiet, trace_dir=trace_root,
                      layouts=tuple(a.layouts), phases=tuple(a.phases),
                      split=True if getattr(a, "split_compare", False) else None,
-                     bound=not getattr(a, "no_bound", False))
+                     bound=not getattr(a, "no_bound", False),
+                     xla_variants=(_variants_of(platform) if xla_best.enabled(mode, platform)
+                                   else None))
     rows, ok = [], True
     for name in presets:
         cfg = preset_config(name, world, platform, base)
@@ -193,7 +230,11 @@ def run_step(a) -> int:
                   f"top-{rc.top_k}, ffn {rc.ffn}, {rc.dtype}", flush=True)
     if not main_proc:
         return 0 if ok else 1
+    best_rows = [dict(r, median_us=r["xla_best_ms"], xla_flags=r["xla_best_flags"],
+                      xla_variants={"default": r["xla_ms"], **(r.get("xla_variants") or {})})
+                 for r in rows if r.get("xla_best_ms")]
     meta = dict(machine=machine, devices=world, platform=platform,
+                xla_best=xla_best.meta(best_rows, platform, mode),
                 device_kind=devs[0].device_kind, processes=jax.process_count(),
                 jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
                 env={k: v for k, v in os.environ.items() if k.startswith("JAX_NVCOMM_")},
@@ -229,6 +270,7 @@ def run_step(a) -> int:
                                   f"busy {v['busy_us']:.0f} us")
     print(f"wrote {path}")
     print(table, flush=True)
+    print(xla_best.summary_line(best_rows, platform, mode), flush=True)
     if not ok:
         print("FAILED: jax_nvcomm and XLA disagree in some row (see 'agree')", flush=True)
     return 0 if ok else 1
@@ -236,6 +278,7 @@ def run_step(a) -> int:
 
 def add_arguments(s):
     s.add_argument("--out", default="bench_out", help="directory for JSON, table, PNG")
+    add_xla_best_argument(s)
     s.add_argument("--presets", nargs="*", choices=sorted(PRESETS),
                    help="default: example and moe-slice on GPUs, example on CPU")
     s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput",

@@ -151,6 +151,9 @@ class Config:
     bound: bool = False             # also time the step with no communication at all
                                     # (impl "none": wrong numbers, same compute; the least a
                                     # step can cost with any collectives)
+    xla_variants: object = None     # bench step: callable(compiled XLA step) -> [(label, XLA
+                                    # compiler options)]: the XLA step compiled with each is
+                                    # timed in the same turns; the fastest is "XLA best"
 
     def model_dict(self):
         keys = ("layers", "hidden", "heads", "experts", "top_k", "ffn", "shared_ffn", "tokens",
@@ -813,7 +816,8 @@ def nvc_op_name(cfg, layout, phase, comms, world):
     if comm is None:
         return "-"
     t = cfg.tokens if phase == "prefill" else cfg.decode_tokens
-    return "AR+norm " + nvc.select_strategy(comm, (t, cfg.hidden), jnp.dtype(cfg.dtype))
+    return "AR+norm " + nvc.select_strategy(comm, (t, cfg.hidden), jnp.dtype(cfg.dtype),
+                                            op="all_reduce_rms_norm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -962,6 +966,28 @@ def _trace_row(fn, args, trace_dir, name, main_proc):
     return s
 
 
+def _xla_variants(cfg, timed, args, row, prog, make_xla):
+    """The XLA step compiled with each of cfg.xla_variants' flag sets, run once (a flag that
+    fails at run time is reported in row["xla_best"]["errors"] and left out), into `timed`
+    as "xla+<label>"."""
+    import jax
+    row["xla_best"] = dict(errors={})
+    tries = cfg.xla_variants(timed["xla"])
+    if not tries:
+        return
+    fn = make_xla()
+    for label, opts in tries:
+        prog.line(f"compiling the XLA step with {label} ({opts})...")
+        try:
+            c = fn.lower(*args).compile(compiler_options=opts)
+            jax.block_until_ready(c(*args))
+            timed[f"xla+{label}"] = c
+        except Exception as e:  # noqa: BLE001 - XLA's own errors; the others still run
+            text = str(e).strip().splitlines()
+            first = text[0][:200] if text else ""
+            row["xla_best"]["errors"][label] = f"{type(e).__name__}: {first}"
+
+
 def run(cfg: Config, *, devices=None):
     """Run every requested (layout, phase, impl) step, time it, and compare the results.
 
@@ -1068,6 +1094,9 @@ def run(cfg: Config, *, devices=None):
                     res[impl] = dict(ids=ids, rows=h.shape[0], h_np=to_host0(h),
                                      ids_np=to_host0(ids, "int32"))
                     prog.line(f"{what}: {sec * 1e3:.3f} ms/step", n)
+                if cfg.xla_variants is not None and "xla" in timed:
+                    _xla_variants(cfg, timed, (x, params, cs, ()), row, prog,
+                                  lambda: make_step(cfg, mesh, layout, phase, "xla", comms))
                 if cfg.bound:
                     timed["none"] = make_step(cfg, mesh, layout, phase, "none", comms).lower(
                         x, params, cs, ()).compile()
@@ -1077,6 +1106,12 @@ def run(cfg: Config, *, devices=None):
                     row["ms_sequential"] = dict(row["ms"])
                     row["ms"].update(_time_interleaved(timed, (x, params, cs, ()),
                                                        cfg.warmup, cfg.iters))
+                if "xla_best" in row:  # the fastest XLA step, flags or not
+                    ks = [k for k in row["ms"] if k == "xla" or k.startswith("xla+")]
+                    k = min(ks, key=row["ms"].get)
+                    row["xla_best"].update(ms=row["ms"][k],
+                                           flags="default" if k == "xla" else k[4:],
+                                           variants={v: row["ms"][v] for v in ks})
                 del timed
                 cand = "jax_nvcomm" if "jax_nvcomm" in res else "xla"
                 base = res[cand] if cand == "xla" or "xla" not in res else res["xla"]

@@ -1,0 +1,321 @@
+"""`ragged_all_to_all` (docs/API.md): `lax.ragged_all_to_all`'s contract on a `Communicator`'s
+buffers, the way JAX MoE layers move tokens to their experts and back, on GPUs (NVLink, ranks
+sharing a GPU included) and on CPU devices (where XLA has no ragged all-to-all).
+
+Semantics (lax's): with K = len(input_offsets) = k * world, slice i of a rank (rows
+input_offsets[i] .. + send_sizes[i] of its operand) goes to rank i // k and lands there at
+rows output_offsets[i] .. + send_sizes[i] (the receiver's frame, given by the sender); the
+receiver's recv_sizes[r * k + j] is the row count of slice j from rank r. Rows of `output` no
+slice lands on keep their values.
+
+Kernels (csrc/common/ragged_layout.h; CUDA csrc/kernels/ragged.cuh, host
+csrc/host/ragged_host.cc): one flag-protocol call; every sender pushes each slice's rows
+straight into the receiver's landing frame at the slice's output offset, with a header entry
+(offset, size) per slice that the receiver checks against its recv_sizes. The result buffer
+aliases `output` (XLA input_output_aliases): only the rows slices land on are written.
+
+Where it runs (the same results everywhere):
+- the kernel, when the call fits the buffers (`_host.ragged_fits`: M rows of output and the
+  slice headers within one flag half, M * row bytes <= max_message_bytes);
+- XLA's `lax.ragged_all_to_all` (emulated on CPU: `reference._ragged_all_to_all`) with
+  strategy="xla" and on communicators in XLA fallback mode; calls that do not fit take it on
+  GPUs and raise a ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
+
+Transformations:
+- gradients (custom_vjp, lax's transpose rule, run with this op itself, so on CPUs and on ranks
+  sharing a GPU too): the operand's cotangent is ragged_all_to_all of the result's cotangent
+  with the roles swapped (input and output offsets exchanged among the ranks, which is one
+  more call of this op moving K two-integer rows); the output's cotangent is the result's,
+  zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
+  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp)
+  is not supported.
+- jax.vmap (custom_vmap under the custom_vjp): one call for the whole batch, as lax's batching
+  rule does it: the batch is folded into the slices per peer (k -> k * B, offsets shifted by
+  b * N and b * M).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+
+from . import _ffi, _order, _shard, reference
+from .communicator import Communicator
+
+_STRATEGIES = ("auto", "xla")
+_INDEX_NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+_WHAT = "ragged_all_to_all"
+
+
+def fits(comm, m_rows: int, row_bytes: int, k: int) -> bool:
+    """csrc/common/ragged_layout.h ragged_fits: whether a call with an output of m_rows rows of
+    row_bytes and k slices per peer goes through the communicator's buffers."""
+    return bool(_ffi._host.ragged_fits(int(comm.max_message_bytes), int(comm.world_size),
+                                       int(m_rows), int(row_bytes), int(k)))
+
+
+def _row_bytes(x) -> int:
+    return int(np.prod(x.shape[1:], dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+
+
+def _enough_bytes(comm, m_rows, row_bytes, k) -> int:
+    """The smallest max_message_bytes (a power of two from 4 KiB) that this call fits."""
+    need = 4096
+    while not _ffi._host.ragged_fits(need, comm.world_size, m_rows, row_bytes, k):
+        need *= 2
+    return need
+
+
+def _too_big(comm, m_rows, row_bytes, k, batch=1):
+    batched = f" (a vmap batch of {batch} folded into one call)" if batch > 1 else ""
+    return ValueError(
+        f"jax_nvcomm: {_WHAT}: the call{batched} does not fit the communicator's buffers: "
+        f"output of {m_rows} rows x {row_bytes} bytes = {m_rows * row_bytes} bytes with "
+        f"{k} slices per peer over {comm.world_size} ranks, max_message_bytes="
+        f"{comm.max_message_bytes}; create the Communicator with max_message_bytes >= "
+        f"{_enough_bytes(comm, m_rows, row_bytes, k)}. XLA:CPU has no ragged all-to-all to "
+        "fall back on (on GPUs such calls take lax.ragged_all_to_all)")
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+
+def _check_args(operand, output, index, comm):
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"jax_nvcomm: {_WHAT}: comm must be a jax_nvcomm.Communicator, got "
+                        f"{type(comm).__name__}")
+    operand, output = jnp.asarray(operand), jnp.asarray(output)
+    if operand.ndim < 1 or output.ndim < 1:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: operand and output must be arrays [N, ...] and "
+                         f"[M, ...] (rank >= 1), got shapes {operand.shape} and {output.shape}")
+    if operand.dtype != output.dtype:
+        raise TypeError(f"jax_nvcomm: {_WHAT}: output must have operand's dtype "
+                        f"{operand.dtype}, got {output.dtype}")
+    if operand.shape[1:] != output.shape[1:]:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: output must have operand's trailing dims "
+                         f"{operand.shape[1:]}, got shape {output.shape} (operand "
+                         f"{operand.shape})")
+    dt = jnp.dtype(operand.dtype)
+    bits = (jnp.iinfo(dt).bits if jnp.issubdtype(dt, jnp.integer) and dt != jnp.bool_ else
+            jnp.finfo(dt).bits if jnp.issubdtype(dt, jnp.floating) else 8 * dt.itemsize)
+    if bits % 8:
+        raise TypeError(f"jax_nvcomm: {_WHAT}: operand's dtype must take whole bytes, got "
+                        f"{operand.dtype} ({bits} bits)")
+    index = [jnp.asarray(a) for a in index]
+    for name, a in zip(_INDEX_NAMES, index):
+        if a.ndim != 1 or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"jax_nvcomm: {_WHAT}: {name} must be a 1-D integer array, got "
+                             f"{a.dtype}{list(a.shape)}")
+        if a.dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64)):
+            raise TypeError(f"jax_nvcomm: {_WHAT}: {name} must be int32 or int64, got {a.dtype}")
+    kinds = {str(a.dtype) for a in index}
+    if len(kinds) != 1:
+        raise TypeError(f"jax_nvcomm: {_WHAT}: input_offsets, send_sizes, output_offsets and "
+                        "recv_sizes must share one dtype (all int32 or all int64), got "
+                        + ", ".join(f"{n} {a.dtype}" for n, a in zip(_INDEX_NAMES, index)))
+    K = index[0].shape[0]
+    for name, a in zip(_INDEX_NAMES[1:], index[1:]):
+        if a.shape[0] != K:
+            raise ValueError(f"jax_nvcomm: {_WHAT}: {name} must have input_offsets' length {K},"
+                             f" got {a.shape[0]}")
+    W = comm.world_size
+    if K < 1 or K % W:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: the offset and size arrays must hold k * "
+                         f"world_size entries (world_size={W}, k >= 1 slices per peer), got "
+                         f"{K}")
+    if index[0].dtype == jnp.int32 and max(operand.shape[0], output.shape[0]) >= 2 ** 31:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: int32 offsets cannot address {operand.shape[0]}"
+                         f" / {output.shape[0]} rows: pass int64 offsets and sizes (x64)")
+    return operand, output, index
+
+
+# ---------------------------------------------------------------------------------------------
+# the XLA path and the kernel call
+
+def _xla(operand, output, io, ss, oo, rs, comm):
+    """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py). 1-byte
+    floats travel as uint8, so every bit pattern (NaN payloads of float8_e5m2) arrives."""
+    axis = comm.axis_name
+    chunk = max(1, min(operand.shape[0], output.shape[0]))  # no valid slice is longer
+    (operand, dt), (output, _) = reference._as_bits(operand), reference._as_bits(output)
+    res = reference._ragged_all_to_all(_shard.varying(operand, axis),
+                                       _shard.varying(output, axis), io, ss, oo, rs,
+                                       axis_name=axis, chunk=chunk)
+    return reference._from_bits(res, dt)
+
+
+def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):
+    """The one kernel call (FFI target "ragged_all_to_all"): (result aliasing output, token)."""
+    axis = comm.axis_name
+    args = [_shard.varying(a, axis) for a in (operand, output, io, ss, oo, rs)]
+    vma = frozenset().union(*map(_shard.vma_of, args))  # the axis included when tracked
+    rt = _shard.result_type(args[1], output.shape, output.dtype, vma)
+    return _shard.ffi_call(comm, "ragged_all_to_all", rt, *args, order=tok, aliases={1: 0})
+
+
+def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
+    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices)."""
+    k = io.shape[0] // comm.world_size
+    m, row = output.shape[0], _row_bytes(output)
+    if m == 0 or row == 0:  # nothing can land: the result is output
+        return _shard.varying(output, comm.axis_name), tok
+    if fits(comm, m, row, k):
+        return kernel(operand, output, io, ss, oo, rs, tok)
+    if comm.backend == "host":
+        raise _too_big(comm, m, row, k, batch)
+    return _xla(operand, output, io, ss, oo, rs, comm), tok
+
+
+def _kernel(comm):
+    """The kernel call as a function with its own batching rule (jax.vmap: one call)."""
+
+    @custom_vmap
+    def call(operand, output, io, ss, oo, rs, tok):
+        return _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok)
+
+    @call.def_vmap
+    def fold(axis_size, in_batched, operand, output, io, ss, oo, rs, tok):
+        B = axis_size
+        b_op, b_out, *b_idx, b_tok = in_batched
+
+        def front(a, b):
+            return a if b else jnp.broadcast_to(a, (B,) + a.shape)
+
+        operand, output = front(operand, b_op), front(output, b_out)
+        N, M = operand.shape[1], output.shape[1]
+        if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
+            raise ValueError(f"jax_nvcomm: {_WHAT}: a vmap batch of {B} folds to "
+                             f"{B * max(N, M)} rows, more than int32 offsets address: pass "
+                             "int64 offsets and sizes (x64)")
+        shift = jnp.arange(B, dtype=io.dtype)[:, None]
+        io, ss, oo, rs = (front(a, b) for a, b in zip((io, ss, oo, rs), b_idx))   # [B, K]
+        io, oo = io + shift * N, oo + shift * M
+        # lax's order: slice i of example b is folded slice i * B + b, so the B * k slices to
+        # one peer stay together (k -> k * B)
+        io, ss, oo, rs = (a.T.reshape(-1) for a in (io, ss, oo, rs))
+        if b_tok:
+            tok = tok[0]
+        res, tok = _dispatch(comm, call, operand.reshape((B * N,) + operand.shape[2:]),
+                             output.reshape((B * M,) + output.shape[2:]), io, ss, oo, rs, tok,
+                             batch=B)
+        return (res.reshape((B, M) + res.shape[1:]), tok), (True, False)
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients
+
+def _exchange(comm, oo, io):
+    """all_to_all (tiled) of output_offsets and input_offsets at once, with this op: row
+    r * k + j of the result holds (output_offsets, input_offsets) of rank r's slice me * k + j.
+    Returns (output_offsets_, input_offsets_) in this receiver's frame."""
+    K = io.shape[0]
+    k = K // comm.world_size
+    pairs = jnp.stack([oo, io], axis=1)                                       # [K, 2]
+    i = jnp.arange(K, dtype=io.dtype)
+    me = lax.axis_index(comm.axis_name).astype(io.dtype)
+    ones = jnp.ones((K,), io.dtype)
+    got = ragged_all_to_all(pairs, jnp.zeros_like(pairs), i, ones, me * k + i % k, ones, comm)
+    return got[:, 0], got[:, 1]
+
+
+def _landed(oo_, rs, m_rows):
+    """bool [M]: rows that some received slice covers."""
+    edge = jnp.zeros((m_rows + 1,), jnp.int32)
+    edge = edge.at[oo_].add(1, mode="drop").at[oo_ + rs].add(-1, mode="drop")
+    return jnp.cumsum(edge)[:m_rows] > 0
+
+
+def _with_gradient(comm, kernel, n_rows):
+    @jax.custom_vjp
+    def op(operand, output, io, ss, oo, rs, tok):
+        return _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok)
+
+    def fwd(operand, output, io, ss, oo, rs, tok):
+        return op(operand, output, io, ss, oo, rs, tok), (io, ss, oo, rs)
+
+    def bwd(res, cts):
+        io, ss, oo, rs = res
+        ct = cts[0]
+        if not jnp.issubdtype(ct.dtype, jnp.inexact):  # integer data: no cotangents
+            return (None,) * 7
+        oo_, io_ = _exchange(comm, oo, io)
+        zeros = jnp.zeros((n_rows,) + ct.shape[1:], ct.dtype)
+        d_operand = ragged_all_to_all(ct, zeros, oo_, rs, io_, ss, comm)
+        keep = ~_landed(oo_, rs, ct.shape[0]).reshape((-1,) + (1,) * (ct.ndim - 1))
+        d_output = jnp.where(keep, ct, jnp.zeros((), ct.dtype))
+        return d_operand, d_output, None, None, None, None, None
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+# ---------------------------------------------------------------------------------------------
+# public function
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      comm, *, strategy: str = "auto"):
+    """`lax.ragged_all_to_all` over `comm`'s axis, on the communicator's buffers.
+
+    Call inside `jax.shard_map` over `comm`'s mesh (a Communicator over one axis of a larger
+    mesh exchanges within each group along that axis). Every rank calls with the same shapes.
+    With K = len(input_offsets) = k * world_size: slice i of this rank, rows
+    operand[input_offsets[i] : input_offsets[i] + send_sizes[i]], goes to rank i // k and is
+    written there at rows output_offsets[i] : output_offsets[i] + send_sizes[i] (offsets in the
+    RECEIVER's frame, given by the sender); recv_sizes[r * k + j] is the row count this rank
+    receives in slice j from rank r (send_sizes must equal `all_to_all(recv_sizes)`, as lax
+    requires). Rows of `output` that no slice lands on keep their values; slices that overlap
+    in a receiver's output leave those rows unspecified.
+
+    Args:
+      operand: [N, ...] rows to send; any dtype of whole bytes (bfloat16, float16, float32,
+        float8_e4m3fn, float8_e5m2, int32, ...: rows travel as bytes); 1-D arrays are rows of
+        one element.
+      output: [M, ...] with operand's dtype and trailing dims: the values the result starts
+        from (its buffer is reused for the result where XLA can).
+      input_offsets: [K] int32 or int64, K a multiple of world_size (k slices per peer).
+      send_sizes: [K], the same integer dtype.
+      output_offsets: [K], the same integer dtype, in the receivers' frames.
+      recv_sizes: [K], the same integer dtype.
+      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      strategy: "auto" (the kernel when the call fits the buffers) or "xla"
+        (`lax.ragged_all_to_all`; on CPU devices its emulation from dense collectives).
+
+    Returns:
+      [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
+      (reverse mode, lax's transpose rule; see the module docstring), batched by jax.vmap into
+      one call.
+
+    Raises:
+      TypeError / ValueError: an argument outside the above (naming it, the expected and the
+        actual value), a call outside shard_map over the communicator's axis, or, on CPU
+        devices, a call larger than the buffers hold (naming the sizes and the
+        max_message_bytes that would hold it).
+      JaxRuntimeError (at run time, kernel path): a slice outside operand/output on some rank
+        (the error names the rank, the slice and the bound it breaks, the host backend also
+        its offsets, size, N and M; its peers report that rank), or
+        ranks disagreeing on the sizes (naming the receiver, the sender, the slice and both
+        counts); a peer that never arrives fails after the communicator's timeout_s, naming it.
+    """
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: strategy must be one of {_STRATEGIES}, got "
+                         f"{strategy!r}")
+    operand, output, index = _check_args(
+        operand, output, (input_offsets, send_sizes, output_offsets, recv_sizes), comm)
+    _shard.check_context(comm, _WHAT)
+    if strategy == "xla" or comm.xla_fallback:
+        return _xla(operand, output, *index, comm)
+    axis = comm.axis_name
+    # operand and output vary over every axis any argument varies over (and the axis), like
+    # the result, so that their cotangents come back typed like them (JAX adds the transposes
+    # of these casts: psums over the axes they did not vary over)
+    vma = frozenset({axis}).union(*map(_shard.vma_of, [operand, output] + index))
+    for a in sorted(vma, key=str):
+        operand, output = _shard.varying(operand, a), _shard.varying(output, a)
+    op = _with_gradient(comm, _kernel(comm), operand.shape[0])
+    out, tok = op(operand, output, *index, _order.token(axis))
+    _order.record(tok)
+    return out

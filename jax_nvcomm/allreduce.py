@@ -229,7 +229,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
         return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
     call = fused_call(comm, strategy, eps, _kernel_fused, xla_all_reduce_rms_norm,
-                      add_rms_norm, 2)
+                      add_rms_norm, 2, what)
 
     @jax.custom_jvp
     def fused(v, res, w, tok):
@@ -250,12 +250,12 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     return normed, res_out
 
 
-def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, xla):
+def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, xla, what):
     """One device's fused call on x, res [..., tokens, hidden] (its own rows): the leading dims
     fold into rows. Returns (*outs, tok), outs shaped [..., tokens, last dim of the kernel's]."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), res.reshape(-1, hidden)
-    strat = _pick(comm, strategy, x2.shape, x2.dtype, "all_reduce_rms_norm")
+    strat = _pick(comm, strategy, x2.shape, x2.dtype, what)
     if strat == "xla":
         outs = xla(x2, r2, w, comm.axis_name, eps)
     else:
@@ -263,7 +263,7 @@ def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, xla):
     return (*[o.reshape(lead + o.shape[1:]) for o in outs], tok)
 
 
-def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs):
+def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs, what):
     """The kernel call of a fused op (all_reduce_rms_norm, all_reduce_rms_norm_quant),
     `(x, residual, weight, tok) -> (*outs, tok)`, x and residual [..., tokens, hidden] (rows
     independent: split over auto mesh axes by `_shard.per_device`).
@@ -271,7 +271,7 @@ def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs):
     kernel(x2, r2, w, tok, comm, strategy, eps) -> (*outs, tok) makes the FFI call on
     [rows, hidden]; xla(x2, r2, w, axis, eps) -> outs is the "xla" strategy; finish(s,
     residual, weight, eps) -> outs is XLA's add + norm (+ quantisation) of an all-reduced sum;
-    n_outs: how many outs (each [rows, ...]).
+    n_outs: how many outs (each [rows, ...]); what: the op's name (strategy table row, errors).
 
     Under vmap (`_fused_rule`): an unbatched weight folds the batch into rows, ONE fused call
     (an unbatched residual is broadcast: residual_out is per batch element anyway). A batched
@@ -279,7 +279,8 @@ def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs):
     then `finish` in XLA: not fused, same arithmetic as the "xla" strategy."""
     def call(x, res, w, tok):
         rows = tuple(range(x.ndim - 1))
-        local = lambda a, b, c, t: _local_fused(a, b, c, t, comm, strategy, eps, kernel, xla)
+        local = lambda a, b, c, t: _local_fused(a, b, c, t, comm, strategy, eps, kernel, xla,
+                                                what)
         return _shard.per_device(comm, local, (x, res, w), tok, (rows, rows, ()),
                                  (rows,) * n_outs)
 

@@ -124,7 +124,7 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
             x, residual, weight)
 
     fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant,
-                                xla_all_reduce_rms_norm_quant, _add_rms_norm_quant, 3))
+                                xla_all_reduce_rms_norm_quant, _add_rms_norm_quant, 3, what))
     q, scale, res_out, tok = fused(x, residual, weight, _order.token(axis))
     _order.record(tok)
     return q, scale, res_out

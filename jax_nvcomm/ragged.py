@@ -32,6 +32,9 @@ Transformations:
 - jax.vmap (custom_vmap under the custom_vjp): one call for the whole batch, as lax's batching
   rule does it: the batch is folded into the slices per peer (k -> k * B, offsets shifted by
   b * N and b * M).
+- partially manual shard_map (`axis_names` leaving mesh axes to the compiler): the kernel call
+  runs through `_shard.per_device`, the dims after the rows split over those axes where they
+  divide (docs/API.md, "lax parity").
 """
 from __future__ import annotations
 
@@ -173,7 +176,12 @@ def _kernel(comm):
 
     @custom_vmap
     def call(operand, output, io, ss, oo, rs, tok):
-        return _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok)
+        # per device (partially manual shard_maps): rows move, the dims after them are
+        # independent (split over auto mesh axes where they divide), the index arrays whole
+        dims = tuple(range(1, operand.ndim))
+        return _shard.per_device(comm, lambda *a: _ffi_ragged(comm, *a),
+                                 (operand, output, io, ss, oo, rs), tok,
+                                 (dims, dims, (), (), (), ()), (dims,))
 
     @call.def_vmap
     def fold(axis_size, in_batched, operand, output, io, ss, oo, rs, tok):

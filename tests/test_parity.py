@@ -10,7 +10,8 @@ Explicit axes; jax.set_mesh. check_vma True everywhere, False where typing diffe
 
 References (written here, from lax): psum; psum + add + RMSNorm; all_gather; a padded
 all_gather + compaction (all_gather_v) and padded psum_scatter in float32 (reduce_scatter_v);
-reference.moe_dispatch_xla / moe_combine_xla. Gathers and dispatched rows are compared bit for
+reference.moe_dispatch_xla / moe_combine_xla; lax.ragged_all_to_all (on CPU devices its
+emulation from lax.all_to_all, reference._ragged_all_to_all). Gathers and dispatched rows are compared bit for
 bit; sums within float32 tolerance (another summation order); FP8 outputs within one FP8 step.
 The MoE ops cannot fold a batch into one call: vmap forms check the named error. Each program
 also counts its kernel calls: ONE per op call in the plain, partial and vmap forms."""
@@ -26,7 +27,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.reference import moe_combine_xla, moe_dispatch_xla, rms_norm_reference
+from jax_nvcomm.reference import (_ragged_all_to_all, moe_combine_xla, moe_dispatch_xla,
+                                  rms_norm_reference)
+from ragged_cases import make_call
 
 W, DP, B, L = 4, 2, 2, 2          # tp size, dp size, micro-batches, scanned layers
 E, K, T, H = 8, 2, 4, 32          # MoE: experts, top_k, tokens per rank, hidden
@@ -278,8 +281,31 @@ class MoE:
         _tol(a[2], b[2], 1e-6)
 
 
+class Ragged:
+    name, calls, grads, vmap_error = "ragged_all_to_all", 1, True, None
+    ref_loop = True  # lax.ragged_all_to_all's batching rule takes 1-D operands only
+
+    def args(self, rng, odd, nb):
+        n, m = (5, 7) if odd else (6, 8)
+        index = make_call(rng, W, 2, n, m)                         # [W, K] each, k = 2
+        return [Arg(_rand(rng, nb, (W * n, 8)), True, True, True),
+                Arg(_rand(rng, nb, (W * m, 8)), True, True, True)] + \
+            [Arg(a.reshape(-1).astype(np.int32), True, False) for a in index]
+
+    def ours(self, c, m, operand, output, *index):
+        return (nvc.ragged_all_to_all(operand, output, *index, c),)
+
+    def ref(self, operand, output, *index):
+        """lax.ragged_all_to_all (its emulation from lax.all_to_all on CPU devices)."""
+        return (_ragged_all_to_all(operand, output, *index, axis_name="tp",
+                                   chunk=min(operand.shape[0], output.shape[0])),)
+
+    def compare(self, a, b):
+        _same(a[0], b[0])
+
+
 OPS = [AllReduce(), Fused(), Fused(batched_weight=True), Quant(), AllGather(), AllGatherV(),
-       ReduceScatterV(), MoE(), MoE(split=True)]
+       ReduceScatterV(), MoE(), MoE(split=True), Ragged()]
 
 
 def _whole(x):
@@ -329,14 +355,24 @@ def _grads(f, args, diff):
     return jax.grad(loss, argnums=tuple(range(len(idx))))(*[args[i] for i in idx])
 
 
+def _vmap_loop(f, in_axes):
+    """jax.vmap(f, in_axes) as a loop over the B micro-batches (for a lax reference that
+    cannot be vmapped)."""
+    def run(*a):
+        outs = [f(*[v[b] if ax == 0 else v for v, ax in zip(a, in_axes)]) for b in range(B)]
+        return jax.tree.map(lambda *o: jnp.stack(o), *outs)
+    return run
+
+
 def _body(form, op, c, m, args):
     """(our outputs, the lax reference's) of the op in `form`, on the local shards."""
     ours = lambda *a: tuple(op.ours(c, m, *a))
     ref = lambda *a: tuple(op.ref(*[_whole(v) for v in a]))
     in_axes = [0 if a.batched else None for a in args]
     diff = [a.diff for a in args]
+    vmap_ref = _vmap_loop if getattr(op, "ref_loop", False) else jax.vmap
     if form in ("vmap", "vmap_partial"):
-        return jax.vmap(ours, in_axes=in_axes), jax.vmap(ref, in_axes=in_axes)
+        return jax.vmap(ours, in_axes=in_axes), vmap_ref(ref, in_axes=in_axes)
     if form == "scan":
         def layers(f):
             def run(*a):
@@ -350,10 +386,10 @@ def _body(form, op, c, m, args):
                 lambda *a: _grads(ref, a, diff))
     if form == "grad_vmap":
         return (lambda *a: _grads(jax.vmap(ours, in_axes=in_axes), a, diff),
-                lambda *a: _grads(jax.vmap(ref, in_axes=in_axes), a, diff))
+                lambda *a: _grads(vmap_ref(ref, in_axes=in_axes), a, diff))
     if form == "vmap_grad":
         return (jax.vmap(lambda *a: _grads(ours, a, diff), in_axes=in_axes),
-                jax.vmap(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
+                vmap_ref(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
     return ours, ref
 
 
@@ -433,3 +469,157 @@ def test_parity(comms, rng, op, form, check_vma):
             _tol(a, b, 1e-5)
     else:
         op.compare(ours, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mechanism itself: what the nested shard_map splits, and that a plain call has none
+
+def _eqns(jaxpr):
+    """Every equation of a (closed) jaxpr, sub-jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else [v]):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from _eqns(sub)
+
+
+def _norm(spec):
+    """A PartitionSpec as a tuple without trailing Nones (P("dp", None) == P("dp"))."""
+    t = tuple(spec)
+    while t and t[-1] is None:
+        t = t[:-1]
+    return t
+
+
+def _inner_specs(mesh, f, *args, axis_names=frozenset({"tp"})):
+    """in_specs of the shard_maps nested in `f`'s partially manual body (the kernel calls')."""
+    smap = jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                         axis_names=set(axis_names))
+    with jax.set_mesh(mesh):
+        eqns = list(_eqns(jax.make_jaxpr(smap)(*args)))
+    return [e.params["in_specs"] for e in eqns if e.primitive.name == "shard_map"
+            and e.params["newly_manual_axes"] == frozenset({"dp"})]
+
+
+@pytest.mark.parametrize("case,shape,want", [
+    ("all_reduce", (4, 32), P("dp")),          # rows divide: split them
+    ("all_reduce", (3, 32), P(None, "dp")),    # else the next dim that divides
+    ("all_reduce", (3, 5), P()),               # none divides: whole (every dp group all data)
+    ("fused", (3, 32), P()),                   # rows only (RMSNorm reads the whole row)
+    ("fused", (4, 32), P("dp")),
+    ("all_gather", (4, 6), P(None, "dp")),     # never the gathered dim
+    ("ragged", (4, 8), P(None, "dp")),         # the dims after the rows
+    ("moe", (T, H), P()),                      # routing orders all tokens: whole
+])
+def test_nested_shard_map_splits_an_independent_dim(comms, case, shape, want):
+    c, m = comms["dp_tp"]
+    x = jnp.zeros((W * shape[0],) + shape[1:], jnp.float32)
+    ops = {
+        "all_reduce": lambda v: nvc.all_reduce(v, c)[None],
+        "fused": lambda v: nvc.all_reduce_rms_norm(v, v, jnp.ones(v.shape[1:]), c)[0][None],
+        "all_gather": lambda v: nvc.all_gather(v, c)[None],
+        "ragged": lambda v: nvc.ragged_all_to_all(v, v, *[jnp.zeros(W, jnp.int32)] * 4, c)[None],
+        "moe": lambda v: nvc.moe_dispatch(v, jnp.zeros((T, K), jnp.int32) - 1, m).expert_x[None],
+    }
+    specs = _inner_specs(c.mesh, ops[case], x)
+    assert specs and _norm(specs[0][0]) == _norm(want), specs
+
+
+def test_explicit_axes_follow_the_typed_sharding(comms):
+    """Explicit dp: the kernel call splits what the data's type splits (here the hidden dim,
+    not the rows the Auto rule would pick), and the result keeps lax.psum's typed sharding."""
+    c, _ = comms["explicit"]
+    mesh = c.mesh
+    x = jax.device_put(jnp.zeros((W * 4, 32), jnp.float32), NamedSharding(mesh, P("tp", "dp")))
+    types = []
+
+    def f(v):
+        out, ref = nvc.all_reduce(v, c), lax.psum(v, "tp")
+        types.append((jax.typeof(out).sharding.spec, jax.typeof(ref).sharding.spec))
+        return out[None]
+
+    assert _norm(_inner_specs(mesh, f, x)[0][0]) == _norm(P(None, "dp"))
+    assert types[0][0] == types[0][1], types
+
+
+def test_plain_call_adds_nothing(comms):
+    """Fully manual: no nested shard_map, one FFI call, no reshape or transpose around it (the
+    compiled HLO of these programs was diffed against the code before this wrapper: equal)."""
+    c, m = comms["plain"]
+    x = jnp.zeros((W * 4, 32), jnp.float32)
+    for f in (lambda v: nvc.all_reduce(v, c), lambda v: nvc.all_gather(v, c),
+              lambda v: nvc.all_reduce_rms_norm(v, v, jnp.ones(32), c)[0]):
+        smap = jax.shard_map(f, mesh=c.mesh, in_specs=P("tp"), out_specs=P("tp"))
+        names = [e.primitive.name for e in _eqns(jax.make_jaxpr(smap)(x))]
+        assert names.count("shard_map") == 1 and names.count("ffi_call") == 1, names
+        assert not {"reshape", "transpose"} & set(names), names
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap: the rules' other branches
+
+@pytest.mark.parametrize("what", ["all_gather_v", "reduce_scatter_v"])
+def test_vmap_of_batched_counts_is_a_named_error(comms, what):
+    c, _ = comms["plain"]
+
+    def f(x, n):
+        if what == "all_gather_v":
+            return jax.vmap(lambda v, k: nvc.all_gather_v(v, k, c)[0])(x, n)[None]
+        off = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(n[:, None] *
+                                                                        jnp.ones((B, W),
+                                                                                 jnp.int32),
+                                                                        axis=1)], axis=1)
+        return jax.vmap(lambda v, o: nvc.reduce_scatter_v(v, o, c))(x, off)[None]
+
+    arg = "num_rows" if what == "all_gather_v" else "offsets"
+    x = jnp.zeros((B, W * W * 4, 8), jnp.float32)
+    smap = jax.shard_map(f, mesh=c.mesh, in_specs=(P(None, "tp"), P()), out_specs=P("tp"))
+    with pytest.raises(NotImplementedError, match=f"{what}: vmap with a batched {arg}"):
+        jax.jit(smap).lower(x, jnp.ones((B,), jnp.int32))
+
+
+def test_vmap_batch_past_the_buffers_takes_xla(rng):
+    """A batch folded into one message larger than max_message_bytes: lax.psum /
+    lax.all_gather (as for any large message), same results; a "oneshot" request whose folded
+    message outgrew the Lamport slot runs the other kernel."""
+    mesh = _mesh("plain")
+    with nvc.Communicator(mesh, "tp", max_message_bytes=8192) as c:
+        x = jnp.asarray(rng.standard_normal((8, W * 2, 256)), jnp.float32)  # 2 KiB a call
+        s = x[:2]  # a gather of 8 KiB (two of 16 KiB), a one-shot message of 2 KiB (two: 4)
+
+        def f(v, u):
+            return (jax.vmap(lambda a: nvc.all_reduce(a, c, strategy="twoshot"))(v)[None],
+                    jax.vmap(lambda a: nvc.all_gather(a, c))(u)[None],
+                    jax.vmap(lambda a: nvc.all_reduce(a, c, strategy="oneshot"))(u)[None],
+                    lax.psum(v, "tp")[None], lax.all_gather(u, "tp", axis=1, tiled=True)[None],
+                    lax.psum(u, "tp")[None])
+
+        prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "tp"), out_specs=P("tp")))
+        assert 2 * 2 * 256 * 4 > c.lamport_slot_bytes  # the folded one-shot message outgrew it
+        assert _kernel_calls(prog, (x, s)) == 1  # only the one-shot request, as two-shot
+        a, g, o, ra, rg, ro = prog(x, s)
+        _tol(a, ra, 1e-6)
+        _same(g, rg)
+        _tol(o, ro, 1e-6)
+
+
+def test_vmap_fused_unbatched_x_reduces_once(comms, rng):
+    """x unbatched, residual batched: ONE all-reduce of x, then XLA's add + RMSNorm per
+    batch element (residual_out differs per element, the sum does not)."""
+    c, _ = comms["plain"]
+    x = jnp.asarray(rng.standard_normal((W * 4, H)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((B, W * 4, H)), jnp.float32)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.float32)
+
+    def f(v, rr, ww):
+        ours = jax.vmap(lambda q: nvc.all_reduce_rms_norm(v, q, ww, c, eps=EPS))(rr)
+        ref = jax.vmap(lambda q: Fused().ref(v, q, ww))(rr)
+        return jax.tree.map(lambda o: o[None], (ours, ref))
+
+    prog = jax.jit(jax.shard_map(f, mesh=c.mesh, in_specs=(P("tp"), P(None, "tp"), P()),
+                                 out_specs=P("tp")))
+    assert _kernel_calls(prog, (x, r, w)) == 1
+    ours, ref = prog(x, r, w)
+    Fused().compare(ours, ref)

@@ -11,10 +11,11 @@ Explicit axes; jax.set_mesh. check_vma True everywhere, False where typing diffe
 References (written here, from lax): psum; psum + add + RMSNorm; all_gather; a padded
 all_gather + compaction (all_gather_v) and padded psum_scatter in float32 (reduce_scatter_v);
 reference.moe_dispatch_xla / moe_combine_xla; lax.ragged_all_to_all (on CPU devices its
-emulation from lax.all_to_all, reference._ragged_all_to_all). Gathers and dispatched rows are compared bit for
-bit; sums within float32 tolerance (another summation order); FP8 outputs within one FP8 step.
-The MoE ops cannot fold a batch into one call: vmap forms check the named error. Each program
-also counts its kernel calls: ONE per op call in the plain, partial and vmap forms."""
+emulation from lax.all_to_all, reference._ragged_all_to_all). Gathers and dispatched rows are
+compared bit for bit; sums within float32 tolerance (another summation order); FP8 outputs
+within one FP8 step. The MoE ops cannot fold a batch into one call: vmap forms check the
+named error. Each program also counts its kernel calls: ONE per op call in the plain, partial
+and vmap forms."""
 import dataclasses
 import re
 

@@ -64,6 +64,9 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     `lax.all_gather`. Gradients: the tangent is `lax.all_gather` of the input tangent.
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.all_gather` instead, with the same results.
+    Partially manual shard_map: the non-gathered dims split over the auto mesh axes where they
+    divide, else whole. jax.vmap: each rank's batch goes in ONE message, the gathered blocks
+    are moved in place after it (a transpose of the result).
 
     Args:
       x: the local shard, any dtype; rank >= 1 when tiled.

@@ -118,6 +118,10 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     for every strategy. Gradients: the tangent is `lax.psum` of the input tangent.
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.psum` instead, with the same results.
+    Where lax.psum works, this works (docs/API.md, "lax parity"): in a partially manual
+    shard_map each device calls the kernel on its share of x (split over the auto mesh axes
+    along the first dim they divide, else whole); under jax.vmap the batch is more elements,
+    ONE call.
 
     Args:
       x: the local shard, bfloat16, float16 or float32, any shape.
@@ -197,6 +201,10 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     round the sum to x.dtype before the add, as `lax.psum` + add does: README "Decisions".)
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.psum` + XLA's add + RMSNorm instead, with the same results.
+    Partially manual shard_map: the rows split over the auto mesh axes where they divide,
+    else whole. jax.vmap: with an unbatched weight the batch folds into rows, ONE fused call;
+    with a batched weight (or an unbatched x and a batched residual) ONE all_reduce of x, then
+    XLA's add + RMSNorm (the "xla" strategy's arithmetic, not fused).
 
     Args:
       x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a

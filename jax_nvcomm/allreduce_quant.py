@@ -81,7 +81,9 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
     Non-finite values: a row whose r holds a NaN or an inf has a NaN normed, so its scale and
     every q of the row are NaN (e4m3fn has no inf); an infinite weight gives scale = inf and
     q = NaN where normed is inf, 0 elsewhere. On a communicator in XLA fallback mode
-    (`comm.xla_fallback`) it runs the "xla" strategy.
+    (`comm.xla_fallback`) it runs the "xla" strategy. Partially manual shard_map and jax.vmap
+    as `all_reduce_rms_norm` (a batched weight: the kernel all-reduce, then XLA's add +
+    RMSNorm + quantisation).
 
     Args:
       x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a

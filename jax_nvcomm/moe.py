@@ -10,6 +10,9 @@ world * max_tokens rows and max_tokens * top_k combine slots, never with num_exp
 Gradients (custom_vjp): the forward passes run our kernels; the backward passes are written
 with XLA collectives (`lax.psum_scatter`, `lax.all_gather`) from the handle, so they need a
 backend where XLA's collectives run (not several ranks sharing one GPU).
+
+Every kernel call (here and in moe_split.py) goes through `moe_call`: whole over the auto
+axes of a partially manual shard_map (`_shard.per_device`), and a named error under jax.vmap.
 """
 from __future__ import annotations
 
@@ -327,6 +330,8 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `reference.moe_dispatch_xla` (`lax.ragged_all_to_all`) instead, with the same results.
     Its handle is then an `XlaMoEHandle` (expert_src not filled).
+    Partially manual shard_map: every group along the auto mesh axes dispatches all the
+    tokens (the routing orders rows across them: nothing splits); jax.vmap raises (below).
 
     Args:
       x: [max_tokens, hidden] of moe.dtype.
@@ -350,6 +355,9 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
       TypeError / ValueError: shapes or dtypes other than the above, x_scale missing or
         unexpected, a constant num_tokens out of range. Bad ids found on the device fail the
         call on that rank (and its peers at once) with a named error.
+      NotImplementedError: under jax.vmap (a call carries max_tokens tokens, each
+        micro-batch's rows are counted and ordered on their own): fold the micro-batches into
+        the tokens, or call once per micro-batch. The same for moe_combine and the split halves.
     """
     what = "moe_dispatch"
     if not isinstance(moe, MoECommunicator):
@@ -406,6 +414,7 @@ def moe_combine(expert_y, topk_weights, handle, moe):
     Raises:
       TypeError / ValueError: shapes or dtypes other than the above, a handle that is not a
         `MoEHandle`.
+      NotImplementedError: under jax.vmap (as moe_dispatch).
     """
     what = "moe_combine"
     if not isinstance(moe, MoECommunicator):

@@ -295,7 +295,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
       (reverse mode, lax's transpose rule; see the module docstring), batched by jax.vmap into
-      one call.
+      one call; in a partially manual shard_map the dims after the rows split over the auto
+      mesh axes where they divide.
 
     Raises:
       TypeError / ValueError: an argument outside the above (naming it, the expected and the

@@ -27,6 +27,11 @@ every row everywhere, as `lax.all_gather(..., to="invarying")`); y and y_mine va
 - all_gather_v, check_vma=False (nothing tracked, so the cotangent of gathered is per rank):
   reduce_scatter_v of it, i.e. our reduce-scatter kernel, as for `lax.all_gather`.
 Forward-mode (`jax.jvp`) is not supported (custom_vjp).
+
+Kernel calls (`gather_v_call`, `scatter_v_call`): per device through `_shard.per_device`
+(the dims after the rows split over the auto axes of a partially manual shard_map), and
+custom_vmap functions: a batch with one count (or one offsets array) for every element widens
+every row, ONE call; batched counts are refused by name.
 """
 from __future__ import annotations
 
@@ -249,6 +254,10 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
         dominates a decode step gathered into a prefill-sized buffer; only safe when nothing
         reads those rows (garbage, e.g. NaN, times a zero cotangent is still NaN).
 
+    Partially manual shard_map: the dims after the rows split over the auto mesh axes where
+    they divide, else whole. jax.vmap with num_rows unbatched: the batch widens every row, ONE
+    call (a transpose in and out); a batched num_rows raises NotImplementedError.
+
     Returns:
       (gathered, offsets, total): gathered [world_size * max_rows, ...], rank r's rows at
       offsets[r] .. offsets[r+1] - 1, rows from total on zero (with zero_tail; API.md:
@@ -260,6 +269,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     Raises:
       ValueError: x a scalar, num_rows not an integer scalar or (constant) out of range, a
         call outside shard_map over the communicator's axis.
+      NotImplementedError: jax.vmap with a batched num_rows.
     """
     what = "all_gather_v"
     _shard.check_context(comm, what)
@@ -320,6 +330,9 @@ def reduce_scatter_v(y, offsets, comm):
         ranks passing different offsets fail with a named error on the kernel path).
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
 
+    Partially manual shard_map and jax.vmap as `all_gather_v` (batched offsets:
+    NotImplementedError).
+
     Returns:
       y_mine [max_rows, ...] in y.dtype, varying across the axis. Gradient: all_gather_v of
       the cotangent (rows past the total zero).
@@ -327,6 +340,7 @@ def reduce_scatter_v(y, offsets, comm):
     Raises:
       TypeError / ValueError: y's dtype, a first dimension not a multiple of world_size, offsets
         not int32 [world_size + 1], a call outside shard_map over the communicator's axis.
+      NotImplementedError: jax.vmap with batched offsets.
     """
     what = "reduce_scatter_v"
     _shard.check_context(comm, what)

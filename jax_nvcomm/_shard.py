@@ -206,12 +206,14 @@ def per_device(comm, fn, args, tok, in_dims, out_dims):
     made whole first, `jax.sharding.reshard`); Auto axes go to the first such dim their size
     divides. An axis that finds none leaves the data whole on it: every group along it then
     makes the same call on all of the data, which is correct but moves that axis's size times
-    the bytes (docs/API.md, "lax parity"). The token goes in and comes out whole.
+    the bytes (docs/API.md, "lax parity"). The token goes in and comes out whole. An op's XLA
+    path goes through here too (tok None: `fn(*args) -> outs`), so that its indexing runs on
+    per-device arrays, which Explicit axes do not type.
 
     Args:
       comm: the op's communicator (its mesh names the axes).
       fn: the kernel call; runs on the per-device shards.
-      args: tuple of arrays; tok: the order token.
+      args: tuple of arrays; tok: the order token, or None (fn takes and returns none).
       in_dims, out_dims: per argument / result (token excluded), tuples of dims as above;
         both None: every argument and result whole (ops that cannot split their data).
 
@@ -221,24 +223,25 @@ def per_device(comm, fn, args, tok, in_dims, out_dims):
     am = jax.sharding.get_abstract_mesh()
     auto = tuple(a for a in comm.mesh.axis_names if a not in am.manual_axes)
     if not auto:
-        return fn(*args, tok)
+        return fn(*args) if tok is None else fn(*args, tok)
     types = dict(zip(am.axis_names, am.axis_types))
     explicit = frozenset(a for a in auto if types[a] == jax.sharding.AxisType.Explicit)
     whole = jax.sharding.PartitionSpec()
+    toks = () if tok is None else (tok,)
+    tracked = comm.axis_name in vma_of(varying(args[0], comm.axis_name) if tok is None else tok)
     if in_dims is None:  # every argument and result whole
         in_dims, out_specs = ((),) * len(args), whole
     lead = next((i for i, d in enumerate(in_dims) if d), None)
     assign = _assign(am, auto, explicit, None if lead is None else args[lead],
                      in_dims[lead] if lead is not None else ())
     if out_dims is not None:
-        out_specs = (*[_spec(_parts(d, assign)) for d in out_dims], whole)
+        out_specs = (*[_spec(_parts(d, assign)) for d in out_dims], *(whole for _ in toks))
     if explicit:  # shard_map takes Explicit axes only as the arguments are typed
         args = [_as_split(x, _parts(d, assign, explicit), explicit)
                 for x, d in zip(args, in_dims)]
     outs = jax.shard_map(
-        fn, in_specs=(*[_spec(_parts(d, assign)) for d in in_dims], whole),
-        out_specs=out_specs, axis_names=frozenset(auto),
-        check_vma=comm.axis_name in vma_of(tok))(*args, tok)
+        fn, in_specs=(*[_spec(_parts(d, assign)) for d in in_dims], *(whole for _ in toks)),
+        out_specs=out_specs, axis_names=frozenset(auto), check_vma=tracked)(*args, *toks)
     return tuple(outs)
 
 

@@ -126,7 +126,7 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
         return _FallbackSent((x, topk_ids, num_tokens, x_scale), "dispatch")
     _inflight.check_send(moe, what)
     axis = moe.axis_name
-    T, K, S = moe.max_tokens, moe.top_k, moe.scale_cols
+    T, K = moe.max_tokens, moe.top_k
     nt = jnp.asarray(T if num_tokens is None else num_tokens).astype(jnp.int32)
 
     def kernel(x, ids, nt, *rest):

@@ -84,11 +84,7 @@ def _vma_tracked(x, axis) -> bool:
 
 def xla_all_gather_v(x, nr, axis, world):
     """Padded `lax.all_gather` (invariant) of x and of the counts, then compaction."""
-    max_rows = x.shape[0]
-    if world == 1:  # rows from num_rows on are zero, as for any group (API.md)
-        offsets = jnp.stack([jnp.int32(0), nr])
-        valid = (jnp.arange(max_rows, dtype=jnp.int32) < nr).reshape((-1,) + (1,) * (x.ndim - 1))
-        return jnp.where(valid, x, jnp.zeros((), x.dtype)), offsets, nr
+    max_rows = x.shape[0]  # (a group of one too: the results are typed as for any group)
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
     counts = lax.all_gather(nr, axis, to="invarying")                     # [W]
@@ -110,7 +106,8 @@ def xla_reduce_scatter_v(y, offsets, axis, world):
     j = jnp.arange(max_rows, dtype=jnp.int32)
     idx = jnp.clip(offsets[:-1, None] + j[None, :], 0, y.shape[0] - 1)     # [W, max_rows]
     valid = (j[None, :] < counts[:, None]).reshape((world, max_rows) + (1,) * (y.ndim - 1))
-    padded = jnp.where(valid, y[idx].astype(jnp.float32), 0.0)
+    rows = jnp.take(y, idx.reshape(-1), axis=0).reshape(idx.shape + y.shape[1:])  # (Explicit
+    padded = jnp.where(valid, rows.astype(jnp.float32), 0.0)          # axes: a flat index)
     if world == 1:
         return padded[0].astype(y.dtype)
     return lax.psum_scatter(_shard.varying(padded, axis), axis, scatter_dimension=0,
@@ -283,7 +280,10 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     row = _row_bytes(x)
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0
             or not fits(comm, max_rows, row)):
-        return xla_all_gather_v(x, jnp.clip(nr, 0, max_rows), axis, W)
+        dims = tuple(range(1, x.ndim))
+        return _shard.per_device(comm, lambda a, n: xla_all_gather_v(a, n, axis, W),
+                                 (x, jnp.clip(nr, 0, max_rows)), None, (dims, ()),
+                                 (dims, (), ()))
     tracked = _vma_tracked(x, axis)
     float_x = jnp.issubdtype(x.dtype, jnp.inexact)
 
@@ -359,7 +359,9 @@ def reduce_scatter_v(y, offsets, comm):
     row = _row_bytes(y)
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0 or row % 16
             or not fits(comm, max_rows, row)):
-        return xla_reduce_scatter_v(y, offsets, axis, W)
+        dims = tuple(range(1, y.ndim))
+        return _shard.per_device(comm, lambda a, o: (xla_reduce_scatter_v(a, o, axis, W),),
+                                 (y, offsets), None, (dims, ()), (dims,))[0]
 
     call = scatter_v_call(comm)
 

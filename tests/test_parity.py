@@ -41,7 +41,7 @@ EPS = 1e-5
 # meshes and communicators
 
 def _mesh(kind):
-    devs = np.array(jax.devices()[:8])
+    devs = np.array(jax.devices()[:W * DP])
     if kind == "plain":
         return jax.sharding.Mesh(devs[:W], ("tp",))
     if kind == "dp_tp":
@@ -52,18 +52,28 @@ def _mesh(kind):
                              axis_types=(AxisType.Explicit,) * 2)
 
 
-@pytest.fixture(scope="module")
-def comms():
+def make_comms():
+    """{mesh kind: (Communicator, MoECommunicator)} over "tp" of each mesh."""
     out = {}
     for kind in ("plain", "dp_tp", "tp_dp", "explicit"):
         mesh = _mesh(kind)
         out[kind] = (nvc.Communicator(mesh, "tp", max_message_bytes=1 << 20),
                      nvc.MoECommunicator(mesh, "tp", num_experts=E, top_k=K, max_tokens=T,
                                          hidden=H, dtype=jnp.float32))
-    yield out
+    return out
+
+
+def close_comms(out):
     for c, m in out.values():
         c.close()
         m.close()
+
+
+@pytest.fixture(scope="module")
+def comms():
+    out = make_comms()
+    yield out
+    close_comms(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +404,7 @@ def _body(form, op, c, m, args):
     return ours, ref
 
 
-def _program(form, op, comms, rng, check_vma):
+def _program(form, op, comms, rng, check_vma, shard_dp=True):
     """(jitted program, its global arguments, its mesh); the program returns (ours, ref) with
     every output stacked over tp ([W, ...]: each rank's copy)."""
     kind = MESH_OF[form]
@@ -422,11 +432,11 @@ def _program(form, op, comms, rng, check_vma):
         kw["mesh"] = mesh
     smap = jax.shard_map(body, **kw)
     values = [jnp.ones((1,), jnp.int32)] + values
-    if not partial or form == "partial_tp_dp":
+    if kind != "explicit" and (not partial or form == "partial_tp_dp" or not shard_dp):
         return jax.jit(smap), values, mesh
     # rows split over dp too, by jit's in/out shardings (Explicit axes: the arrays' own types)
     shard_in = [NamedSharding(mesh, P())] + [
-        NamedSharding(mesh, P(*[None] * d, ("tp", "dp")) if a.rank and
+        NamedSharding(mesh, P(*[None] * d, ("tp", "dp")) if a.rank and shard_dp and
                       v.shape[d] % (W * DP) == 0 else s)
         for a, d, s, v in zip(args, tp_dim, specs, values[1:])]
     values = [jax.device_put(v, s) for v, s in zip(values, shard_in)]
@@ -450,19 +460,21 @@ CASES += [(op, form, False) for op in OPS for form in ("plain", "partial_dp_tp",
 
 
 @pytest.mark.parametrize("op,form,check_vma", CASES, ids=lambda v: getattr(v, "name", str(v)))
-def test_parity(comms, rng, op, form, check_vma):
+def test_parity(comms, rng, op, form, check_vma, shard_dp=True):
     if form in GRAD_FORMS and not op.grads:
         pytest.skip(f"{op.name} has no gradient (an inference op)")
     if op.vmap_error and form in VMAP_FORMS:
         with pytest.raises(NotImplementedError, match=re.escape(op.vmap_error)):
-            jitted, values, mesh = _program(form, op, comms, rng, check_vma)
+            jitted, values, mesh = _program(form, op, comms, rng, check_vma, shard_dp)
             with jax.set_mesh(mesh):
                 jitted.lower(*values)
         return
-    jitted, values, mesh = _program(form, op, comms, rng, check_vma)
+    jitted, values, mesh = _program(form, op, comms, rng, check_vma, shard_dp)
     with jax.set_mesh(mesh):
-        if form in ("plain", "partial_dp_tp", "partial_tp_dp", "vmap", "vmap_partial",
-                    "explicit", "set_mesh"):  # ONE kernel call per op call, whatever the form
+        if W > 1 and form in ("plain", "partial_dp_tp", "partial_tp_dp", "vmap",
+                              "vmap_partial", "explicit", "set_mesh"):
+            # ONE kernel call per op call, whatever the form (a group of one may take XLA's
+            # path: the GPU module runs this matrix with world 1 on one GPU)
             assert _kernel_calls(jitted, values) == op.calls
         ours, ref = jitted(*values)
     if form in GRAD_FORMS:  # the gradients of every differentiated argument
@@ -470,6 +482,33 @@ def test_parity(comms, rng, op, form, check_vma):
             _tol(a, b, 1e-5)
     else:
         op.compare(ours, ref)
+
+
+@pytest.fixture(scope="module")
+def comms_of_one():
+    """Communicators over a "tp" axis of one device (dp = 2): groups of one."""
+    global W, DP
+    saved, (W, DP) = (W, DP), (1, 2)
+    try:
+        out = make_comms()
+    finally:
+        W, DP = saved
+    yield out
+    close_comms(out)
+
+
+@pytest.mark.parametrize("op,form", [(op, form) for op in OPS for form in
+                                     ("plain", "partial_dp_tp", "vmap_partial", "cond",
+                                      "explicit", "remat_grad")],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_parity_group_of_one(comms_of_one, rng, monkeypatch, op, form):
+    """Groups of one (the XLA paths of all_gather and the v-ops, world-1 paths of the others)
+    keep the parity, typing included (a cond's branches must agree). The arguments are not
+    sharded over dp by jit here: XLA then refuses lax.psum over the manual axis of size 1
+    ("Cross-partition allreduce must be in (partial) manual partitioning mode")."""
+    monkeypatch.setitem(globals(), "W", 1)
+    monkeypatch.setitem(globals(), "DP", 2)
+    test_parity(comms_of_one, rng, op, form, True, shard_dp=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,7 +587,7 @@ def test_explicit_axes_follow_the_typed_sharding(comms):
 def test_plain_call_adds_nothing(comms):
     """Fully manual: no nested shard_map, one FFI call, no reshape or transpose around it (the
     compiled HLO of these programs was diffed against the code before this wrapper: equal)."""
-    c, m = comms["plain"]
+    c, _ = comms["plain"]
     x = jnp.zeros((W * 4, 32), jnp.float32)
     for f in (lambda v: nvc.all_reduce(v, c), lambda v: nvc.all_gather(v, c),
               lambda v: nvc.all_reduce_rms_norm(v, v, jnp.ones(32), c)[0]):

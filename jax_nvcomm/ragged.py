@@ -139,22 +139,11 @@ def _check_args(operand, output, index, comm):
 
 def _xla(operand, output, io, ss, oo, rs, comm):
     """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py), per device
-    (`_shard.per_device`: its row indexing on per-device arrays). 1-byte floats travel as
-    uint8, so every bit pattern (NaN payloads of float8_e5m2) arrives."""
+    (`_shard.per_device`: its row indexing on per-device arrays)."""
     dims = tuple(range(1, operand.ndim))
-    return _shard.per_device(comm, lambda *a: (_xla_local(*a, comm),),
-                             (operand, output, io, ss, oo, rs), None,
-                             (dims, dims, (), (), (), ()), (dims,))[0]
-
-
-def _xla_local(operand, output, io, ss, oo, rs, comm):
-    axis = comm.axis_name
-    chunk = max(1, min(operand.shape[0], output.shape[0]))  # no valid slice is longer
-    (operand, dt), (output, _) = reference._as_bits(operand), reference._as_bits(output)
-    res = reference._ragged_all_to_all(_shard.varying(operand, axis),
-                                       _shard.varying(output, axis), io, ss, oo, rs,
-                                       axis_name=axis, chunk=chunk)
-    return reference._from_bits(res, dt)
+    return _shard.per_device(
+        comm, lambda *a: (reference.ragged_all_to_all_xla(*a, axis_name=comm.axis_name),),
+        (operand, output, io, ss, oo, rs), None, (dims, dims, (), (), (), ()), (dims,))[0]
 
 
 def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):

@@ -215,6 +215,30 @@ def _auto_pieces(world, chunk, ragged_pieces):
     return max(1, min(chunk, 512 // world))  # ~512 blocks over all peers: HBM/NVLink speed
 
 
+def ragged_all_to_all_xla(operand, output, input_offsets, send_sizes, output_offsets,
+                          recv_sizes, *, axis_name):
+    """`lax.ragged_all_to_all(..., axis_name=axis_name)` wherever XLA implements it (GPU), and
+    on XLA:CPU, which has no ragged-all-to-all, an emulation from `lax.all_to_all` that moves
+    the same rows to the same places (each slice padded to min(operand rows, output rows), so
+    it moves world x that many rows per call: a stand-in for tests and CPU runs). 1-byte
+    floats travel as uint8, so every bit pattern (NaN payloads of float8_e5m2) arrives.
+
+    Args:
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes: as
+        `lax.ragged_all_to_all` (slices of one call must land in disjoint output rows).
+      axis_name: the mapped axis (inside `jax.shard_map`).
+
+    Returns:
+      `output` with the received slices written in, as `lax.ragged_all_to_all`.
+    """
+    chunk = max(1, min(int(operand.shape[0]), int(output.shape[0])))  # no valid slice is longer
+    (operand, dt), (output, _) = _as_bits(operand), _as_bits(output)
+    res = _ragged_all_to_all(_shard.varying(operand, axis_name), _shard.varying(output, axis_name),
+                             input_offsets, send_sizes, output_offsets, recv_sizes,
+                             axis_name=axis_name, chunk=chunk)
+    return _from_bits(res, dt)
+
+
 def _num_tokens(num_tokens, max_tokens):
     if num_tokens is None:
         return jnp.int32(max_tokens)

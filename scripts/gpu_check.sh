@@ -27,6 +27,16 @@
 #                                      op in every form next to lax, world = local GPUs; ~5 min)
 #                            paritymp  tests/mp/parity_mp.py: 2 and 4 processes sharing GPU 0
 #                                      (and one per GPU on 2+), forward forms against numpy
+#   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
+#                                      no package build): every case and error case, memcheck,
+#                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
+#                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
+#                                      training step), then 2 and 4 processes sharing GPU 0, nvc
+#                                      only, against the one-GPU results (~5 min)
+#   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
+#                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
+#                                      + high-throughput rows, then 2 processes sharing GPU 0
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -83,7 +93,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-ensure_built
+[ "${MODES[*]}" = raggedk ] || ensure_built  # the kernel harness alone needs no package
 
 run_part() {
 case "$1" in
@@ -99,14 +109,34 @@ shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
 harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
-  [ -x build/ar_h ] && [ -x build/moe_h ] ||
-    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & wait"
+  [ -x build/ar_h ] && [ -x build/moe_h ] && [ -x build/ragged_h ] ||
+    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu & wait"
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
   step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
+  # ragged_all_to_all: every case (error cases included) in child processes, then memcheck
+  step ragged_harness 240 build/ragged_h
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  ;;
+raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
+  # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
+  # graph-time table (decode 1-8 tokens, prefill 512-4096 tokens x top-8 x 7168 bf16)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  [ -x build/ragged_h ] || step ragged_build 240 \
+    $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu
+  step ragged_harness 240 build/ragged_h
+  grep -A80 "=== ragged_harness" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
+  step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "misaligned|many blocks|k=70"
+  grep -A80 "=== memcheck_ragged" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  step ragged_time 300 build/ragged_h --graph-time
+  grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
+  cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -340,7 +370,29 @@ raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
     compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
   grep -E "ERROR SUMMARY|Invalid|PASS ragged" "$OUT/all.log" | tail -4 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|parity|paritymp|tune1|tuneN]..." >&2; exit 2 ;;
+moeragged)  # examples/moe_ragged.py: world 1 (nvc, lax and the dense reference agree; lax's
+  # results stored), then ranks sharing GPU 0 (no NCCL: nvc only) against the stored results
+  step mr_1gpu 240 $PY examples/moe_ragged.py --devices 1 --save-ref /tmp/moe_ragged_ref.npz
+  for n in 2 4; do
+    step mr_sh$n 240 $L -n $n --share-gpu --timeout 235 examples/moe_ragged.py --impl nvc \
+      --ref /tmp/moe_ragged_ref.npz
+  done
+  grep -E "^(\[rank [0-9]+\] )?(moe_ragged:|lax :|nvc :|nvc vs|lax vs|error)" "$OUT/all.log" | \
+    tail -20 | tee -a "$OUT/summary.txt"
+  ;;
+benchragged)  # nvc.ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes, every local GPU
+  step bench_ragged 560 $PY -m jax_nvcomm.bench ragged --out "$OUT/ragged" --reps 7
+  grep -A40 "^## ragged_all_to_all" "$OUT/all.log" | grep -v "^\[" | tee -a "$OUT/summary.txt"
+  ;;
+stepragged)  # bench step's ep-ragged layout beside high-throughput, both presets, one process;
+  # then 2 processes sharing GPU 0 (jax_nvcomm's steps only)
+  step step_ragged 360 $PY -m jax_nvcomm.bench step --layouts ep-ragged high-throughput \
+    --out "$OUT/step_ragged" --iters 20 --no-trace
+  step step_ragged_sh2 200 $L -n 2 --share-gpu --timeout 195 -m jax_nvcomm.bench step \
+    --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
+  tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

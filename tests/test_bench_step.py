@@ -11,7 +11,7 @@ import pytest
 from jax_nvcomm.bench import cli
 from jax_nvcomm.models import moe_transformer as mt
 
-LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe")
+LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe", "ep-ragged")
 
 
 def test_bench_step_rows_have_turns_bound_and_agreement(tmp_path, capsys):
@@ -82,6 +82,8 @@ def test_the_bound_step_has_no_communication(layout):
             comms["tp"] = nvc.Communicator(mesh, "tp", max_message_bytes=1 << 20)
         elif layout == "dp-attn-tp-moe":
             comms["dp"] = nvc.Communicator(mesh, "dp", max_message_bytes=1 << 20)
+        elif layout == "ep-ragged":
+            comms["ragged"] = nvc.Communicator(mesh, "ep", max_message_bytes=1 << 20)
         else:
             comms[("ep", "decode")] = nvc.MoECommunicator(
                 mesh, "ep", num_experts=cfg.experts, top_k=cfg.top_k,

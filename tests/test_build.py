@@ -49,7 +49,8 @@ def _spills_per_function(out):
 
 @needs_nvcc
 @pytest.mark.parametrize("src", ["csrc/cuda/allreduce.cu", "csrc/cuda/moe.cu",
-                                 "csrc/cuda/allgather.cu", "csrc/cuda/varlen.cu"])
+                                 "csrc/cuda/allgather.cu", "csrc/cuda/varlen.cu",
+                                 "csrc/cuda/ragged.cu"])
 def test_no_register_spills(tmp_path, src):
     out = nvcc("-c", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                os.path.join(ROOT, src), "-o", str(tmp_path / "k.o"))

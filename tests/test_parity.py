@@ -11,7 +11,7 @@ Explicit axes; jax.set_mesh. check_vma True everywhere, False where typing diffe
 References (written here, from lax): psum; psum + add + RMSNorm; all_gather; a padded
 all_gather + compaction (all_gather_v) and padded psum_scatter in float32 (reduce_scatter_v);
 reference.moe_dispatch_xla / moe_combine_xla; lax.ragged_all_to_all (on CPU devices its
-emulation from lax.all_to_all, reference._ragged_all_to_all). Gathers and dispatched rows are
+emulation from lax.all_to_all, reference.ragged_all_to_all_xla). Gathers and dispatched rows are
 compared bit for bit; sums within float32 tolerance (another summation order); FP8 outputs
 within one FP8 step. The MoE ops cannot fold a batch into one call: vmap forms check the
 named error. Each program also counts its kernel calls: ONE per op call in the plain, partial
@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.reference import (_ragged_all_to_all, moe_combine_xla, moe_dispatch_xla,
+from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla, ragged_all_to_all_xla,
                                   rms_norm_reference)
 from ragged_cases import make_call
 
@@ -308,8 +308,7 @@ class Ragged:
 
     def ref(self, operand, output, *index):
         """lax.ragged_all_to_all (its emulation from lax.all_to_all on CPU devices)."""
-        return (_ragged_all_to_all(operand, output, *index, axis_name="tp",
-                                   chunk=min(operand.shape[0], output.shape[0])),)
+        return (ragged_all_to_all_xla(operand, output, *index, axis_name="tp"),)
 
     def compare(self, a, b):
         _same(a[0], b[0])

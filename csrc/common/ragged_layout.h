@@ -33,17 +33,24 @@
 //      (kErrRaggedSlice, observed = ragged_slice_detail(i, which field)) after raising the
 //      poison flag make_flag(s, kRaggedPoisonDesc) of every block at every peer, so peers fail
 //      at once (kErrMismatch naming this rank) instead of timing out.
-//   2. Push: for every peer d != me and block b: copy block b's share of the rows of slices
-//      d*k .. d*k+k-1 (rows [n*b/G, n*(b+1)/G) of each slice of n rows: ragged_split) from the
-//      operand into d's half p frame at the slice's output offset; write all k header entries
-//      for d (every block writes the same values, so block b's flag alone publishes them);
-//      __syncthreads; publish flags[p][0][me][b] at d (st.release.sys).
-//   3. Receive: slices to myself are copied straight from the operand into the result. For every
+//   2. Push: for every peer d != me and block b: copy block b's share of each of the slices
+//      d*k .. d*k+k-1 from the operand into d's half p frame at the slice's output offset; write
+//      all k header entries for d (every block writes the same values, so block b's flag alone
+//      publishes them); __syncthreads; publish flags[p][0][me][b] at d (st.release.sys).
+//      Block b's share of a slice landing at frame bytes [a, e) (a = output offset * row_bytes,
+//      e = a + size * row_bytes) is bytes [ragged_cut(a, e, G, b), ragged_cut(a, e, G, b + 1)):
+//      G near-equal byte ranges cut at 16-byte aligned frame offsets, so that a slice of one
+//      long row (decode) still spreads over every block and each range starts vector-aligned.
+//   3. Receive: slices to myself are copied straight from the operand into the result, after
+//      checking send_sizes[me * k + j] == recv_sizes[me * k + j] (else kErrRaggedRecv, peer =
+//      me, observed = ragged_recv_detail(j, sent, expected)). For every
 //      src != me: wait (bounded, the communicator's deadline) for flags[p][0][src][b]; read
 //      header[src * k + j]; check its size == recv_sizes[src * k + j], else fail
 //      (kErrRaggedRecv, peer = src, observed = ragged_recv_detail(j, sent, expected)); copy block
-//      b's share of the slice's rows from my frame to the result at the header's offset. A
-//      header offset outside [0, M - size] cannot come from a sender that passed step 1.
+//      b's share of the slice (the same ragged_cut ranges, from the header's offset and size)
+//      from my frame to the same byte offsets of the result. A header offset outside
+//      [0, M - size] cannot come from a sender that passed step 1 (memory corruption:
+//      kErrRaggedSlice, peer = src, observed = ragged_slice_detail(src * k + j, 4)).
 //   4. finish_call: the last block advances Ctrl::seq (the kernel itself, so CUDA-graph
 //      replays need no host code).
 // The result buffer aliases `output` (XLA input_output_aliases), so rows nothing lands on keep
@@ -94,8 +101,28 @@ NVC_HD uint32_t ragged_desc(int64_t n, int64_t m, size_t row_bytes, int64_t k) {
   return make_desc(kOpRaggedAllToAll, uint64_t(n) * 0x100000001B3ull ^ uint64_t(m),
                    uint64_t(row_bytes) * 0x10001ull ^ uint64_t(k));
 }
-// Rows [ragged_split(n, g, b), ragged_split(n, g, b + 1)) of a slice of n rows are block b's.
-NVC_HD int64_t ragged_split(int64_t n, int g, int b) { return n * b / g; }
+// Block b's (of g) share of a slice at frame bytes [a, e) is [ragged_cut(a, e, g, b),
+// ragged_cut(a, e, g, b + 1)): the g near-equal parts of [a, e), each cut rounded down to a
+// multiple of 16 (never below a). Non-decreasing in b, ragged_cut(.., 0) = a, (.., g) = e, so
+// the parts tile [a, e); a part may be empty. One block (the host protocol): the whole slice.
+NVC_HD int64_t ragged_cut(int64_t a, int64_t e, int g, int b) {
+  if (b <= 0) return a;
+  if (b >= g) return e;
+  const int64_t c = (a + (e - a) * b / g) & ~int64_t(15);
+  return c < a ? a : c;
+}
+
+// Step 1 for one slice (input offset, size, output offset) of a call with n operand and m
+// output rows: the first field out of bounds (ragged_slice_detail's field numbers), or -1.
+// Written so that no sum can overflow.
+NVC_HD int ragged_slice_field(int64_t in, int64_t size, int64_t out, int64_t n, int64_t m) {
+  if (in < 0) return 0;
+  if (size < 0) return 1;
+  if (in > n - size) return 2;
+  if (out < 0) return 3;
+  if (out > m - size) return 4;
+  return -1;
+}
 
 // kErrRaggedSlice detail: the slice index in bits 0..31, the field in bits 32..39
 // (0 input_offsets, 1 send_sizes, 2 input_offsets + send_sizes > N, 3 output_offsets,

@@ -37,6 +37,11 @@ cudaError_t ragged_all_to_all(const CommView& v, const RaggedArgs& a, cudaStream
 const char* ragged_check(const CommView& v, const RaggedArgs& a);
 // Blocks per launch (pure function of the static sizes).
 int ragged_grid(int64_t n_rows, int64_t m_rows, size_t row_bytes, int64_t k, int world);
+// Blocks ragged_all_to_all launches for this call: ragged_grid, and with v.context_ranks > 1
+// (virtual ranks of one process sharing a GPU: the harness) at most the GPU's resident blocks
+// of this kernel / context_ranks, so that every rank's blocks run at once (a rank's blocks spin
+// on its peers' flags with no preemption between them). Requires ragged_check(v, a) == nullptr.
+int ragged_blocks(const CommView& v, const RaggedArgs& a);
 cudaError_t ragged_load_kernels();
 
 }  // namespace cuda

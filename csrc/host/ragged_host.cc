@@ -17,15 +17,9 @@ int64_t at(const void* p, bool is64, int64_t i) {
 
 // The first field of slice i outside its bounds (ragged_slice_detail's codes), -1 if none.
 int bad_field(const RaggedHostArgs& a, int64_t i) {
-  const int64_t io = at(a.input_offsets, a.offsets_64, i);
-  const int64_t ss = at(a.send_sizes, a.offsets_64, i);
-  const int64_t oo = at(a.output_offsets, a.offsets_64, i);
-  if (io < 0) return 0;
-  if (ss < 0) return 1;
-  if (io > a.n_rows - ss) return 2;
-  if (oo < 0) return 3;
-  if (oo > a.m_rows - ss) return 4;
-  return -1;
+  return ragged_slice_field(at(a.input_offsets, a.offsets_64, i),
+                            at(a.send_sizes, a.offsets_64, i),
+                            at(a.output_offsets, a.offsets_64, i), a.n_rows, a.m_rows);
 }
 
 std::string slice_numbers(const RaggedHostArgs& a, int64_t i, int dest) {

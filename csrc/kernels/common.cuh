@@ -55,6 +55,24 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Poll (one thread) until *flag == make_flag(seq, desc): kErrNone. Or a disagreement (same seq,
+// other descriptor: kErrMismatch), a peer that is ahead (kErrAhead) or the deadline passed
+// (kErrTimeout), with the flag value last seen in *seen. Records nothing: for callers that report
+// on their block's way out, where no state is live across fail()'s call.
+__device__ __forceinline__ uint32_t poll_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
+                                              uint64_t deadline, uint64_t* seen) {
+  const uint64_t want = make_flag(seq, desc);
+  uint32_t spins = 0;
+  while (true) {
+    const uint64_t f = ld_acquire_sys(flag);
+    *seen = f;
+    if (f == want) return kErrNone;
+    if (flag_seq(f) == seq) return kErrMismatch;
+    if (flag_seq(f) > seq) return kErrAhead;
+    if ((++spins & 255u) == 0u && globaltimer() > deadline) return kErrTimeout;
+  }
+}
+
 // Volatile 16-byte load (bypasses L1: data written by peers since this SM last looked).
 __device__ __forceinline__ uint4 ld_volatile_v4(const void* p) {
   uint4 v;
@@ -95,20 +113,16 @@ static __device__ __noinline__ void fail(ErrorInfo* err, uint32_t code, uint32_t
   __trap();
 }
 
-// Wait (one thread) until *flag == make_flag(seq, desc). Reports a timeout, a disagreement
-// (same seq, other descriptor) or a peer that is ahead.
-__device__ __forceinline__ void wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
+// Wait (one thread) until *flag == make_flag(seq, desc): true. Else records poll_flag's failure
+// naming `peer` (fail) and returns false (unreachable while fail() traps; callers that exit their
+// block cleanly on false need no change when it stops).
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
                                           const CommView& v, int peer, uint64_t deadline) {
-  const uint64_t want = make_flag(seq, desc);
-  uint32_t spins = 0;
-  while (true) {
-    uint64_t f = ld_acquire_sys(flag);
-    if (f == want) return;
-    if (flag_seq(f) == seq) fail(v.err, kErrMismatch, desc, v.rank, peer, seq, f);
-    if (flag_seq(f) > seq) fail(v.err, kErrAhead, desc, v.rank, peer, seq, f);
-    if ((++spins & 255u) == 0u && globaltimer() > deadline)
-      fail(v.err, kErrTimeout, desc, v.rank, peer, seq, f);
-  }
+  uint64_t f = 0;
+  const uint32_t code = poll_flag(flag, seq, desc, deadline, &f);
+  if (code == kErrNone) return true;
+  fail(v.err, code, desc, v.rank, peer, seq, f);
+  return false;
 }
 
 // Per-call start: every block reads the call's sequence number.
@@ -156,6 +170,21 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
   st_release_sys(flag, value);
 }
 
+// Raise the poison flag make_flag(s, poison_desc) of every block < nblocks of this rank at every
+// peer (flag-protocol phase 0), then record the error (fail). One thread. A peer waiting for any
+// of these flags then reports kErrMismatch naming this rank at once instead of timing out. No
+// release: a poison flag publishes no data.
+__device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int nblocks,
+                                            uint32_t poison_desc, uint32_t code, uint32_t desc,
+                                            int peer, uint64_t observed) {
+  const uint64_t f = make_flag(s, poison_desc);
+  for (int r = 0; r < v.world; ++r)
+    if (r != v.rank)
+      for (int b = 0; b < nblocks; ++b)
+        st_relaxed_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
+  fail(v.err, code, desc, v.rank, peer, s, observed);
+}
+
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):
 // probe(i) syncs the block, then thread 0 of block 0 (-DNVC_PROBE_LAST: of the last block, which
 // owns the fused one-shot's row when tokens < blocks) adds the SM cycles since the previous probe
@@ -193,6 +222,57 @@ __device__ __forceinline__ void probe(int) {}
 // Read-only (non-coherent path) 16-byte load: for kernel inputs nobody writes during the call.
 __device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// ---- block-wide byte copy --------------------------------------------------------------------
+// One load of V (uint4, uint2, unsigned, unsigned short, unsigned char): kCoherent, data a peer
+// wrote during this call and published by a flag this block acquired (ld.global.cg, L2); else
+// data nobody writes during the call (ld.global.nc).
+template <bool kCoherent, typename V>
+__device__ __forceinline__ V ld_copy(const V* p) {
+  if constexpr (kCoherent) return __ldcg(p);
+  else return __ldg(p);
+}
+
+// The block copies n bytes at src to dst in accesses of V: bytes before dst's first V-aligned
+// address and after the last whole V one by one, the V's between four per thread and round
+// (four independent loads in flight before their stores). Needs dst == src modulo sizeof(V).
+template <bool kCoherent, typename V>
+__device__ __forceinline__ void block_copy_as(char* dst, const char* src, size_t n) {
+  constexpr size_t w = sizeof(V);
+  const size_t t = threadIdx.x, nt = blockDim.x;
+  size_t head = (w - (reinterpret_cast<uintptr_t>(dst) & (w - 1))) & (w - 1);
+  if (head > n) head = n;
+  const size_t nv = (n - head) / w;
+  const size_t tail = head + nv * w;
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(src);
+  if (t < head) dst[t] = char(ld_copy<kCoherent>(sb + t));
+  if (t < n - tail) dst[tail + t] = char(ld_copy<kCoherent>(sb + tail + t));
+  V* d = reinterpret_cast<V*>(dst + head);
+  const V* s = reinterpret_cast<const V*>(src + head);
+  size_t i = t;
+  for (; i + 3 * nt < nv; i += 4 * nt) {
+    const V a0 = ld_copy<kCoherent>(s + i), a1 = ld_copy<kCoherent>(s + i + nt);
+    const V a2 = ld_copy<kCoherent>(s + i + 2 * nt), a3 = ld_copy<kCoherent>(s + i + 3 * nt);
+    d[i] = a0;
+    d[i + nt] = a1;
+    d[i + 2 * nt] = a2;
+    d[i + 3 * nt] = a3;
+  }
+  for (; i < nv; i += nt) d[i] = ld_copy<kCoherent>(s + i);
+}
+
+// The block copies n bytes at src to dst (any alignment) in the widest accesses both allow: 16
+// bytes when dst == src modulo 16, else 8, 4, 2 or 1. Call from every thread of the block with
+// the same arguments; no barrier inside. kCoherent: see ld_copy.
+template <bool kCoherent>
+__device__ __forceinline__ void block_copy(char* dst, const char* src, size_t n) {
+  const uintptr_t mis = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  if ((mis & 15u) == 0) block_copy_as<kCoherent, uint4>(dst, src, n);
+  else if ((mis & 7u) == 0) block_copy_as<kCoherent, uint2>(dst, src, n);
+  else if ((mis & 3u) == 0) block_copy_as<kCoherent, unsigned>(dst, src, n);
+  else if ((mis & 1u) == 0) block_copy_as<kCoherent, unsigned short>(dst, src, n);
+  else block_copy_as<kCoherent, unsigned char>(dst, src, n);
 }
 
 // ---- 16-byte vectors of T (float, __nv_bfloat16, __half) <-> float32 --------------------

@@ -44,25 +44,6 @@
 namespace nvc {
 namespace dev {
 
-// Copy bytes [begin, end) of src to the same offsets of dst with the block: 16-byte vectors when
-// both are 16-byte aligned there, bytes otherwise. coherent_src: src was written by a peer and
-// published by a flag this block acquired (L2-coherent loads).
-__device__ __forceinline__ void varlen_copy(char* dst, const char* src, size_t begin, size_t end,
-                                            bool coherent_src) {
-  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         begin) & 15u) == 0;
-  size_t i = begin;
-  if (aligned) {
-    const size_t vend = begin + (end - begin) / 16 * 16;
-    for (size_t o = begin + size_t(threadIdx.x) * 16; o < vend; o += size_t(blockDim.x) * 16)
-      st_v4(dst + o, coherent_src ? ld_cg_v4(src + o) : ld_nc_v4(src + o));
-    i = vend;
-  }
-  for (size_t o = i + threadIdx.x; o < end; o += blockDim.x)
-    dst[o] = coherent_src ? static_cast<char>(__ldcg(reinterpret_cast<const signed char*>(src + o)))
-                          : src[o];
-}
-
 constexpr int kVarlenThreads = 512;
 
 // Zero bytes [begin, end) of dst with the block (16-byte stores where aligned).
@@ -75,17 +56,6 @@ __device__ __forceinline__ void varlen_zero(char* dst, size_t begin, size_t end)
   for (size_t o = a + size_t(threadIdx.x) * 16; o < vend; o += size_t(blockDim.x) * 16)
     st_v4(dst + o, make_uint4(0, 0, 0, 0));
   for (size_t o = vend + threadIdx.x; o < end; o += blockDim.x) dst[o] = 0;
-}
-
-// Raise the poison flag of call s for every block at every peer, then record and trap.
-__device__ __forceinline__ void varlen_poison_fail(const CommView& v, uint64_t s, int nblocks,
-                                                   uint32_t code, uint32_t desc, int peer,
-                                                   uint64_t observed) {
-  const uint64_t f = make_flag(s, kVarlenPoisonDesc);
-  for (int r = 0; r < v.world; ++r)
-    if (r != v.rank)
-      for (int b = 0; b < nblocks; ++b) st_release_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
-  fail(v.err, code, desc, v.rank, peer, s, observed);
 }
 
 __device__ __forceinline__ uint64_t count_detail(int64_t count, int64_t max_rows) {
@@ -104,7 +74,8 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
   const int64_t n = __ldg(num_rows);
   if (n < 0 || n > max_rows) {
     if (threadIdx.x == 0)
-      varlen_poison_fail(v, seq, G, kErrRowCount, desc, v.rank, count_detail(n, max_rows));
+      poison_fail(v, seq, G, kVarlenPoisonDesc, kErrRowCount, desc, v.rank,
+                  count_detail(n, max_rows));
     return;  // not reached (trap)
   }
   const size_t r0 = size_t(varlen_split(n, G, b)) * row_bytes;
@@ -114,7 +85,7 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
   for (int i = 1; i < v.world; ++i) {
     const int r = (v.rank + i) % v.world;
     char* h = v.half(r, p);
-    if (r0 < r1) varlen_copy(varlen_slot(h, v.rank, slot_bytes), in, r0, r1, false);
+    if (r0 < r1) block_copy<false>(varlen_slot(h, v.rank, slot_bytes) + r0, in + r0, r1 - r0);
     if (threadIdx.x == 0) varlen_header(h)[v.rank] = int32_t(n);
   }
   __syncthreads();
@@ -133,7 +104,7 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
     int64_t c;
     if (src == v.rank) {
       c = n;
-      if (r0 < r1) varlen_copy(out + size_t(off) * row_bytes, in, r0, r1, false);
+      if (r0 < r1) block_copy<false>(out + size_t(off) * row_bytes + r0, in + r0, r1 - r0);
     } else {
       if (threadIdx.x == 0) {
         wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
@@ -147,7 +118,8 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
       const size_t a = size_t(varlen_split(c, G, b)) * row_bytes;
       const size_t e = size_t(varlen_split(c, G, b + 1)) * row_bytes;
       if (a < e)
-        varlen_copy(out + size_t(off) * row_bytes, varlen_slot(mine, src, slot_bytes), a, e, true);
+        block_copy<true>(out + size_t(off) * row_bytes + a, varlen_slot(mine, src, slot_bytes) + a,
+                         e - a);
     }
     if (b == 0 && threadIdx.x == 0) offsets_out[src] = int32_t(off);
     off += c;
@@ -185,8 +157,8 @@ __global__ void __launch_bounds__(kVarlenThreads) reduce_scatter_v_kernel(
       if ((r == 0 && s_off[0] != 0) || c < 0 || c > max_rows) s_bad = r;
     }
     if (s_bad >= 0)
-      varlen_poison_fail(v, seq, G, kErrRowCount, desc, s_bad,
-                         count_detail(int64_t(s_off[s_bad + 1]) - s_off[s_bad], max_rows));
+      poison_fail(v, seq, G, kVarlenPoisonDesc, kErrRowCount, desc, s_bad,
+                  count_detail(int64_t(s_off[s_bad + 1]) - s_off[s_bad], max_rows));
   }
   __syncthreads();
 
@@ -198,7 +170,8 @@ __global__ void __launch_bounds__(kVarlenThreads) reduce_scatter_v_kernel(
     const size_t e = size_t(varlen_split(c, G, b + 1)) * row_bytes;
     char* h = v.half(r, p);
     if (a < e)
-      varlen_copy(varlen_slot(h, me, slot_bytes), y + size_t(s_off[r]) * row_bytes, a, e, false);
+      block_copy<false>(varlen_slot(h, me, slot_bytes) + a, y + size_t(s_off[r]) * row_bytes + a,
+                        e - a);
     if (threadIdx.x == 0) varlen_header(h)[me] = int32_t(c);
   }
   __syncthreads();

@@ -5,6 +5,8 @@
   moe        moe_dispatch / moe_combine against the XLA references (loop; bench/moe.py)
   varlen     all_gather_v / reduce_scatter_v against padded all_gather and zero-filled psum
              (loop; bench/varlen.py)
+  ragged     ragged_all_to_all against lax.ragged_all_to_all at MoE shapes, balanced and
+             skewed routing (loop; bench/ragged.py)
   step       whole jitted model steps of the example model, jax_nvcomm against XLA, with the
              no-communication bound (bench/step.py)
 

@@ -5,9 +5,9 @@ import argparse
 import os
 
 from . import __doc__ as _DOC
-from . import step, varlen
+from . import ragged, step, varlen
 from .allreduce import AR_METHODS, FUSED_METHODS, QUANT_METHODS, run_allreduce
-from .common import _setup_env, add_device_time_argument, add_xla_best_argument
+from .common import _setup_env, add_loop_arguments, add_xla_best_argument
 from .moe import run_moe
 
 
@@ -17,12 +17,7 @@ def _parser():
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("allreduce", "moe"):
         s = sub.add_parser(name)
-        s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
-        s.add_argument("--quick", action="store_true", help="few, small sizes (CPU smoke run)")
-        s.add_argument("--reps", type=int, default=None, help="program runs per method")
-        s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
-        s.add_argument("--steps", type=int, default=None, help="loop steps per program")
-        add_device_time_argument(s)
+        add_loop_arguments(s)
         add_xla_best_argument(s)
         if name == "allreduce":
             s.add_argument("--tune", action="store_true",
@@ -48,6 +43,9 @@ def _parser():
     varlen.add_arguments(sub.add_parser(
         "varlen", help="all_gather_v / reduce_scatter_v vs padded all_gather and zero-filled "
                        "psum (jax_nvcomm/bench/varlen.py)"))
+    ragged.add_arguments(sub.add_parser(
+        "ragged", help="ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes "
+                       "(jax_nvcomm/bench/ragged.py)"))
     step.add_arguments(sub.add_parser(
         "step", help="whole jitted model steps, jax_nvcomm vs XLA (jax_nvcomm/bench/step.py)"))
     return p
@@ -66,4 +64,6 @@ def main(argv=None):
         return run_allreduce(a)
     if a.what == "varlen":
         return varlen.run_varlen(a)
+    if a.what == "ragged":
+        return ragged.run_ragged(a)
     return run_moe(a)

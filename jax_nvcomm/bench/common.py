@@ -300,6 +300,17 @@ def add_device_time_argument(s):
                         "2 more runs of each program (device 0); auto: on for GPUs")
 
 
+def add_loop_arguments(s):
+    """The options of every loop benchmark: --out, --quick, --reps, --unroll, --steps and
+    --device-time."""
+    s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
+    s.add_argument("--quick", action="store_true", help="few, small sizes (CPU smoke run)")
+    s.add_argument("--reps", type=int, default=None, help="program runs per method")
+    s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
+    s.add_argument("--steps", type=int, default=None, help="loop steps per program")
+    add_device_time_argument(s)
+
+
 def add_xla_best_argument(s):
     """--xla-best, for every bench subcommand with an "XLA best" column (bench/xla_best.py)."""
     s.add_argument("--xla-best", choices=("auto", "on", "off"), default="auto",

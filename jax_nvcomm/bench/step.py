@@ -5,7 +5,9 @@ Runs the example's steps (jax_nvcomm/models/moe_transformer.py: low-latency TP l
 all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine,
 dp-attn-tp-moe DP-attention + TP-MoE layout with all_gather_v / reduce_scatter_v against padded
 lax.all_gather + lax.psum_scatter, prefill unbalanced (rank 0 `tokens`, the others
-`decode_tokens`); decode and prefill) for one or more presets:
+`decode_tokens`), ep-ragged DP-attention + the dropless EP layer of models/moe_ragged.py with
+nvc.ragged_all_to_all against lax.ragged_all_to_all; decode and prefill) for one or more
+presets:
   - example: the example's own dimensions (GPU defaults: hidden 2048, 128 experts top-8);
   - moe-slice: a slice of a published large MoE model's dimensions (hidden 7168, 256 experts
     top-8, expert ffn 2048, 56 heads of 128), with as many layers (1-4) as fit in about 60 GB
@@ -16,7 +18,8 @@ For every (preset, layout, phase) row and each implementation:
     in turns, so drift of the machine falls on each alike;
   - bound_ms (unless --no-bound): the same step with its collectives removed (same compute,
     wrong numbers; high-throughput: every local expert gets this rank's tokens in the
-    dispatched [world * tokens] layout, no combine exchange), timed in the same turns.
+    dispatched [world * tokens] layout, no combine exchange; ep-ragged: every rank's group
+    sizes taken to be its own, each exchange a local copy), timed in the same turns.
     XLA/bound is the most any collective library could gain over XLA in that row;
   - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
@@ -30,7 +33,8 @@ For every (preset, layout, phase) row and each implementation:
     (`<impl>_skew`: when its first kernel starts and its last one ends relative to device 0's,
     and its busy time): a device that starts late makes its peers wait inside collectives.
 Writes OUT/bench_<machine>_step.json ({"rows": [...], "meta": {...}}), a text table and a PNG.
-On CPU devices the numbers only show that the code runs.
+On CPU devices the numbers only show that the code runs. Ranks sharing one GPU (launcher
+--share-gpu) run jax_nvcomm's steps only (--nvcomm-only): NCCL refuses them.
 """
 from __future__ import annotations
 
@@ -193,11 +197,18 @@ def run_step(a) -> int:
     os.makedirs(a.out, exist_ok=True)
     trace_root = None if a.no_trace else os.path.join(a.trace_dir or a.out, "traces")
     presets = a.presets or (["example"] if platform == "cpu" else ["example", "moe-slice"])
+    # ranks sharing one GPU (launcher --share-gpu): NCCL refuses them, XLA's side cannot run
+    shared_gpu = os.environ.get("JAX_NVCOMM_SHARE_GPU") == "1" and jax.process_count() > 1
+    nvcomm_only = getattr(a, "nvcomm_only", False) or shared_gpu
+    if nvcomm_only and main_proc:
+        print("bench step: jax_nvcomm's steps only" + (" (ranks share a GPU: no NCCL)"
+                                                        if shared_gpu else ""), flush=True)
     mode = getattr(a, "xla_best", "auto")
     if main_proc:
         for line in xla_best.header_lines(platform, mode):
             print(f"# {line}", flush=True)
     base = mt.Config(iters=a.iters, warmup=a.warmup, quiet=a.quiet, trace_dir=trace_root,
+                     impls=("jax_nvcomm",) if nvcomm_only else mt.IMPLS,
                      layouts=tuple(a.layouts), phases=tuple(a.phases),
                      split=True if getattr(a, "split_compare", False) else None,
                      bound=not getattr(a, "no_bound", False),
@@ -282,7 +293,7 @@ def add_arguments(s):
     s.add_argument("--presets", nargs="*", choices=sorted(PRESETS),
                    help="default: example and moe-slice on GPUs, example on CPU")
     s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput",
-                                                     "dp-attn-tp-moe"])
+                                                     "dp-attn-tp-moe", "ep-ragged"])
     s.add_argument("--phases", nargs="*", default=["decode", "prefill"])
     s.add_argument("--iters", type=int, default=None, help="timed steps per row")
     s.add_argument("--warmup", type=int, default=3)
@@ -291,6 +302,10 @@ def add_arguments(s):
     s.add_argument("--machine", default=None, help="name in the JSON file name (default: "
                    "from the devices, e.g. h200x2)")
     s.add_argument("--quiet", action="store_true")
+    s.add_argument("--nvcomm-only", action="store_true",
+                   help="only jax_nvcomm's steps (and the bound), no XLA collectives, so no "
+                        "agreement column; the default when ranks share a GPU (NCCL refuses "
+                        "them)")
     s.add_argument("--no-bound", action="store_true",
                    help="skip the no-communication bound (the step with its collectives "
                         "removed: the least any collective library could make it cost)")

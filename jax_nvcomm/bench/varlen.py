@@ -224,10 +224,5 @@ def run_varlen(a):
 
 
 def add_arguments(s):
-    s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
-    s.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
-    s.add_argument("--reps", type=int, default=None, help="program runs per method")
-    s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
-    s.add_argument("--steps", type=int, default=None, help="loop steps per program")
+    B.add_loop_arguments(s)
     s.add_argument("--varlen-hidden", type=int, default=None, help="row width (bf16 elements)")
-    B.add_device_time_argument(s)

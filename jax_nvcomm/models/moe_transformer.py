@@ -49,6 +49,15 @@ Layouts (a 1-D mesh over the devices; W ranks):
                     lax.psum_scatter (dp_tp_collectives says why this baseline)
     then the residual add + RMSNorm locally. Outputs and routing are zero past each rank's
     count on both sides; only valid rows are compared.
+  ep-ragged (opt-in: --layouts; data-parallel attention + expert-parallel MoE, axis "ep", as
+    high-throughput): the MoE is the dropless layer of jax_nvcomm/models/moe_ragged.py, written
+    the way JAX MoE code writes it (pairs sorted by expert, all-gathered group sizes,
+    ragged_all_to_all into a W*T*min(K, L)-row buffer, lax.ragged_dot SwiGLU over the local
+    experts, ragged_all_to_all back), shared expert beside it. The two sides differ only in
+    that layer's collectives (moe_ragged.collectives):
+        jax_nvcomm: nvc.ragged_all_to_all (x2) and nvc.all_gather of the group sizes
+        XLA:        lax.ragged_all_to_all (x2; jax_nvcomm.reference's emulation on CPU) and
+                    lax.all_gather
 
 Agreement: relative L2 error ||a - b|| / ||b|| of the final hidden states, below 1e-4 in
 float32 and 2e-2 in bfloat16/float16 (see TOLERANCE). In low precision the two all-reduces
@@ -95,11 +104,12 @@ import time
 EPS = 1e-6
 ROPE_THETA = 10000.0
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
-LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe")
+LAYOUTS = ("low-latency", "high-throughput", "dp-attn-tp-moe", "ep-ragged")
 # dp-attn-tp-moe is opt-in (--layouts): with it the CPU default run takes about twice as long
 # (its prefill runs the TP experts over all world * tokens gathered rows, on 2 cores ~3 s/step)
 DEFAULT_LAYOUTS = ("low-latency", "high-throughput")
-AXES = {"low-latency": "tp", "high-throughput": "ep", "dp-attn-tp-moe": "dp"}
+AXES = {"low-latency": "tp", "high-throughput": "ep", "dp-attn-tp-moe": "dp",
+        "ep-ragged": "ep"}
 PHASES = ("decode", "prefill")
 IMPLS = ("jax_nvcomm", "xla")
 # version of the --save-ref file. 2: the high-throughput decode context of a 1-device run is
@@ -201,8 +211,10 @@ def resolve(cfg: Config, platform: str, world: int) -> Config:
         if c.shared_ffn % world:
             errs.append(f"--shared-ffn {c.shared_ffn} must be a multiple of the {world} ranks "
                         "(TP shared expert of dp-attn-tp-moe)")
-    if "high-throughput" in c.layouts and c.experts % world:
-        errs.append(f"--experts {c.experts} must be a multiple of the {world} ranks (EP)")
+    for lay in ("high-throughput", "ep-ragged"):
+        if lay in c.layouts and c.experts % world:
+            errs.append(f"--experts {c.experts} must be a multiple of the {world} ranks (EP, "
+                        f"{lay})")
     if not 1 <= c.top_k <= c.experts:
         errs.append(f"--top-k {c.top_k} must be in [1, --experts {c.experts}]")
     vec = {"float32": 4, "bfloat16": 8, "float16": 8}.get(c.dtype)
@@ -680,6 +692,35 @@ def xla_moe_api():
     return reference.moe_dispatch_xla, reference.moe_combine_xla
 
 
+def ragged_available(impls=IMPLS):
+    """Unavailable unless the ep-ragged layout can run with `impls` (jax_nvcomm's side needs
+    nvc.ragged_all_to_all)."""
+    import jax_nvcomm as nvc
+    if "jax_nvcomm" in impls and not hasattr(nvc, "ragged_all_to_all"):
+        raise Unavailable("the ep-ragged layout needs jax_nvcomm.ragged_all_to_all, which this "
+                          "build of jax_nvcomm does not have")
+
+
+def ragged_collectives(impl, axis, comm):
+    """The collectives of moe_ragged's layer in the ep-ragged layout: jax_nvcomm's, XLA's, or
+    (impl "none", the no-communication bound) local stand-ins with the same shapes: every
+    rank's group sizes taken to be this rank's, each exchange a local copy of the operand's
+    leading rows into the output."""
+    from jax import lax
+    from . import moe_ragged
+    if impl == "none":
+        jnp = _jnp()
+
+        def copy(operand, output, *_):
+            n = min(operand.shape[0], output.shape[0])
+            return lax.dynamic_update_slice_in_dim(output, operand[:n], 0, axis=0)
+        return moe_ragged.Collectives(
+            copy, lambda a: jnp.broadcast_to(a, (lax.axis_size(axis),) + a.shape),
+            lambda a: a)
+    return moe_ragged.collectives("nvc" if impl == "jax_nvcomm" else "lax", axis_name=axis,
+                                  comm=comm)
+
+
 def ep_available(impls=IMPLS):
     """(True, "") if the high-throughput layout can run with `impls`, else (False, reason)."""
     try:
@@ -701,7 +742,16 @@ def make_step(cfg, mesh, layout, phase, impl, comms, *, forced=False):
     from jax.sharding import PartitionSpec as P
     if layout == "dp-attn-tp-moe":
         return _make_step_dp_tp(cfg, mesh, phase, impl, comms, forced)
-    if layout == "low-latency":
+    if layout == "ep-ragged":
+        from . import moe_ragged
+        axis, out_spec, r_spec = "ep", P("ep"), P(None, "ep")
+        ar_norm = add_rms_norm  # data-parallel attention: no all-reduce
+        coll = ragged_collectives(impl, axis, comms.get("ragged"))
+
+        def moe(h, tw, ti, p):
+            return moe_ragged.moe_experts(h, tw, ti, p["wg"], p["wu"], p["wd"], axis_name=axis,
+                                          coll=coll) + shared_expert(h, p)
+    elif layout == "low-latency":
         axis, out_spec, r_spec = "tp", P(), P()
         if impl == "jax_nvcomm":
             comm = comms["tp"]
@@ -804,6 +854,8 @@ def nvc_op_name(cfg, layout, phase, comms, world):
     if layout == "high-throughput":
         return ("split dispatch+combine" if cfg.split and cfg.shared_ffn
                 else "dispatch+combine")
+    if layout == "ep-ragged":
+        return "ragged_all_to_all x2" + (" (xla)" if comms["ragged"].xla_fallback else "")
     if layout == "dp-attn-tp-moe":
         from .. import varlen
         comm = comms.get("dp")
@@ -1021,6 +1073,8 @@ def run(cfg: Config, *, devices=None):
         ok_ep, why = ep_available(cfg.impls)
         if not ok_ep:
             raise Unavailable(why)
+    if "ep-ragged" in cfg.layouts:
+        ragged_available(cfg.impls)
     ref = load_ref(cfg.ref, cfg) if cfg.ref else None
     tol = TOLERANCE[cfg.dtype]
     if ref is not None:
@@ -1038,9 +1092,9 @@ def run(cfg: Config, *, devices=None):
     ok = True
     try:
         if "jax_nvcomm" in cfg.impls:
+            tmax = max(cfg.tokens if "prefill" in cfg.phases else 0,
+                       cfg.decode_tokens if "decode" in cfg.phases else 0)
             if "low-latency" in cfg.layouts:
-                tmax = max(cfg.tokens if "prefill" in cfg.phases else 0,
-                           cfg.decode_tokens if "decode" in cfg.phases else 0)
                 mmb = max(4096, -(-tmax * cfg.hidden * dt.itemsize // 4096) * 4096)
                 comms["tp"] = nvc.Communicator(meshes["low-latency"], "tp",
                                                max_message_bytes=mmb)
@@ -1051,6 +1105,11 @@ def run(cfg: Config, *, devices=None):
                 comms["dp"] = nvc.Communicator(
                     meshes["dp-attn-tp-moe"], "dp",
                     max_message_bytes=max(4096, -(-need // 4096) * 4096))
+            if "ep-ragged" in cfg.layouts:
+                from . import moe_ragged
+                comms["ragged"] = nvc.Communicator(
+                    meshes["ep-ragged"], "ep", max_message_bytes=moe_ragged.comm_bytes(
+                        tmax, cfg.top_k, cfg.experts, world, cfg.hidden, dt))
             if "high-throughput" in cfg.layouts:
                 _, _, MoECommunicator = nvc_moe_api()
                 for ph in cfg.phases:
@@ -1405,10 +1464,12 @@ def parse_args(argv=None, prog=None) -> Config:
     r.add_argument("--devices", type=int, help="use the first N devices (default: all; "
                    "max(8, N) CPU devices when no GPU is present)")
     r.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                   help="comma list of low-latency,high-throughput,dp-attn-tp-moe (default: "
-                        "the first two; dp-attn-tp-moe, DP attention + TP MoE with unbalanced "
-                        "rows per rank through all_gather_v / reduce_scatter_v, is opt-in: its "
-                        "CPU prefill alone takes about as long as the two others)")
+                   help="comma list of low-latency,high-throughput,dp-attn-tp-moe,ep-ragged "
+                        "(default: the first two; opt-in: dp-attn-tp-moe, DP attention + TP MoE "
+                        "with unbalanced rows per rank through all_gather_v / "
+                        "reduce_scatter_v, whose CPU prefill alone takes about as long as the "
+                        "two others; ep-ragged, DP attention + the dropless EP layer of "
+                        "models/moe_ragged.py on ragged_all_to_all)")
     r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
     r.add_argument("--warmup", type=int, default=2)

@@ -1,0 +1,259 @@
+// ragged_all_to_all (lax.ragged_all_to_all's semantics) over the flag protocol: one kernel per
+// call. Semantics, data-half layout (header of RaggedSlice entries + a landing frame that mirrors
+// the receiver's output rows), flags, descriptor, error codes and the 4-step protocol are shared
+// with the host protocol and live in common/ragged_layout.h; this header adds what is kernel's.
+//
+// Grid: G = ragged_blocks (cuda/ragged.cu: one block per ~32 KiB of the larger of operand and
+// output, 1..kMaxBlocks; fewer for virtual ranks sharing a GPU) blocks of kRaggedThreads threads
+// on every rank, a pure function of the static sizes. Block b of rank `me`, call s (p = s & 1):
+//   1. validate: the threads stride over all K = k * W slices (int32 or int64 offsets, widened
+//      to int64; ragged_slice_field, the host protocol's test too). Any bad slice:
+//      thread 0 finds the first (index, field), raises the poison flag of every block at every
+//      peer (poison_fail), records kErrRaggedSlice; the whole block returns. Every block reads
+//      the same inputs, so every block fails alike and none has written anything.
+//   2. push: for every peer d (me+1, me+2, ... so the ranks write to a permutation of the peers
+//      at each step), in chunks of kRaggedChunk slices: threads j < chunk read slice d*k+j's
+//      (offset, size, output offset) into shared memory and store its header entry
+//      {output offset, size} at d with one 16-byte store; __syncthreads; the block copies its
+//      ragged_cut share of each slice operand -> d's frame (block_copy: 16-byte vectors when
+//      source and destination agree modulo 16, else 8/4/2/1; bytes at the unaligned ends; four
+//      loads in flight per thread). Exactly the slice's bytes cross NVLink: nothing is padded
+//      to a row capacity. Then __syncthreads and lanes t < W-1 of warp 0 publish flag
+//      flags[p][0][me][b] at peer (me+1+t) % W with st.release.sys: one warp-wide release (one
+//      MEMBAR.SYS per block and call, whatever W), cumulative over the block's stores by the
+//      barrier before it.
+//   self: the block copies its share of my own k slices operand -> out (no frame, no flag),
+//      while the peers' pushes are in flight; a size that differs from my recv_sizes entry ->
+//      kErrRaggedRecv naming me (the staging threads check, __syncthreads_or, thread 0 reports;
+//      my flags are already up, so no peer is left waiting).
+//   3. receive: for every src != me (me-1, me-2, ...): thread 0 waits for flags[p][0][src][b]
+//      (bounded, names src); __syncthreads_or broadcasts a failure (the block returns). Per
+//      chunk: threads j < chunk read header entry src*k+j (ld.cg, L2: written by src over NVLink)
+//      and recv_sizes[src*k+j]; a size that differs -> kErrRaggedRecv naming src, an entry
+//      outside [0, M) rows (impossible after src's step 1: memory corruption) ->
+//      kErrRaggedSlice naming src (ragged_slice_detail(src*k+j, 4), as the host protocol);
+//      both found with __syncthreads_or, reported by thread 0, the block returns. Else the
+//      block copies its ragged_cut share of each slice my frame -> out (ld.cg loads; the same
+//      byte offsets, as the frame mirrors out).
+//   4. finish_call: the last block advances Ctrl::seq.
+//
+// Why it is safe (beyond ragged_layout.h's invariants):
+// - Block b of the receiver reads exactly the frame bytes block b of the sender wrote: both cut
+//   the same slice (output offset, size) with the same (G, b), the receiver taking offset and
+//   size from the header entry, which equals the sender's arrays once the size check passed.
+//   Block b's flag publishes them and the header entries (every block writes the same values).
+// - A block never waits for another block of its own rank, and publishes before it waits: no
+//   cycle, so no cooperative launch and no grid-wide barrier. Every failure (bad slice, wait
+//   failure, size mismatch) is seen by the whole block through __syncthreads_or and ends it with
+//   a plain return before any further data access (only finish_call is skipped, which the
+//   failed communicator never needs again); a fail() that returns instead of trapping needs no
+//   change here.
+// - Nothing outside [0, M) rows of a frame or of out is written: step 1 runs before any push and
+//   the receiver re-checks the header's rows. out is written only where slices land.
+// - Shared staging arrays: every refill is preceded by a __syncthreads after the previous
+//   chunk's readers, every read by the __syncthreads after the fill.
+#pragma once
+#include "common.cuh"
+#include "../common/ragged_layout.h"
+
+namespace nvc {
+namespace dev {
+
+constexpr int kRaggedThreads = 512;
+constexpr int kRaggedChunk = 64;  // slice descriptors staged in shared memory at a time
+static_assert(kRaggedChunk <= kRaggedThreads, "one thread stages one slice");
+static_assert(kMaxWorld <= 33, "lanes 0..W-2 of warp 0 publish the flags");
+
+struct RaggedKernelArgs {
+  const char* operand;      // [n_rows, row_bytes]
+  char* out;                // [m_rows, row_bytes]
+  const void* in_off;       // [K] int32 or int64, K = k * world
+  const void* send;         // [K]
+  const void* out_off;      // [K]
+  const void* recv;         // [K]
+  int64_t n_rows, m_rows;
+  int64_t row_bytes;
+  int64_t k;
+  uint32_t desc;            // ragged_desc(n_rows, m_rows, row_bytes, k)
+};
+
+// Slices staged for the block's copies: this block's ragged_cut share [lo, hi) of each slice's
+// frame (= out) bytes, and where its source starts relative to the frame offset (operand byte
+// offset - frame byte offset for pushes and self slices, 0 for receives). The staging thread of
+// a slice computes its cuts (two 64-bit divisions), so the block's copy loop has none.
+struct RaggedStage {
+  int64_t lo[kRaggedChunk];
+  int64_t hi[kRaggedChunk];
+  int64_t shift[kRaggedChunk];
+};
+
+// Thread t stages a slice whose frame bytes are [at, at + bytes) and source bytes start at
+// at + shift.
+__device__ __forceinline__ void ragged_stage(RaggedStage& st, int t, int64_t at, int64_t bytes,
+                                             int64_t shift) {
+  st.lo[t] = ragged_cut(at, at + bytes, gridDim.x, blockIdx.x);
+  st.hi[t] = ragged_cut(at, at + bytes, gridDim.x, blockIdx.x + 1);
+  st.shift[t] = shift;
+}
+
+template <typename I>
+__device__ __forceinline__ int64_t ragged_index(const void* p, int64_t i) {
+  return int64_t(__ldg(static_cast<const I*>(p) + i));
+}
+
+// The first field of slice i that breaks ragged_layout.h's step 1, or -1.
+template <typename I>
+__device__ __forceinline__ int ragged_bad_field(const RaggedKernelArgs& a, int64_t i) {
+  return ragged_slice_field(ragged_index<I>(a.in_off, i), ragged_index<I>(a.send, i),
+                            ragged_index<I>(a.out_off, i), a.n_rows, a.m_rows);
+}
+
+// Threads t < nj stage slices i0 + t of this rank's arrays (validated); with hdr, also store
+// their header entries hdr[t] = {output offset, size} (a peer's header, 16-byte aligned);
+// without (my slices to myself), check the size against recv_sizes: true when it differs.
+template <typename I>
+__device__ __forceinline__ bool ragged_stage_send(RaggedStage& st, const RaggedKernelArgs& a,
+                                                  int64_t i0, int nj, longlong2* hdr) {
+  const int t = threadIdx.x;
+  if (t >= nj) return false;
+  const int64_t in = ragged_index<I>(a.in_off, i0 + t), n = ragged_index<I>(a.send, i0 + t);
+  const int64_t o = ragged_index<I>(a.out_off, i0 + t);
+  if (hdr != nullptr) hdr[t] = make_longlong2(o, n);
+  else if (n != ragged_index<I>(a.recv, i0 + t)) return true;
+  ragged_stage(st, t, o * a.row_bytes, n * a.row_bytes, (in - o) * a.row_bytes);
+  return false;
+}
+
+// Header entry h (sent by src) against recv_sizes entry `want`: kErrNone, kErrRaggedRecv (other
+// size) or kErrRaggedSlice (rows outside [0, m_rows): memory corruption, src passed step 1).
+__device__ __forceinline__ uint32_t ragged_recv_error(const longlong2& h, int64_t want,
+                                                      int64_t m_rows) {
+  if (h.y != want) return kErrRaggedRecv;
+  if (h.x < 0 || h.y < 0 || h.y > m_rows - h.x) return kErrRaggedSlice;
+  return kErrNone;
+}
+
+// The block copies its share of each of the nj staged slices: dst + [lo, hi) from
+// src + shift + [lo, hi).
+template <bool kCoherent>
+__device__ __forceinline__ void ragged_copy_staged(const RaggedStage& st, int nj, char* dst,
+                                                   const char* src) {
+  for (int j = 0; j < nj; ++j) {
+    const int64_t lo = st.lo[j], hi = st.hi[j];
+    if (lo < hi) block_copy<kCoherent>(dst + lo, src + st.shift[j] + lo, size_t(hi - lo));
+  }
+}
+
+// Push (hdr != nullptr: d's header row of this rank, dst = d's frame) or self-copy (hdr null,
+// dst = out) of the k slices d*k .. d*k+k-1 of this rank's arrays. False (the block leaves):
+// a self slice's size differs from my recv_sizes, recorded (kErrRaggedRecv naming me).
+template <typename I>
+__device__ __forceinline__ bool ragged_send_slices(const CommView& v, uint64_t seq,
+                                                   RaggedStage& st, const RaggedKernelArgs& a,
+                                                   int d, longlong2* hdr, char* dst) {
+  for (int64_t j0 = 0; j0 < a.k; j0 += kRaggedChunk) {
+    const int nj = int(a.k - j0 < kRaggedChunk ? a.k - j0 : kRaggedChunk);
+    const int64_t i0 = int64_t(d) * a.k + j0;
+    __syncthreads();  // the previous chunk's copies have read st
+    const bool wrong =
+        ragged_stage_send<I>(st, a, i0, nj, hdr != nullptr ? hdr + j0 : nullptr);
+    if (__syncthreads_or(wrong)) {
+      for (int j = 0; threadIdx.x == 0 && j < nj; ++j) {  // the first wrong one
+        const int64_t sent = ragged_index<I>(a.send, i0 + j);
+        const int64_t want = ragged_index<I>(a.recv, i0 + j);
+        if (sent == want) continue;
+        fail(v.err, kErrRaggedRecv, a.desc, v.rank, v.rank, seq,
+             ragged_recv_detail(j0 + j, sent, want));
+        break;
+      }
+      return false;
+    }
+    ragged_copy_staged<false>(st, nj, dst, a.operand);
+  }
+  return true;
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, RaggedKernelArgs a) {
+  __shared__ RaggedStage st;
+  const int t = threadIdx.x, b = blockIdx.x, G = gridDim.x, W = v.world, me = v.rank;
+  const uint64_t seq = call_seq(v);
+  const uint64_t p = seq & 1;
+  const uint64_t deadline = globaltimer() + v.timeout_ns;
+  const int64_t k = a.k, K = a.k * W;
+
+  // 1. validate every slice of this rank before anything is written.
+  bool bad = false;
+  for (int64_t i = t; i < K; i += blockDim.x) bad |= ragged_bad_field<I>(a, i) >= 0;
+  if (__syncthreads_or(bad)) {
+    if (t == 0) {
+      int64_t i = 0;
+      int field = ragged_bad_field<I>(a, 0);
+      while (field < 0 && i + 1 < K) field = ragged_bad_field<I>(a, ++i);
+      poison_fail(v, seq, G, kRaggedPoisonDesc, kErrRaggedSlice, a.desc, me,
+                  ragged_slice_detail(i, uint32_t(field)));
+    }
+    return;
+  }
+
+  // 2. push my slices for every peer and their header entries, publish; then (r == W) my
+  // slices for myself, straight into out (one call site: the copy code is inlined once).
+  for (int r = 1; r <= W; ++r) {
+    const int d = (me + r) % W;
+    if (r == W) {
+      __syncthreads();
+      if (t < W - 1)
+        publish_flag(&v.peer_ctrl((me + 1 + t) % W)->flags[p][0][me][b], make_flag(seq, a.desc));
+    }
+    char* h = v.half(d, p);
+    if (!ragged_send_slices<I>(
+            v, seq, st, a, d,
+            d == me ? nullptr : reinterpret_cast<longlong2*>(ragged_header(h) + int64_t(me) * k),
+            d == me ? a.out : ragged_frame(h, W, k)))
+      return;
+  }
+
+  // 3. receive every peer's slices from my frame.
+  char* mine = v.half(me, p);
+  const longlong2* hdr = reinterpret_cast<const longlong2*>(ragged_header(mine));
+  const char* frame = ragged_frame(mine, W, k);
+  for (int r = 1; r < W; ++r) {
+    const int src = (me + W - r) % W;
+    uint32_t code = kErrNone;
+    uint64_t seen = 0;
+    if (t == 0) code = poll_flag(&v.ctrl()->flags[p][0][src][b], seq, a.desc, deadline, &seen);
+    if (__syncthreads_or(code != kErrNone)) {
+      if (t == 0) fail(v.err, code, a.desc, me, src, seq, seen);  // on the way out: no live state
+      return;
+    }
+    for (int64_t j0 = 0; j0 < k; j0 += kRaggedChunk) {
+      const int nj = int(k - j0 < kRaggedChunk ? k - j0 : kRaggedChunk);
+      __syncthreads();  // the previous chunk's copies have read st
+      bool wrong = false;
+      if (t < nj) {
+        const int64_t j = src * k + j0 + t;
+        const longlong2 e = __ldcg(hdr + j);
+        wrong = ragged_recv_error(e, ragged_index<I>(a.recv, j), a.m_rows) != kErrNone;
+        if (!wrong) ragged_stage(st, t, e.x * a.row_bytes, e.y * a.row_bytes, 0);
+      }
+      if (__syncthreads_or(wrong)) {
+        for (int64_t j = j0; t == 0 && j < j0 + nj; ++j) {  // the first wrong entry
+          const longlong2 e = __ldcg(hdr + src * k + j);
+          const int64_t want = ragged_index<I>(a.recv, src * k + j);
+          const uint32_t code = ragged_recv_error(e, want, a.m_rows);
+          if (code == kErrNone) continue;
+          fail(v.err, code, a.desc, me, src, seq,
+               code == kErrRaggedRecv ? ragged_recv_detail(j, e.y, want)
+                                      : ragged_slice_detail(src * k + j, 4));
+          break;
+        }
+        return;
+      }
+      ragged_copy_staged<true>(st, nj, a.out, frame);
+    }
+  }
+  finish_call(v, seq);
+}
+
+}  // namespace dev
+}  // namespace nvc

@@ -186,6 +186,31 @@ def _as_split(x, parts, explicit):
     return jax.sharding.reshard(x, _spec(want))
 
 
+def _typed_like(y, typed, explicit):
+    """y resharded over the Explicit axes as `typed` (per dim axis tuples) says, where y has
+    as many dims and their sizes divide; else y."""
+    if y.ndim != len(typed) or _typed_spec(y, y.ndim, explicit) == list(typed):
+        return y
+    mesh = jax.sharding.get_abstract_mesh()
+    for size, axes in zip(y.shape, typed):
+        if size % int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)):
+            return y
+    return jax.sharding.reshard(y, _spec(typed))
+
+
+def like(y, x):
+    """y typed over the Explicit axes of the context mesh as x is (a cotangent made on whole
+    per-device arrays, returned for an argument typed split): a no-op elsewhere."""
+    am = jax.sharding.get_abstract_mesh()
+    if am is None or am.empty:
+        return y
+    explicit = frozenset(a for a, t in zip(am.axis_names, am.axis_types)
+                         if t == jax.sharding.AxisType.Explicit and a not in am.manual_axes)
+    if not explicit:
+        return y
+    return _typed_like(y, _typed_spec(x, x.ndim, explicit), explicit)
+
+
 def per_device(comm, fn, args, tok, in_dims, out_dims):
     """Run `fn(*args, tok) -> (*outs, tok)`, an op's kernel call, with every axis of comm's
     mesh manual, so that each device makes its own call.
@@ -236,13 +261,18 @@ def per_device(comm, fn, args, tok, in_dims, out_dims):
                      in_dims[lead] if lead is not None else ())
     if out_dims is not None:
         out_specs = (*[_spec(_parts(d, assign)) for d in out_dims], *(whole for _ in toks))
+    typed = None if lead is None else _typed_spec(args[lead], args[lead].ndim, explicit)
     if explicit:  # shard_map takes Explicit axes only as the arguments are typed
         args = [_as_split(x, _parts(d, assign, explicit), explicit)
                 for x, d in zip(args, in_dims)]
-    outs = jax.shard_map(
+    outs = tuple(jax.shard_map(
         fn, in_specs=(*[_spec(_parts(d, assign)) for d in in_dims], *(whole for _ in toks)),
-        out_specs=out_specs, axis_names=frozenset(auto), check_vma=tracked)(*args, *toks)
-    return tuple(outs)
+        out_specs=out_specs, axis_names=frozenset(auto), check_vma=tracked)(*args, *toks))
+    if explicit and typed is not None and out_dims is not None:
+        # results typed as lax types them: split over Explicit axes like the lead argument
+        outs = tuple(_typed_like(o, typed, explicit) if i < len(out_dims) and out_dims[i]
+                     else o for i, o in enumerate(outs))
+    return outs
 
 
 # ---------------------------------------------------------------------------------------------

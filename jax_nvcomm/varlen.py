@@ -306,7 +306,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
             dx = _shard.varying(_my_rows(ct, offsets, n, axis), axis)
         else:
             dx = reduce_scatter_v(ct, offsets, comm)
-        return dx, None, None
+        return _shard.like(dx, x), None, None
 
     gather.defvjp(fwd, bwd)
     g, off, tot, tok = gather(_shard.varying(x, axis), nr, _order.token(axis))
@@ -379,7 +379,7 @@ def reduce_scatter_v(y, offsets, comm):
         g, _, total = all_gather_v(ct, n, comm)
         keep = (jnp.arange(g.shape[0]) < total).reshape((-1,) + (1,) * (g.ndim - 1))
         dy = jnp.where(keep, g, jnp.zeros((), g.dtype))
-        return _shard.varying(dy, axis), None, None
+        return _shard.like(_shard.varying(dy, axis), y), None, None
 
     scatter.defvjp(fwd, bwd)
     out, tok = scatter(_shard.varying(y, axis), offsets, _order.token(axis))

@@ -97,7 +97,7 @@ NB_MODULE(_cuda, m) {
       .def("release", &Mapping::release);
   m.def("fd_from_process", &cuda::vmm::fd_from_process, nb::arg("pid"), nb::arg("fd"));
   // Device facts (UUID, multicast support, peer access) reach Python through cuda-python
-  // (jax_nvcomm/topology.py); C++ keeps only the checks its transports make themselves.
+  // (jax_nvcomm/topology/); C++ keeps only the checks its transports make themselves.
 
   // ---- multicast (cuda_multicast.h): every creating/joining call re-checks the environment ----
   m.def("multicast_env_allows",

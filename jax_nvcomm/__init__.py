@@ -1,12 +1,14 @@
-"""jax_nvcomm: NVLink all-reduce (fused with residual-add + RMSNorm) and MoE dispatch/combine
-as XLA FFI custom calls for `jax.jit` + `jax.shard_map` programs. Reference: docs/API.md of the repository and the functions' docstrings."""
+"""jax_nvcomm: NVLink all-reduce (fused with residual-add + RMSNorm), MoE dispatch/combine,
+variable-length gather / reduce-scatter and ragged all-to-all as XLA FFI custom calls for
+`jax.jit` + `jax.shard_map` programs. Reference: the functions' docstrings and, in the
+repository, docs/API.md; how to use them in model code: docs/guide.md."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
 from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
-from .communicator import Communicator
+from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
                         moe_dispatch_recv, moe_dispatch_send)
@@ -18,7 +20,8 @@ from .varlen import all_gather_v, reduce_scatter_v
 CUDA_BUILT = _ffi.CUDA_BUILT
 
 __all__ = [
-    "Communicator", "MoECommunicator", "all_gather", "all_reduce", "all_reduce_rms_norm",
+    "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce",
+    "all_reduce_rms_norm",
     "all_reduce_rms_norm_quant",
     "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",

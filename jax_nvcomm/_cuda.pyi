@@ -1,7 +1,7 @@
 """Compiled CUDA backend: FFI targets "nvc_cuda_<op>", device buffers, CUDA IPC, VMM allocations
 and POSIX fd passing, the opt-in multicast objects. Internal: called by jax_nvcomm's Python
 modules only. Device facts (UUID, multicast support, peer access) come from cuda-python
-(jax_nvcomm/topology.py)."""
+(jax_nvcomm/topology/)."""
 from collections.abc import Sequence
 
 

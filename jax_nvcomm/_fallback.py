@@ -1,5 +1,5 @@
 """The ops of a communicator in XLA fallback mode (`comm.xla_fallback`, decided at setup by
-topology.py: groups over several hosts, or GPUs without peer access): XLA's collectives, which
+topology/: groups over several hosts, or GPUs without peer access): XLA's collectives, which
 run over NCCL (and the network) on GPUs and gloo on CPUs, with the public ops' semantics.
 
 Each public op checks its arguments as usual, then hands over here when `comm.xla_fallback`:

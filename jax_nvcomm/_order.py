@@ -19,7 +19,7 @@ order, since a device blocked in one call cannot serve a peer waiting in the oth
 The order is the order in which the Python code traced the calls, the same on every rank (every
 rank traces the same program). This is a data dependence, not a declared side effect: our calls
 are declared without `has_side_effect`, which keeps JAX's fast dispatch path (a declared effect
-costs each step the Python dispatch path and runtime tokens: docs/step_speed.md). Without it,
+costs each step the Python dispatch path and runtime tokens: docs/perf/step_speed.md). Without it,
 XLA may drop a call whose results are unused, merge identical calls or hoist a call out of a
 loop; it does so alike on every rank, so ranks stay paired.
 

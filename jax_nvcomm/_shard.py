@@ -87,7 +87,7 @@ def graph_capture(comm) -> bool:
 
 
 # JAX_NVCOMM_DECLARE_EFFECT=1 declares every call side-effecting again, as before the order
-# token existed: only to measure what that declaration costs a step (docs/step_speed.md).
+# token existed: only to measure what that declaration costs a step (docs/perf/step_speed.md).
 _DECLARE_EFFECT = os.environ.get("JAX_NVCOMM_DECLARE_EFFECT", "0") == "1"
 
 
@@ -104,7 +104,7 @@ def ffi_call(comm, op: str, results, *args, order, cuda_attrs=None, aliases=None
     those operands (XLA's input_output_aliases; the host targets' slot operand, which comes
     first, is accounted for here).
     Declared without a side effect (a declared effect costs JAX's fast dispatch path: see
-    docs/step_speed.md); the order token keeps our calls in program order instead."""
+    docs/perf/step_speed.md); the order token keeps our calls in program order instead."""
     attrs["comm_id"] = np.int64(comm.comm_id)
     effect = _DECLARE_EFFECT
     single = not isinstance(results, (tuple, list))

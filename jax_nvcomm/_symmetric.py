@@ -240,7 +240,11 @@ class SymmetricBuffers:
             return []
         return sorted({self._dev(g, r) for g, r in self.local})
 
-    def close(self, sync=True):
+    def close(self, sync=True, keep_own=False):
+        """Unregister the ranks, unmap the peers' buffers, free this process's own. keep_own
+        (CUDA): leave the own allocations allocated (until the process exits): a peer that
+        did not reach the close barrier may still have them mapped, and CUDA leaves a free
+        under a peer's mapping undefined for that peer (cudaIpcOpenMemHandle)."""
         mod = self.mod
         if sync and self.backend == "cuda":
             for dev in self.local_devices():
@@ -259,11 +263,11 @@ class SymmetricBuffers:
                 mc.release()
             for m in reversed(self._vmm_mapped):
                 m.release()
-            for a in reversed(self._vmm):        # unmap, release, close the exported fd
+            for a in [] if keep_own else reversed(self._vmm):  # unmap, release, close the fd
                 a.release()
             for dev, a in self._imported:
                 mod.ipc_close(dev, a)
-            for dev, p in self._owned:
+            for dev, p in [] if keep_own else self._owned:
                 mod.free_buffer(dev, p)
         self._owned, self._imported, self._shm, self.slots = [], [], [], []
         self._vmm, self._vmm_mapped, self._mc, self._mc_base = [], [], [], {}

@@ -198,7 +198,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
 
     r = sum_over_ranks(x) + residual (float32); residual_out = r cast to residual.dtype;
     normed = r * rsqrt(mean(r**2, axis=-1) + eps) * weight, cast to x.dtype. (The CUDA kernels
-    round the sum to x.dtype before the add, as `lax.psum` + add does: README "Decisions".)
+    round the sum to x.dtype before the add, as `lax.psum` + add does: docs/DESIGN.md "Decisions".)
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.psum` + XLA's add + RMSNorm instead, with the same results.
     Partially manual shard_map: the rows split over the auto mesh axes where they divide,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 
 import jax
 import numpy as np
@@ -17,6 +18,25 @@ from ._symmetric import SymmetricBuffers
 _ids = itertools.count(1)
 DEFAULT_TIMEOUT_S = float(os.environ.get("JAX_NVCOMM_TIMEOUT_S", "30"))
 DEFAULT_SETUP_TIMEOUT_S = float(os.environ.get("JAX_NVCOMM_SETUP_TIMEOUT_S", "120"))
+
+
+class CommunicatorError(RuntimeError):
+    """A call on a communicator failed on a rank of this process: a peer that never arrived
+    (dead, stalled past `timeout_s`, or calling another collective), ranks that disagree on the
+    op or its sizes, bad data (an expert id, a row count, a slice) found on the device.
+
+    Raised by `check()`. The message holds one line per failed rank of this process, each
+    naming the op, the call number (`#n`: that rank's n-th call of this protocol), the rank
+    and the peer; `records` is the list of those lines. The communicator is unusable
+    afterwards: every later call is refused with the same text (an XLA runtime error at the
+    call), and its results since the failure are unspecified. `close()` it (bounded, also
+    after a dead peer) and create a new one.
+    """
+
+    def __init__(self, records: list[str]):
+        self.records = list(records)
+        super().__init__("\n".join(self.records) + "\n(jax_nvcomm: the communicator is unusable "
+                         "after this error: close() it and create a new one)")
 
 
 def _check_not_traced(what):
@@ -63,7 +83,7 @@ class _NoBuffers:
     def local_devices(self) -> list[int]:
         return []
 
-    def close(self, sync=True) -> None:
+    def close(self, sync=True, keep_own=False) -> None:
         pass
 
 
@@ -75,12 +95,13 @@ class _Base:
     _multicast_reason = "not set up"
     _xla_fallback = False
     _transport_reason = "not set up"
+    _final_errors: list = []  # the records close() found (errors() after close)
     _topology = ((), {})
     _tuning = None
     # CUDA: may XLA record this communicator's calls into its command buffers (CUDA graphs)?
     # None: JAX_NVCOMM_GRAPH_CAPTURE (default yes). Set True/False before tracing a program;
     # False keeps our calls out of the graphs (XLA cuts them there, as at NCCL collectives),
-    # so the first graph of a step starts sooner: docs/step_speed.md, variant D.
+    # so the first graph of a step starts sooner: docs/perf/step_speed.md, variant D.
     graph_capture: bool | None = None
 
     def _setup(self, mesh, axis_name, backend, nbytes, max_message_bytes, timeout_s, config,
@@ -135,7 +156,7 @@ class _Base:
         self._closed = False
 
     def _setup_topology(self, prefix, requested, what) -> bool:
-        """Gather every rank's host and device facts and decide the transport (topology.py).
+        """Gather every rank's host and device facts and decide the transport (topology/).
         True when the groups cannot use our buffers and the communicator falls back to XLA's
         collectives (backend="auto"); an explicit backend is refused instead."""
         facts, links = topology.gather(prefix, self._groups, self._backend,
@@ -205,7 +226,7 @@ class _Base:
     def xla_fallback(self) -> bool:
         """True when this communicator holds no buffers and every op runs XLA's collectives
         (lax.psum, lax.all_gather, reference's ragged_all_to_all path): its groups span
-        several hosts or GPUs without peer access (jax_nvcomm/topology.py). Only with
+        several hosts or GPUs without peer access (jax_nvcomm/topology/). Only with
         backend="auto"; decided alike in every process at setup."""
         return self._xla_fallback
 
@@ -229,9 +250,11 @@ class _Base:
             raise RuntimeError(f"jax_nvcomm: {what}: the {type(self).__name__} was closed")
 
     def errors(self) -> list[str]:
-        """Error reports recorded by this process's ranks (empty if none)."""
+        """Error records of this process's ranks, one line each (empty if none): what `check()`
+        raises. A record is readable as soon as the failing kernel wrote it (host-mapped
+        memory), also while the call still runs. After `close()`: the records it had then."""
         if self._closed:
-            return []
+            return list(self._final_errors)
         out = []
         for slot in self._sym.slots:
             t = self._sym.mod.error_text(self._id, slot)
@@ -239,14 +262,51 @@ class _Base:
                 out.append(t)
         return out
 
+    def check(self) -> None:
+        """Raise `CommunicatorError` if a call on this communicator failed on any rank of this
+        process (like NCCL's asynchronous error query); return None otherwise.
+
+        Reads the ranks' error records from host memory: no device synchronisation, no
+        collective, cheap enough for every step. A kernel never traps: a failed call ends
+        normally with poisoned results (NaN where a one-shot all-reduce missed data, else
+        unspecified) and leaves its record, so call `check()` after a result is ready
+        (`block_until_ready`) to know that the result is good, in particular after programs
+        that XLA may replay as a CUDA graph (no host code runs there, so no call raises).
+
+        Raises:
+          CommunicatorError: one line per failed rank of this process, naming the op, the
+            call number, the rank and the peer (also after `close()`, for the records the
+            communicator had when it was closed).
+        """
+        errs = self.errors()
+        if errs:
+            raise CommunicatorError(errs)
+
     def host_calls(self) -> dict[int, int]:
         """How many times the FFI handler ran per local slot (debug: CUDA-graph replays do not
         run the handler, so a count below the number of calls proves a replay)."""
         return {s: int(self._sym.mod.host_calls(self._id, s)) for s in self._sym.slots}
 
     def close(self) -> None:
+        """Release the buffers (collective: every process of the job calls it).
+
+        On GPUs it first waits for the local devices (every kernel ends within `timeout_s`:
+        none traps or waits forever), then meets the other processes at a barrier so no buffer
+        is freed while a peer may still write into it, then frees. After an error on this
+        process (`errors()` not empty) the barrier waits at most `timeout_s` (a dead or
+        failed peer does not come; its kernels ended within their own deadline) and close()
+        returns without raising; the records stay readable (`errors()`, `check()`). When a
+        peer did not come, GPU buffers of this process are left allocated until it exits (the
+        peer may still map them, and freeing under its mapping is undefined for it).
+
+        Raises:
+          RuntimeError: without an error on this process, a process that does not reach
+            close() within JAX_NVCOMM_SETUP_TIMEOUT_S (the communicator is closed anyway;
+            GPU buffers as above).
+        """
         if self._closed:
             return
+        self._final_errors = self.errors()
         self._closed = True
         if self._backend == "cuda":
             for dev in self._sym.local_devices():
@@ -254,11 +314,22 @@ class _Base:
                     self._sym.mod.synchronize(dev)
                 except RuntimeError:
                     pass
+        failed = bool(self._final_errors)
+        met = False
         try:
-            _exchange.barrier(f"jax_nvcomm/{self._id}/close", DEFAULT_SETUP_TIMEOUT_S,
-                              f"{type(self).__name__}.close()")
+            _exchange.barrier(f"jax_nvcomm/{self._id}/close",
+                              min(self._timeout_s, DEFAULT_SETUP_TIMEOUT_S) if failed
+                              else DEFAULT_SETUP_TIMEOUT_S, f"{type(self).__name__}.close()")
+            met = True
+        except RuntimeError as e:
+            if not failed:
+                raise
+            print(f"jax_nvcomm: {type(self).__name__}.close() after an error: {e}; "
+                  + ("this process's buffers stay allocated until it exits (a peer may still "
+                     "map them)" if self._backend == "cuda" else "buffers released"),
+                  file=sys.stderr, flush=True)
         finally:
-            self._sym.close(sync=False)
+            self._sym.close(sync=False, keep_own=not met)
 
     def __enter__(self):
         return self
@@ -286,9 +357,10 @@ class Communicator(_Base):
     allocation / multicast granularity that the driver reports.)
 
     Transport: unicast stores over NVLink by default; the NVLink SHARP (multicast) kernels only
-    when `multicast` is True (opt-in, see that property and README "Multicast"). Groups whose
-    ranks span several hosts (or GPUs without peer access) get no buffers: with backend="auto"
-    every op runs XLA's collectives (`xla_fallback`), an explicit backend is refused.
+    when `multicast` is True (opt-in, see that property and docs/DESIGN.md "Multicast").
+    Groups whose ranks span several hosts (or GPUs without peer access) get no buffers: with
+    backend="auto" every op runs XLA's collectives (`xla_fallback`), an explicit backend is
+    refused.
 
     Create it outside jit, collectively: every process of the job, same arguments, same order.
 

@@ -68,14 +68,25 @@ _USAGE = """\
 usage: python -m jax_nvcomm.launch -n N [--share-gpu] [--timeout SECONDS] script.py [args...]
        python -m jax_nvcomm.launch -n N [--share-gpu] [--timeout SECONDS] -m module [args...]
 
-Start N processes of one jax.distributed job on this machine.
+Start N processes of one jax.distributed job on this machine: rank i gets GPU i (one CPU
+device each on a machine without GPUs or with JAX_PLATFORMS=cpu). In the script, call
+jax_nvcomm.distributed_initialize() before touching devices. Each output line of rank i is
+prefixed with "[rank i] ". When a rank fails, the others are ended and the launcher exits
+with that rank's code.
 
 options:
   -n N, --nproc N     number of processes (ranks)
-  --share-gpu         every rank uses GPU 0 (CUDA_VISIBLE_DEVICES=0, no preallocation)
+  --share-gpu         every rank uses GPU 0 (CUDA_VISIBLE_DEVICES=0, no preallocation): tests
+                      of several ranks on one GPU; XLA's NCCL collectives cannot run there
   --timeout SECONDS   end all ranks and exit 124 when the job runs longer
   -m MODULE           run a module (like python -m) instead of a script
   -h, --help          show this help
+
+environment:
+  JAX_NVCOMM_CPU_DEVICES=K   without GPUs: K CPU devices per rank (default 1)
+  JAX_NVCOMM_FAST_EXIT=0     run plain `python -u script.py` in each rank (default: a small
+                             bootstrap ends a failing rank at once instead of waiting in
+                             jax's shutdown barrier for the others)
 """
 
 

@@ -326,18 +326,25 @@ def _parser():
                         f"{tuning.cache_path()}); the PNG goes beside it")
     p.add_argument("--worlds", type=int, nargs="*", help="world sizes (default: 1, 2, 4, ... "
                    "up to the local devices; a launcher job: the whole job)")
-    p.add_argument("--ops", nargs="*", choices=tuning.OPS, default=None)
-    p.add_argument("--dtypes", nargs="*", choices=tuning.DTYPES, default=None)
-    p.add_argument("--min-bytes", type=int, default=4 << 10)
+    p.add_argument("--ops", nargs="*", choices=tuning.OPS, default=None,
+                   help="ops to measure (default: all three)")
+    p.add_argument("--dtypes", nargs="*", choices=tuning.DTYPES, default=None,
+                   help="dtypes to measure (default: all three; --quick: bfloat16)")
+    p.add_argument("--min-bytes", type=int, default=4 << 10,
+                   help="smallest message per rank (default 4 KiB)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="largest message (default 64 MiB; --quick 1 MiB; CPU 16 KiB)")
     p.add_argument("--baseline", choices=("xla", "xla-best"), default="xla",
                    help="xla: XLA under this process's flags (what strategy 'xla' runs in "
                         "jobs with the same XLA_FLAGS); xla-best: the fastest of XLA's "
                         "fast-path flags per point (bench/xla_best.py; more compilations)")
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--unroll", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed runs of each program, median taken (default 5; --quick or "
+                        "CPU: 3)")
+    p.add_argument("--unroll", type=int, default=None,
+                   help="calls unrolled in one loop step (default 10; CPU: 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="loop steps per program (default 5; CPU: 2)")
     p.add_argument("--adopt", metavar="FILE", default=None,
                    help="copy FILE's rows (of --worlds) into --into instead of measuring")
     p.add_argument("--into", default=None, help="with --adopt: the table to update "

@@ -5,12 +5,14 @@
 #   bash scripts/dev.sh install       create .venv and install only
 #   bash scripts/dev.sh deps          print the pip requirements `install` would install here,
 #                                     one per line (installs nothing)
-# The CUDA backend is compiled when nvcc is found (JAX_NVCOMM_CUDA=AUTO|ON|OFF overrides).
+# The CUDA backend is compiled when `nvidia-smi -L` lists a GPU and nvcc is found; on a machine
+# without a GPU only the host backend (CPU devices) is built, which takes seconds instead of
+# minutes. JAX_NVCOMM_CUDA=ON|OFF|AUTO overrides (CI sets ON where nvcc exists: .ci/run).
 # jax comes with its CUDA plugin when `nvidia-smi -L` lists a GPU: jax[cuda13] when the driver
 # supports CUDA >= 13 (the "CUDA Version" of plain `nvidia-smi`), else jax[cuda12]; plain jax
 # otherwise (CI, CPU-only machines). The same choice as pyproject.toml's extras cuda13 / cuda12.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${VENV:-.venv}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: demo/test run from subfolders
 
@@ -62,23 +64,74 @@ requirements() {
     "hypothesis>=6" matplotlib
 }
 
+# JAX_NVCOMM_CUDA for the build when the caller did not set it, and a line saying why.
+cuda_choice() {
+  if [ -n "${JAX_NVCOMM_CUDA:-}" ]; then
+    echo "jax_nvcomm: CUDA part: JAX_NVCOMM_CUDA=$JAX_NVCOMM_CUDA (set by you)" >&2
+  elif [ -z "$(driver_cuda_major)" ]; then
+    export JAX_NVCOMM_CUDA=OFF
+    echo "jax_nvcomm: no NVIDIA GPU here (nvidia-smi -L): building the host backend only" \
+      "(CPU devices); JAX_NVCOMM_CUDA=ON also compiles the CUDA part (minutes)" >&2
+  elif command -v nvcc >/dev/null 2>&1; then
+    export JAX_NVCOMM_CUDA=ON
+    echo "jax_nvcomm: GPU found: compiling the CUDA part with $(command -v nvcc)" \
+      "(a few minutes; progress below)" >&2
+  else
+    export JAX_NVCOMM_CUDA=OFF
+    echo "jax_nvcomm: GPU found but no nvcc on PATH: building without the CUDA part" \
+      "(install the CUDA toolkit to use the GPU kernels)" >&2
+  fi
+}
+
+# pip install of the package itself. With the CUDA part the build's progress lines ([k/N] of
+# ninja) are shown; its whole log goes to $VENV/build.log and its end is printed on failure.
+build_package() {
+  local pip=("$VENV/bin/python" -m pip install --no-build-isolation --no-deps)
+  if [ "$JAX_NVCOMM_CUDA" = OFF ]; then
+    "${pip[@]}" -q .
+    return
+  fi
+  local log="$VENV/build.log"
+  "${pip[@]}" -v . >"$log" 2>&1 </dev/null &
+  local pid=$! shown=0 rc=0 steps='^ *\[[0-9]*/[0-9]*\] '  # ninja's lines, as pip -v indents them
+  show() {  # the progress lines of the log not shown yet
+    local n
+    n=$(grep -c "$steps" "$log" || true)
+    if [ "$n" -gt "$shown" ]; then
+      grep "$steps" "$log" | sed -n "$((shown + 1)),${n}p" | sed 's/^ *//' | cut -c1-100 >&2
+      shown=$n
+    fi
+  }
+  while kill -0 "$pid" 2>/dev/null; do sleep 2; show; done
+  wait "$pid" || rc=$?
+  show
+  if [ "$rc" -ne 0 ]; then
+    tail -n 40 "$log" >&2
+    echo "jax_nvcomm: the build failed; full log: $log" >&2
+    return "$rc"
+  fi
+}
+
 install() {
   local reqs
   mapfile -t reqs < <(requirements)
   if [ ! -x "$VENV/bin/python" ]; then
     PY=$(find_python)
+    echo "jax_nvcomm: creating $VENV with $PY" >&2
     "$PY" -m venv "$VENV"
   fi
   local pip="$VENV/bin/python -m pip"
+  echo "jax_nvcomm: installing ${reqs[*]}" >&2
   $pip install -q --upgrade pip
   $pip install -q "${reqs[@]}"
-  if [ -z "${JAX_NVCOMM_CUDA:-}" ] && command -v nvcc >/dev/null 2>&1; then
-    export JAX_NVCOMM_CUDA=ON
-  fi
+  cuda_choice
   local t0=$SECONDS
-  $pip install -q --no-build-isolation --no-deps . 
-  echo "jax_nvcomm: installed (CUDA backend: ${JAX_NVCOMM_CUDA:-AUTO}) in $((SECONDS - t0)) s"
+  build_package
+  echo "jax_nvcomm: installed (CUDA backend: $JAX_NVCOMM_CUDA) in $((SECONDS - t0)) s" >&2
 }
+
+# sourced (tests call the functions above): define them, run nothing
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 cmd=${1:-test}
 shift || true

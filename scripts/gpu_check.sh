@@ -12,9 +12,18 @@
 #   bash scripts/gpu_check.sh pytest   the pytest GPU suite (`pytest -m gpu`, tests/gpu/: kernels
 #                                      in-process on every local GPU, one process per GPU when
 #                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
-#                                      fault records; ~4 min), log in $OUT/pytest_gpu.log
+#                                      fault matrix rows; ~6 min), log in $OUT/pytest_gpu.log
 #   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
+#   bash scripts/gpu_check.sh faults   the fault matrix on GPU 0 (scripts/faults.py), 2 processes
+#                                      started directly: a peer killed / raising with timeout 10 s
+#                                      (the survivor's named error, fresh GPU work, exit 0), then
+#                                      every other case with timeout 5 s; plus the harnesses'
+#                                      --error modes when build/ar_h, build/moe_h exist (~5 min).
+#                                      Rows in $OUT/faults_table.md (PASS/FAIL per row), details
+#                                      (every rank's report) in $OUT/faults_*.json
+#   bash scripts/gpu_check.sh faults4  the same with 4 processes sharing GPU 0, and 2 processes
+#                                      through the launcher (--share-gpu) (~5 min)
 #   bash scripts/gpu_check.sh tune1    one GPU: `tune` at world 1 (tune1/tuning_w1.json, the rows
 #                                      for the built-in table) and `bench allreduce --quick` with
 #                                      the XLA-best column (best1/); ~5 min with the build
@@ -34,6 +43,11 @@
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
 #                                      only, against the one-GPU results (~5 min)
+#   bash scripts/gpu_check.sh docs     what a user runs first, on the GPUs: topology CLI (no
+#                                      warning), the README's quickstart, every block of
+#                                      docs/guide.md, the three small examples; the guide's
+#                                      launcher script with 2 and 4 processes sharing GPU 0 and,
+#                                      with 2+ GPUs, one process per GPU (~4 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -114,7 +128,8 @@ harness)
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
-  step moe_error 60 build/moe_h --error  # the bad-expert record (kills the context: own process)
+  step ar_error 120 build/ar_h --error    # timeouts / disagreements: records, no trap
+  step moe_error 60 build/moe_h --error  # the bad-expert records, no trap
   step memcheck_moe 120 compute-sanitizer --tool memcheck build/moe_h --only "W4 T=5"
   step racecheck_ar 120 compute-sanitizer --tool racecheck build/ar_h --quick
   # ragged_all_to_all: every case (error cases included) in child processes, then memcheck
@@ -145,10 +160,21 @@ share)  # SHARE_NS: the process counts (default 2 4 8)
     step sh${n}_graph 90 $L -n $n --share-gpu --timeout 85 tests/mp/graph_mp.py --iters=50
   done
   ;;
-faults)  # FAULT_LAUNCH: launcher flags (default --share-gpu; empty: one process per GPU)
-  for c in dead sizes order; do
-    step fault_$c 90 $L -n 2 ${FAULT_LAUNCH---share-gpu} --timeout 85 tests/mp/faults_mp.py --case=$c
-  done
+faults)  # the fault matrix (scripts/faults.py): rows appended to $OUT/faults_table.md
+  [ -x build/ar_h ] && step ar_error 120 build/ar_h --error
+  [ -x build/moe_h ] && step moe_error 60 build/moe_h --error
+  FM="$PY scripts/faults.py --platform gpu --table $OUT/faults_table.md"
+  step faults_sh2_dead 300 $FM -n 2 --timeout 10 --cases kill raise \
+    --json "$OUT/faults_sh2_dead.json"
+  step faults_sh2 480 $FM -n 2 --timeout 5 --json "$OUT/faults_sh2.json" --cases kill-twoshot \
+    stall sizes-oneshot sizes-twoshot order expert rows ragged nan
+  ;;
+faults4)
+  FM="$PY scripts/faults.py --platform gpu --table $OUT/faults_table.md"
+  step faults_sh4 480 $FM -n 4 --timeout 5 --json "$OUT/faults_sh4.json" --cases kill raise \
+    stall sizes-oneshot sizes-twoshot order expert ragged nan
+  step faults_launch 240 $FM -n 2 --timeout 5 --start launcher --json "$OUT/faults_launch.json" \
+    --cases kill stall sizes-oneshot expert
   ;;
 demo1)  # the example: one GPU, then 2 processes sharing it, compared with the stored reference
   step demo_ref 200 $PY -m jax_nvcomm.demo --devices 1 --save-ref /tmp/ref.npz
@@ -264,7 +290,7 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
 kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
   # one- and two-shot, hidden 4096 and 7168, 1-512 tokens) and its phase probes (a -DNVC_PROBE
   # build); (2) device time per call (--device-time on) of the ops at the targets' sizes;
-  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/bench_h200x2_kern13.txt
+  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kern13.txt
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
@@ -312,7 +338,7 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   grep -A22 "=== cl_bench" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape" > "$OUT/clusterab.txt"
   ;;
 probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block (2 GPUs), MoE
-  # kernels (2 virtual ranks on one GPU); docs/kernel_latency.md reads them
+  # kernels (2 virtual ranks on one GPU); docs/perf/kernel_latency.md reads them
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
   [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
@@ -392,7 +418,22 @@ stepragged)  # bench step's ep-ragged layout beside high-throughput, both preset
     --presets example --layouts ep-ragged --out "$OUT/step_ragged_sh2" --iters 10 --no-trace
   tail -8 "$OUT"/step_ragged*/bench_*_step.txt 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged]..." >&2; exit 2 ;;
+docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py etc. run on CPU)
+  step docs_topology 60 $PY -W error -m jax_nvcomm.topology
+  step docs_readme 180 $PY tests/doc_blocks.py README.md --first
+  step docs_guide 400 $PY tests/doc_blocks.py docs/guide.md
+  for ex in tp_mlp ep_moe dp_attention; do step "ex_$ex" 180 $PY "examples/$ex.py"; done
+  $PY tests/doc_blocks.py docs/guide.md --launch-script /tmp/guide_launch.py
+  for n in 2 4; do
+    step "docs_launch_sh$n" 180 $L -n $n --share-gpu --timeout 175 /tmp/guide_launch.py
+  done
+  [ "$NG" -ge 2 ] && step docs_launch2 180 $L -n 2 --timeout 175 /tmp/guide_launch.py
+  local shown="^(backend |custom calls|max \||--- |.*: relative|.*equal|.*agree|2-D mesh|FP8"
+  shown+="|DP ->|error|graph capture|oneshot|twoshot|xla:|host |  GPU|  link|\[rank 0\] .*proc)"
+  grep -E "$shown" \
+    "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

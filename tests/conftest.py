@@ -58,5 +58,21 @@ def pytest_runtest_makereport(item, call):
     if rep.failed:
         for k, v in item.user_properties:
             if k == "rng_seed":
-                rep.sections.append(("rng seed", f"rng = np.random.default_rng({v})  # {item.nodeid}"))
+                rep.sections.append(("rng seed",
+                                     f"rng = np.random.default_rng({v})  # {item.nodeid}"))
     return rep
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The skipped tests, one line per reason with its count (instead of pytest's `-rs`, which
+    prints a line per skipping test location: over a hundred GPU tests on a CPU machine).
+    `pytest -rs` still lists them one by one."""
+    if "s" in terminalreporter.reportchars:
+        return
+    counts: dict[str, int] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"skipped {n}: {reason}")

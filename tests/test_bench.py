@@ -1,4 +1,4 @@
-"""bench's threshold tuning, on the rows measured on 2 x H200 (docs/bench_h200x2_allreduce.json):
+"""bench's threshold tuning, on the rows measured on 2 x H200 (docs/perf/bench_h200x2_allreduce.json):
 the table serves the plain and the fused op, so --tune takes the smaller crossover of the two.
 The kernels' device time per call (--device-time): on a synthetic profiler trace, and on CPU."""
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from jax_nvcomm.bench import allreduce as bench_ar, cli, common
 
-ROWS = json.loads((pathlib.Path(__file__).parents[1] / "docs" /
+ROWS = json.loads((pathlib.Path(__file__).parents[1] / "docs" / "perf" /
                    "bench_h200x2_allreduce.json").read_text())["rows"]
 PLAIN = set(bench_ar.AR_METHODS)
 

@@ -168,3 +168,49 @@ def test_close_while_a_call_still_runs(rng):
         np.testing.assert_allclose(np.asarray(g(x)).reshape(W, 8, 256),
                                    np.tile(x.reshape(W, 8, 256).sum(0), (W, 1, 1)), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_check_raises_the_records_and_the_survivors_get_a_new_communicator(rng):
+    """After a failed call (rank 1 of 4 routes a token to expert 8 of 8): comm.check() raises
+    CommunicatorError with one line per rank of this process, naming op, call, rank and peer;
+    the records survive close(); close() is prompt; and a new communicator over the other
+    devices (or all of them) runs a correct all-reduce in the same process."""
+    from helpers import clear_error_tokens
+    W, E, K, T, H = 4, 8, 2, 3, 16
+    mesh = mesh1d(W)
+    moe = nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                              dtype=jnp.float32, timeout_s=5)
+    moe.check()  # nothing failed yet
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(W * T)]).astype(np.int32)
+    ids[T + 2, 1] = E  # rank 1, token 2, slot 1
+    f = jax.jit(jax.shard_map(lambda v, i: nvc.moe_dispatch(v, i, moe).expert_counts[None],
+                              mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    x = rng.standard_normal((W * T, H)).astype(np.float32)
+    with pytest.raises(Exception):  # the host protocol raises at the call itself
+        jax.block_until_ready(f(x, ids))
+    clear_error_tokens()
+    with pytest.raises(nvc.CommunicatorError) as ei:
+        moe.check()
+    recs = ei.value.records
+    assert isinstance(ei.value, RuntimeError) and len(recs) == W, recs
+    assert ("jax_nvcomm: moe_dispatch call #1: rank 1: token 2 slot 1 holds expert id 8, "
+            "outside [-1, num_experts)") in recs, recs
+    for r in (0, 2, 3):
+        assert f"moe_dispatch call #1: rank {r}: rank 1 failed this call" in "\n".join(recs)
+    assert "unusable after this error" in str(ei.value)
+    t0 = time.monotonic()
+    moe.close()
+    assert time.monotonic() - t0 < 5 and moe.closed
+    with pytest.raises(nvc.CommunicatorError):  # the records outlive close()
+        moe.check()
+    for devs in ([0, 2, 3], [0, 1, 2, 3]):
+        sub = jax.sharding.Mesh(np.array(jax.devices())[devs], ("x",))
+        with nvc.Communicator(sub, "x", max_message_bytes=1 << 16) as c:
+            g = jax.jit(jax.shard_map(lambda v: nvc.all_reduce(v, c)[None], mesh=sub,
+                                      in_specs=P("x"), out_specs=P("x")))
+            y = rng.standard_normal((len(devs) * 2, 64)).astype(np.float32)
+            got = np.asarray(g(y))
+            want = y.reshape(len(devs), 2, 64).sum(0)
+            for r in range(len(devs)):
+                np.testing.assert_allclose(got[r], want, rtol=1e-6, atol=1e-6)
+            c.check()

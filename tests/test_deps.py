@@ -107,3 +107,80 @@ def test_pyproject_extras_match_the_gpu_choice(tmp_path):
         sub.mkdir()
         reqs = _deps(f"{_fake_smi(sub, 1, cuda)}:{SYSTEM_PATH}")
         assert sorted(extras[name]) == sorted(_jax_lines(reqs))
+
+
+def _fake_nvcc(d: Path) -> None:
+    nvcc = d / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    nvcc.chmod(0o755)
+
+
+def _cuda_choice(path: str, preset: str | None = None) -> tuple[str, str]:
+    """(JAX_NVCOMM_CUDA after dev.sh's cuda_choice, its message) with `path` as PATH."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NVCOMM_CUDA"}
+    env["PATH"] = path
+    if preset is not None:
+        env["JAX_NVCOMM_CUDA"] = preset
+    out = subprocess.run(["bash", "-c", f'source "{DEV}"; cuda_choice; echo "$JAX_NVCOMM_CUDA"'],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip(), out.stderr
+
+
+def test_install_without_gpu_skips_the_cuda_part_and_says_so(tmp_path):
+    bin_ = _fake_smi(tmp_path, 0, "13.0", fail_list=True)
+    _fake_nvcc(bin_)                      # nvcc alone (this machine) does not build it
+    value, said = _cuda_choice(f"{bin_}:{SYSTEM_PATH}")
+    assert value == "OFF"
+    assert "no NVIDIA GPU" in said and "JAX_NVCOMM_CUDA=ON" in said
+
+
+def test_install_with_gpu_and_nvcc_builds_the_cuda_part(tmp_path):
+    bin_ = _fake_smi(tmp_path, 2, "13.0")
+    _fake_nvcc(bin_)
+    value, said = _cuda_choice(f"{bin_}:{SYSTEM_PATH}")
+    assert value == "ON" and "compiling the CUDA part" in said
+
+
+def test_install_with_gpu_without_nvcc_says_what_is_missing(tmp_path):
+    value, said = _cuda_choice(f"{_fake_smi(tmp_path, 1, '13.0')}:{SYSTEM_PATH}")
+    assert value == "OFF" and "no nvcc" in said
+
+
+def test_install_keeps_an_explicit_choice(tmp_path):
+    bin_ = _fake_smi(tmp_path, 0, "13.0", fail_list=True)
+    assert _cuda_choice(f"{bin_}:{SYSTEM_PATH}", preset="ON")[0] == "ON"
+
+
+def _fake_venv(tmp_path: Path, body: str) -> Path:
+    """A venv whose python, run as `python -m pip install ...`, runs `body` (a shell script)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    py = venv / "bin" / "python"
+    py.write_text("#!/bin/bash\n" + body)
+    py.chmod(0o755)
+    return venv
+
+
+def _build(venv: Path, cuda: str):
+    env = {**os.environ, "VENV": str(venv), "JAX_NVCOMM_CUDA": cuda}
+    return subprocess.run(["bash", "-c", f'source "{DEV}"; build_package'], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cuda_build_shows_its_progress(tmp_path):
+    # pip -v indents the build's lines by two spaces
+    venv = _fake_venv(tmp_path, 'for i in 1 2 3; do echo "  [$i/3] Building CUDA object k$i.cu.o";'
+                                ' echo "  noise $i"; sleep 0.3; done\n')
+    out = _build(venv, "ON")
+    assert out.returncode == 0, out.stderr
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith("[")] == [
+        f"[{i}/3] Building CUDA object k{i}.cu.o" for i in (1, 2, 3)]
+    assert "noise" not in out.stderr and (venv / "build.log").exists()
+
+
+def test_failed_build_prints_the_end_of_its_log(tmp_path):
+    venv = _fake_venv(tmp_path, 'echo "[1/2] Building x"; echo "error: x.cu:1: bad"; exit 3\n')
+    out = _build(venv, "ON")
+    assert out.returncode == 3
+    assert "error: x.cu:1: bad" in out.stderr and "full log" in out.stderr

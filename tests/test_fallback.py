@@ -1,4 +1,4 @@
-"""XLA fallback of communicators whose groups span several hosts (jax_nvcomm/topology.py,
+"""XLA fallback of communicators whose groups span several hosts (jax_nvcomm/topology/,
 _fallback.py): in one process on fake host facts (every op lowers to XLA's collectives, no
 jax_nvcomm custom call, and gives float64-reference results; an explicit backend is refused;
 a mixed mesh keeps our buffers inside each host), and across processes told they sit on

@@ -1,4 +1,4 @@
-"""Topology facts and the transport decision (jax_nvcomm/topology.py), on fake facts: which
+"""Topology facts and the transport decision (jax_nvcomm/topology/), on fake facts: which
 groups keep our buffers, which fall back to XLA's collectives, which are refused."""
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def test_driver_queries_need_cuda_python_and_say_how_to_install(monkeypatch):
     topology._driver.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     try:
-        with pytest.raises(topology.CudaPythonMissing, match=r"cuda-python.*jax_nvcomm\[cuda13\]"):
+        with pytest.raises(topology.CudaPythonMissing,
+                           match=r"cuda-python.*pip install .cuda-python>=13"):
             topology.query_device.__wrapped__(0)
         rep = topology.report()
         assert "cuda-python" in rep["error"] and rep["devices"] == []

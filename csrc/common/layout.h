@@ -23,6 +23,14 @@
 // - `Ctrl::lamport_seq` counts Lamport calls; call k (k = lamport_seq + 1) writes buffer k % 3 and
 //   clears buffer (k - 1) % 3 of its own slots region back to 0x80000000. How much to clear
 //   (bytes per slot written by call k - 1) is `Ctrl::lamport_bytes`, also advanced by the kernel.
+// - Lamport calls also carry a tag (`Ctrl::lamport_tags`, lamport_tag below): call k of rank
+//   src writes the tag of (k, descriptor) into lamport_tags[k % 3][src] of every rank, the
+//   same buffer rotation and clearing as the data (0 is "empty" there), so a rank that sees a
+//   peer's tag of another op, size or call number reports a disagreement instead of summing
+//   data of another call.
+// - `Ctrl::failed` is 0 until a kernel of this rank records an error (the ErrCode, never
+//   reset): every later kernel of this rank exits at its start (kernels/common.cuh), so a
+//   failed communicator stays failed, CUDA-graph replays included.
 // - Initial state (set by the allocator before first use): Ctrl all zero, every 32-bit word of
 //   the Lamport region 0x80000000. The flag halves need no initialisation.
 #pragma once
@@ -113,16 +121,29 @@ struct Ctrl {
   uint64_t seq;           // completed flag-protocol calls (owned by this rank)
   uint64_t lamport_seq;   // completed Lamport calls (owned by this rank)
   uint32_t done_blocks;   // last-block counter of the running kernel, 0 between calls
-  uint32_t pad0;
+  uint32_t failed;        // 0, or the ErrCode a kernel of this rank recorded (never reset)
   uint64_t lamport_bytes; // bytes per slot the last Lamport call wrote (the next call clears them)
   uint64_t pad1[4];
   // flags[parity][phase][src][block]: written by rank `src` into this rank's buffer.
   uint64_t flags[2][kMaxPhases][kMaxWorld][kMaxBlocks];
+  // lamport_tags[k % 3][src]: the tag of src's Lamport call k (lamport_tag), 0 when empty.
+  uint32_t lamport_tags[3][kMaxWorld][4];
 };
 constexpr size_t kCtrlBytes = 64 * 1024;
 static_assert(sizeof(Ctrl) <= kCtrlBytes, "Ctrl too large");
 
 NVC_HD size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// The tag of Lamport call k with descriptor desc, as four 32-bit words none of which is 0 (the
+// empty tag): desc (bits 0..3 hold the op kind, never 0), k with bit 31 set, a constant, and
+// ~desc. Two tags are equal exactly when the calls' numbers (mod 2^31) and descriptors are.
+constexpr uint32_t kLamportTagMagic = 0x4E56434Cu;
+NVC_HD void lamport_tag(uint64_t k, uint32_t desc, uint32_t* w) {
+  w[0] = desc & 0xFFFFFFu;
+  w[1] = uint32_t(k) | 0x80000000u;
+  w[2] = kLamportTagMagic;
+  w[3] = ~desc & 0xFFFFFFu;
+}
 
 // Flag-protocol half: one parity's share of the data area. Two-shot needs a reduce-scatter
 // landing zone (W slots of ceil(M/W), 256-B aligned) and an all-gather landing zone (M).

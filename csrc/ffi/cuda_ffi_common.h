@@ -12,7 +12,7 @@
 // code: every per-call state lives on the device) and as `name "_nograph"` without it (XLA then
 // ends its command buffer before the call, launches the kernel itself, and starts a new one
 // after it, as it does around NCCL collectives). Same implementation; which one a program uses is
-// chosen at trace time (`graph_capture` in jax_nvcomm/_shard.py, docs/step_speed.md). `binding`
+// chosen at trace time (`graph_capture` in jax_nvcomm/_shard.py, docs/perf/step_speed.md). `binding`
 // is the handler's ffi::Ffi::Bind() chain.
 #define NVC_CUDA_HANDLER(symbol, name, impl, binding)                                      \
   XLA_FFI_DEFINE_HANDLER(symbol, impl, binding, {::xla::ffi::Traits::kCmdBufferCompatible}); \

@@ -55,7 +55,11 @@ inline ffi::Error check_quant(const ffi::AnyBuffer& x, const ffi::AnyBuffer& res
   return ffi::Error::Success();
 }
 
-// Look up the rank context or explain why it is missing.
+// Look up the rank context or explain why it is missing. A rank whose kernel (or host
+// protocol) recorded an error refuses every later call BEFORE anything is enqueued, with the
+// record's text: the failed call's own results were poisoned or left unspecified, and the
+// kernels of a failed communicator do no more work (kernels/common.cuh "Failure"). The check is
+// one load of the host-mapped ErrorInfo::code; the record is complete once the code is set.
 inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankContext>* out) {
   *out = registry().find(comm_id, slot);
   if (*out == nullptr)
@@ -63,8 +67,11 @@ inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankCont
                         " has no rank at slot " + std::to_string(slot) +
                         " in this process (closed, or used with another mesh)");
   ErrorInfo* e = (*out)->err_host;
-  if (e != nullptr && e->code != kErrNone)
-    return precondition(describe_error(*e) + " (communicator is unusable after this error)");
+  if (e != nullptr && *reinterpret_cast<volatile uint32_t*>(&e->code) != kErrNone)
+    return precondition(describe_error(*e) +
+                        " (communicator is unusable after this error: close it and create a new "
+                        "one; results of that call and of any CUDA-graph replay since are "
+                        "unspecified)");
   (*out)->host_calls.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }

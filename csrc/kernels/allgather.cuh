@@ -15,6 +15,9 @@
 //   4. finish_call: the last block advances Ctrl::seq to s.
 // Invariants: G <= kMaxBlocks; every rank waits for every peer each call (so two halves
 // suffice, see layout.h); descriptors carry n so ranks calling with other sizes are reported.
+// Failure (common.cuh): a block of a failed communicator leaves at its start; a failed wait
+// (recorded, or Ctrl::failed set elsewhere) makes the block leave at the __syncthreads_or after
+// it, before copying from that source. out is then partly written (unspecified).
 #pragma once
 #include "common.cuh"
 
@@ -44,6 +47,7 @@ __global__ void __launch_bounds__(512) all_gather_kernel(CommView v, const char*
                                                          size_t n, size_t slot_bytes,
                                                          size_t chunk, uint32_t desc) {
   const uint64_t seq = call_seq(v);
+  if (__syncthreads_or(comm_failed(v))) return;
   const uint64_t p = seq & 1;
   const int b = blockIdx.x;
   const size_t begin = size_t(b) * chunk;
@@ -69,8 +73,9 @@ __global__ void __launch_bounds__(512) all_gather_kernel(CommView v, const char*
   // 3. receive.
   for (int i = 1; i < v.world; ++i) {
     const int src = (v.rank + v.world - i) % v.world;
-    if (threadIdx.x == 0) wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
-    __syncthreads();
+    const bool ok =
+        threadIdx.x != 0 || wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
+    if (__syncthreads_or(!ok)) return;
     if (begin < end)
       copy_range(out + size_t(src) * n, v.half(v.rank, p) + size_t(src) * slot_bytes, begin, end,
                  true);

@@ -9,7 +9,8 @@
 // this rank's buffer, mc + (p - bufs[rank]) addresses the same offset in every rank's buffer.
 //
 // One-shot (multicast push): identical to allreduce_oneshot.cuh except step 1, where each
-// sanitised vector is stored once with multimem.st to slot [me] of buffer k % 3 of every rank.
+// sanitised vector (and the call's tag) is stored once with multimem.st to slot [me] of buffer
+// k % 3 of every rank. The failure paths are the unicast kernels' (shared bodies).
 // Polling, clearing, the rank-order float32 sum and the counters are shared, so results are
 // bitwise identical to the unicast one-shot.
 //
@@ -80,6 +81,13 @@ struct OneShotMulticast {
   }
   __device__ static void push(const CommView&, char* const* s_dst, size_t i, const uint4& d) {
     multimem_st_v4(s_dst[0] + i * 16, d);
+  }
+  // One multimem.st of the tag reaches every rank (thread r == 0 issues it).
+  __device__ static void push_tag(const CommView& v, char* mc, int cur, int r, const uint4& tag) {
+    if (r == 0)
+      multimem_st_v4(
+          mc + (reinterpret_cast<char*>(lamport_tag_at(v, v.rank, cur, v.rank)) - v.bufs[v.rank]),
+          tag);
   }
 };
 

@@ -17,10 +17,11 @@
 // of 4, else 2 unless turned off); identical on every rank; all blocks co-resident (the host caps
 // nclusters by the occupancy API and the SM budget).
 //
-// Steps 1-3 (push, clear, counters) are those of allreduce_oneshot.cuh over the G * kClThreads
-// threads of the grid. Step 4, cluster c (of nclusters) owns rows c, c + nclusters, ...; block j
-// of the cluster plays virtual lanes l = j * kClThreads + threadIdx.x of the row group of
-// rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
+// Steps 1-4 (push, clear, counters, tag check) and the failure path (polls that give up yield
+// NaN, so every cluster barrier is still met) are those of allreduce_oneshot.cuh over the
+// G * kClThreads threads of the grid. Step 5, cluster c (of nclusters) owns rows c,
+// c + nclusters, ...; block j of the cluster plays virtual lanes l = j * kClThreads +
+// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
 // registers before the first row (every row uses the same columns).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
 //     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
@@ -105,10 +106,17 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
   const int crank = int(cluster.block_rank());
   const int64_t cid = blockIdx.x / kClBlocks, ncl = gridDim.x / kClBlocks;
 
-  const OneShotCall call = oneshot_exchange<T, OneShotUnicast, kClThreads>(v, t, desc, nullptr, s_dst);
+  // kUniformExit = false: a failed communicator does not make blocks leave here (a cluster's
+  // blocks could read Ctrl::failed at different times and then miss each other at the cluster
+  // barriers); its polls give up at once instead (deadline = start). ok == false only for
+  // kErrCapacity, alike everywhere.
+  const OneShotCall call =
+      oneshot_exchange<T, OneShotUnicast, kClThreads, false>(v, t, desc, nullptr, s_dst);
+  if (!call.ok) return;
   const uint64_t k = call.k, deadline = call.deadline;
+  oneshot_check_tag<kClThreads>(v, call, desc);
 
-  // 4. rows, split over the cluster
+  // 5. rows, split over the cluster
   const char* slot0 = call.slot0;
   const char* res = static_cast<const char*>(t.residual);
   const char* wgt = static_cast<const char*>(t.weight);

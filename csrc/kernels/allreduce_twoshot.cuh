@@ -36,6 +36,14 @@
 //   end: the block with the last arrival ticket (taken by every block at its start, after
 //   reading s: common.cuh arrive_issue) stores Ctrl::seq = s; no handshake on the tail.
 //
+// Failure (common.cuh): every block reads Ctrl::failed with s and leaves at once when it is set,
+// as every block does for a message above max_message_bytes (kErrCapacity). A flag wait that
+// fails (timeout, disagreement, peer ahead: recorded; or Ctrl::failed set elsewhere) makes its
+// block leave at the __syncthreads_or that follows the wait, before it reads data that did not
+// arrive: phase 1 (after phase 0's wait) or the copy / epilogue (after phase 2's). Flags already
+// raised stay raised, so peers of a block that left after phase 0 time out at phase 2 (bounded)
+// unless they failed themselves. Outputs of a failed call are unspecified (partly written).
+//
 // Safety of data reuse (two halves): rank j writes half p of my region for call s+2 only after
 // passing phase 0 of call s+1, which needs my phase-0 flag of call s+1, raised after my call s
 // finished. All reads are of the own region (peers push).
@@ -155,12 +163,14 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
 
   probe(0);
   const uint64_t seq = call_seq(v);
+  const bool dead = comm_failed(v);
   const int p = int(seq & 1);
   const uint64_t flag = make_flag(seq, desc);
   Ctrl* ctrl = v.ctrl();
   const int me = v.rank, W = v.world, b = blockIdx.x;
   const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
-  if (nv * 16 > v.max_message_bytes) fail(v.err, kErrCapacity, desc, me, -1, seq, nv * 16);
+  const bool too_big = nv * 16 > v.max_message_bytes;
+  if (too_big && !dead && b == 0 && threadIdx.x == 0) fail(v, kErrCapacity, desc, -1, seq, nv * 16);
   const uint64_t deadline = globaltimer() + v.timeout_ns;
   if (threadIdx.x < W) s_half[threadIdx.x] = v.half(threadIdx.x, seq);
 
@@ -176,7 +186,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   c.world = W;
   c.grid = gridDim.x;
   c.block = b;
-  __syncthreads();
+  if (__syncthreads_or(dead || too_big)) return;
   const uint32_t ticket = threadIdx.x == 0 ? arrive_issue(&ctrl->done_blocks) : 0u;  // the end
   probe(12);
 
@@ -184,11 +194,12 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   Policy::template scatter<T>(c, s_half);
   probe(7);
   __syncthreads();
+  bool ok = true;
   if (threadIdx.x < W && int(threadIdx.x) != me) {
     publish_flag(&v.peer_ctrl(threadIdx.x)->flags[p][0][me][b], flag);
-    wait_flag(&ctrl->flags[p][0][threadIdx.x][b], seq, desc, v, threadIdx.x, deadline);
+    ok = wait_flag(&ctrl->flags[p][0][threadIdx.x][b], seq, desc, v, threadIdx.x, deadline);
   }
-  __syncthreads();
+  if (__syncthreads_or(!ok)) return;
 
   probe(8);
   // Phase 1: reduce own chunk, all-gather it.
@@ -206,8 +217,8 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   const char* ag = c.my_half + c.ag;
   if constexpr (!kFused) {
     if (threadIdx.x < W && !(Policy::kOwnDirect && int(threadIdx.x) == me))
-      wait_flag(&ctrl->flags[p][1][threadIdx.x][b], seq, desc, v, threadIdx.x, deadline);
-    __syncthreads();
+      ok = wait_flag(&ctrl->flags[p][1][threadIdx.x][b], seq, desc, v, threadIdx.x, deadline);
+    if (__syncthreads_or(!ok)) return;
     for (int o = 0; o < W; ++o) {
       if (Policy::kOwnDirect && o == me) continue;
       size_t a, e;
@@ -224,10 +235,10 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
       const int o = q / gridDim.x, bb = q % gridDim.x;
       size_t a, e;
       chunk_bounds(nv, W, gridDim.x, o, bb, &a, &e);
-      if (a < e && a < ve && e > vs)
-        wait_flag(&ctrl->flags[p][1][o][bb], seq, desc, v, o, deadline);
+      if (ok && a < e && a < ve && e > vs)
+        ok = wait_flag(&ctrl->flags[p][1][o][bb], seq, desc, v, o, deadline);
     }
-    __syncthreads();
+    if (__syncthreads_or(!ok)) return;
     probe(10);
     if (rows_regs_ok<kRowVecsIn512>(rc))  // rows held in registers (rmsnorm_regs.cuh)
       rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kRowVecsIn512, false, false>(

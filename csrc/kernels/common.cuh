@@ -13,9 +13,32 @@
 //   added a second MEMBAR.ALL.SYS and an L1 invalidate (CCTL.IVALL) per flag, with nothing to
 //   order. Where one thread stores several flags it issues one fence.acq_rel.sys and relaxed
 //   stores instead (a release pattern too), so the MEMBAR is paid once.
-// - A waiter polls with ld.acquire.sys and a deadline from %globaltimer. On a timeout, a
-//   disagreement or bad data it records ErrorInfo (first error wins) and traps: the CUDA context
-//   reports an error to XLA instead of the program hanging or computing on garbage.
+// - A waiter polls with ld.acquire.sys and a deadline from %globaltimer (wait_flag).
+//
+// Failure (every kernel; the CUDA context must stay usable, so nothing traps):
+// - On a timeout, a disagreement or bad data a kernel calls fail(): it records ErrorInfo (the
+//   first error of the rank wins; host-mapped, so the host reads it without synchronising),
+//   sets Ctrl::failed and RETURNS. The kernel then ends normally: waits return false
+//   (wait_flag) or a poisoned value (Lamport polls: NaN, lamport.cuh); the block agrees with
+//   __syncthreads_or (or a warp vote) and leaves before it writes anything that depends on the
+//   missing or bad data, or (Lamport) computes on the NaN it got.
+// - Every wait also gives up, without recording, once Ctrl::failed is set by another thread of
+//   the rank (flag waits: checked with the deadline; Lamport polls: once they have waited
+//   kLamportPatientNs, allreduce_oneshot.cuh), so one failure ends the whole grid at once
+//   instead of at every block's deadline. No kernel has a grid-wide barrier (the
+//   cooperative MoE launch only guarantees residency), so a block that leaves early leaves
+//   nobody waiting but flag waits, which are bounded.
+// - Every kernel reads Ctrl::failed at its start, with its counters, and exits at once when it
+//   is set (block-uniform: __syncthreads_or; the cluster kernel, whose blocks must all reach
+//   its cluster barriers, instead pushes nothing and gives up every poll at once): a failed
+//   communicator does no more work, which also covers CUDA-graph replays, where no host code
+//   runs. Peers waiting for such a rank time
+//   out (bounded) or see its poison flags.
+// - A failed call advances no counter reliably and leaves buffers in any state: the
+//   communicator is dead. The FFI handlers refuse every later call with the record's text
+//   (ffi/ffi_common.h lookup); results of the failed call are unspecified (docs/API.md).
+// - Bad input of one rank (an expert id, a row count, a slice) also raises POISON flags
+//   (descriptor 0xFFFFFF) in its peers before the rank leaves, so they fail at once naming it.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -55,12 +78,21 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
 }
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Whether a kernel of this rank already failed (Ctrl::failed): read at every kernel's start
+// and, with the deadline, in every wait.
+__device__ __forceinline__ bool comm_failed(const CommView& v) {
+  return *reinterpret_cast<volatile uint32_t*>(&v.ctrl()->failed) != 0u;
+}
+
 // Poll (one thread) until *flag == make_flag(seq, desc): kErrNone. Or a disagreement (same seq,
-// other descriptor: kErrMismatch), a peer that is ahead (kErrAhead) or the deadline passed
-// (kErrTimeout), with the flag value last seen in *seen. Records nothing: for callers that report
-// on their block's way out, where no state is live across fail()'s call.
-__device__ __forceinline__ uint32_t poll_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
-                                              uint64_t deadline, uint64_t* seen) {
+// other descriptor: kErrMismatch), a peer that is ahead (kErrAhead), the deadline passed
+// (kErrTimeout), or another thread of this rank failed (Ctrl::failed, checked with the
+// deadline: kErrTimeout too, which fail() then does not record: the rank's first error is
+// kept), with the flag value last seen in *seen. Records nothing: for callers that report on
+// their block's way out, where no state is live across fail()'s call.
+__device__ __forceinline__ uint32_t poll_flag(const CommView& v, const uint64_t* flag,
+                                              uint64_t seq, uint32_t desc, uint64_t deadline,
+                                              uint64_t* seen) {
   const uint64_t want = make_flag(seq, desc);
   uint32_t spins = 0;
   while (true) {
@@ -69,7 +101,8 @@ __device__ __forceinline__ uint32_t poll_flag(const uint64_t* flag, uint64_t seq
     if (f == want) return kErrNone;
     if (flag_seq(f) == seq) return kErrMismatch;
     if (flag_seq(f) > seq) return kErrAhead;
-    if ((++spins & 255u) == 0u && globaltimer() > deadline) return kErrTimeout;
+    if ((++spins & 255u) == 0u && (comm_failed(v) || globaltimer() > deadline))
+      return kErrTimeout;
   }
 }
 
@@ -93,35 +126,53 @@ __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-// Record an error of this rank, then trap so the launch fails visibly. The error block lives
-// in host-mapped memory (PCIe atomics are not guaranteed there), so it is claimed with plain
-// stores: the fields first, then the code after a system fence. Racing failures may mix
-// fields of two reports; each one alone is a true report.
-static __device__ __noinline__ void fail(ErrorInfo* err, uint32_t code, uint32_t op, int rank, int peer,
-                                  uint64_t seq, uint64_t observed) {
-  if (err != nullptr && *reinterpret_cast<volatile uint32_t*>(&err->code) == 0u) {
-    volatile ErrorInfo* e = err;
-    e->op = op;
-    e->rank = rank;
-    e->peer = peer;
-    e->seq = seq;
-    e->observed = observed;
-    __threadfence_system();
-    e->code = code;
-    __threadfence_system();
-  }
-  __trap();
+// Record an error of this rank and mark the communicator failed; returns (no trap). The first
+// failure of the rank claims Ctrl::failed (a device-memory atomic) and alone writes ErrorInfo,
+// which lives in host-mapped memory: the fields first, then the code after a system fence, so
+// a host that sees the code sees the fields. Scalars only: a CommView passed by reference to
+// an out-of-line function would be copied to local memory in kernels that take it by value.
+__device__ __forceinline__ void record_failure_inline(uint32_t* failed, ErrorInfo* err, int rank,
+                                                      uint32_t code, uint32_t op, int peer,
+                                                      uint64_t seq, uint64_t observed) {
+  if (*reinterpret_cast<volatile uint32_t*>(failed) != 0u || atomicCAS(failed, 0u, code) != 0u)
+    return;
+  volatile ErrorInfo* e = err;
+  if (e == nullptr) return;
+  e->op = op;
+  e->rank = rank;
+  e->peer = peer;
+  e->seq = seq;
+  e->observed = observed;
+  __threadfence_system();
+  e->code = code;
+  __threadfence_system();
+}
+static __device__ __noinline__ void record_failure(uint32_t* failed, ErrorInfo* err, int rank,
+                                                   uint32_t code, uint32_t op, int peer,
+                                                   uint64_t seq, uint64_t observed) {
+  record_failure_inline(failed, err, rank, code, op, peer, seq, observed);
+}
+// fail: out of line (the waits); fail_inline: inlined (MoE kernels: a call to a __noinline__
+// function makes ptxas save registers around it).
+__device__ __forceinline__ void fail(const CommView& v, uint32_t code, uint32_t op, int peer,
+                                     uint64_t seq, uint64_t observed) {
+  record_failure(&v.ctrl()->failed, v.err, v.rank, code, op, peer, seq, observed);
+}
+__device__ __forceinline__ void fail_inline(const CommView& v, uint32_t code, uint32_t op,
+                                            int peer, uint64_t seq, uint64_t observed) {
+  record_failure_inline(&v.ctrl()->failed, v.err, v.rank, code, op, peer, seq, observed);
 }
 
-// Wait (one thread) until *flag == make_flag(seq, desc): true. Else records poll_flag's failure
-// naming `peer` (fail) and returns false (unreachable while fail() traps; callers that exit their
-// block cleanly on false need no change when it stops).
+// Wait (one thread) until *flag == make_flag(seq, desc): true. False when the call failed: a
+// timeout, a disagreement (same seq, other descriptor, e.g. a poison flag) or a peer that is
+// ahead (each recorded here), or another thread of this rank failed (recorded there: this
+// fail() then records nothing).
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t seq, uint32_t desc,
                                           const CommView& v, int peer, uint64_t deadline) {
   uint64_t f = 0;
-  const uint32_t code = poll_flag(flag, seq, desc, deadline, &f);
+  const uint32_t code = poll_flag(v, flag, seq, desc, deadline, &f);
   if (code == kErrNone) return true;
-  fail(v.err, code, desc, v.rank, peer, seq, f);
+  fail(v, code, desc, peer, seq, f);
   return false;
 }
 
@@ -171,9 +222,9 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
 }
 
 // Raise the poison flag make_flag(s, poison_desc) of every block < nblocks of this rank at every
-// peer (flag-protocol phase 0), then record the error (fail). One thread. A peer waiting for any
-// of these flags then reports kErrMismatch naming this rank at once instead of timing out. No
-// release: a poison flag publishes no data.
+// peer (flag-protocol phase 0), then record the error (fail; returns: the caller's block then
+// leaves). One thread. A peer waiting for any of these flags then reports kErrMismatch naming
+// this rank at once instead of timing out. No release: a poison flag publishes no data.
 __device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int nblocks,
                                             uint32_t poison_desc, uint32_t code, uint32_t desc,
                                             int peer, uint64_t observed) {
@@ -182,7 +233,7 @@ __device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int n
     if (r != v.rank)
       for (int b = 0; b < nblocks; ++b)
         st_relaxed_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
-  fail(v.err, code, desc, v.rank, peer, s, observed);
+  fail(v, code, desc, peer, s, observed);
 }
 
 // Phase probes (timing experiments only; compiled in with -DNVC_PROBE, never in the package):

@@ -14,8 +14,9 @@
 //   test compares raw bits; a float compare would treat a negative subnormal as -0.0 under
 //   flush-to-zero and +0.0 == -0.0, and the poll would never end.
 //
-// Buffer rotation, clearing and counters are handled by the one-shot kernel
-// (allreduce_oneshot.cuh); this header only provides the per-vector primitives.
+// Buffer rotation, clearing, counters, the call tags and the failure path (a poll that times
+// out yields lamport_poison_v4) are handled by the one-shot kernel (allreduce_oneshot.cuh); this
+// header only provides the per-vector primitives.
 #pragma once
 #include "common.cuh"
 
@@ -56,18 +57,14 @@ __device__ __forceinline__ uint4 sanitize_v4(uint4 v) {
   return v;
 }
 
-// Poll one 16-byte vector until every word has arrived; bounded by `deadline` (%globaltimer),
-// reporting kErrTimeout for `peer` on expiry. `v` holds the first load already issued.
-__device__ __forceinline__ uint4 lamport_wait_v4(const void* p, uint4 v, const CommView& cv,
-                                                 int peer, uint64_t seq, uint32_t desc,
-                                                 uint64_t deadline) {
-  while (lamport_any_empty(v)) {
-    if (globaltimer() > deadline) {
-      fail(cv.err, kErrTimeout, desc, cv.rank, peer, seq, (uint64_t(v.y) << 32) | v.x);
-    }
-    v = ld_volatile_v4(p);
-  }
-  return v;
+// The poison of a failed poll: NaN in every element of T (f32 0x7FC00000, bf16 0x7FC0,
+// f16 0x7E00), so a sum or an epilogue over it is NaN. Never the sentinel.
+template <typename T>
+__device__ __forceinline__ uint4 lamport_poison_v4() {
+  const uint32_t w = std::is_same_v<T, float>           ? 0x7FC00000u
+                     : std::is_same_v<T, __nv_bfloat16> ? 0x7FC07FC0u
+                                                        : 0x7E007E00u;
+  return make_uint4(w, w, w, w);
 }
 
 }  // namespace dev

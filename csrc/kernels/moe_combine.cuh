@@ -24,6 +24,11 @@
 //   The conversions are moe_layout.h's, shared with the host protocol: bitwise-equal results.
 //   The handle and weights of each warp's first item are loaded before the wait. The block with
 //   the last arrival ticket advances Ctrl::seq (finish_recv, moe_dispatch.cuh).
+// Failure: as moe_dispatch.cuh's. SEND: bad expert_counts (found after a barrier) poison and
+//   leave as dispatch's bad ids do; a bad expert_src entry (kErrCapacity) makes its warp record,
+//   poison and skip the row, and its block then leaves instead of publishing (publish_all's
+//   vote), so the block's flag stays poison. RECV: a token_dest entry out of range
+//   (kErrBadExpert, recorded) makes its warp skip the token (y's row unspecified).
 #pragma once
 #include "moe_dispatch.cuh"
 
@@ -42,8 +47,8 @@ __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
   return 4 * (size_t(moe_local_experts(c)) + 1);
 }
 
-// The SEND half, every thread of the block; returns the call's s, or 0 when the call failed
-// here (the block's thread 0 then traps; the others must not go on).
+// The SEND half, every thread of the block; returns the call's s, or 0 (every thread alike)
+// when the call failed or was refused here: the block then publishes nothing and leaves.
 __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const MoeConfig& c,
                                                       const CombineSendArgs& a) {
   extern __shared__ int32_t pre[];  // [L + 1]
@@ -58,7 +63,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
 
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
   if (tid == 0) s_bad = -1;
-  __syncthreads();
+  if (__syncthreads_or(s == 0)) return 0;
   const int per = (L + blockDim.x - 1) / blockDim.x, lo = min(tid * per, L), hi = min(lo + per, L);
   int sum = 0;
   for (int i = lo; i < hi; ++i) {
@@ -99,6 +104,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
   const int nvec = int(yrow / 16), total = pre[L];
   const int64_t slots = int64_t(T) * K;
+  bool bad_slot = false;  // this warp found a bad expert_src entry: the block must not publish
   for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
     int l = 0, h = L - 1;  // last e with pre[e] <= g
     while (l < h) {
@@ -112,7 +118,11 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
     for (int u = 0; u < kCopyU; ++u)
       if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
     const int slot = __ldg(a.expert_src + er);
-    if (slot < 0 || slot >= W * slots) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+    if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
+      if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+      bad_slot = true;
+      continue;
+    }
     const int src = int(slot / slots);
     char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
 #pragma unroll
@@ -123,7 +133,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   }
   dev::probe(9);
   const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's release
-  publish_all(v, c, s, desc);
+  if (!publish_all(v, c, s, desc, bad_slot)) return 0;
   finish_send(v, s, ticket);
   dev::probe(10);
   return s;
@@ -200,7 +210,7 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
     s_e0[warp][lane] = has ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
     s_w0[warp][lane] = has ? __ldg(a.weights + size_t(t) * K + lane) : 0.f;
   }
-  wait_all_sources(v, c, s, desc, moe_blocks(c));
+  if (!wait_all_sources(v, c, s, desc, moe_blocks(c))) return;
   const uint32_t ticket = recv_ticket(v);
   dev::probe(11);
 
@@ -211,7 +221,9 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
     const int e = first    ? s_e0[warp][lane]
                   : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane)
                              : -1;
-    if (e < -1 || e >= E) die(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
+    const bool bad = e < -1 || e >= E;  // a corrupt handle: recorded, the token is skipped
+    if (bad) dev::fail_inline(v, kErrBadExpert, desc, e, s, bad_expert_detail(t, lane, false));
+    if (__any_sync(0xFFFFFFFFu, bad)) continue;
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {

@@ -32,6 +32,24 @@
 //   block 0 writes expert_counts. The block with the last arrival ticket (taken after the
 //   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
+//
+// Failure (kernels/common.cuh; no kernel traps, so the CUDA context stays usable):
+// - begin_send / begin_recv return 0 (every thread alike, by __syncthreads_or at the block's
+//   first barrier) when Ctrl::failed is set, or for kErrInFlight / kErrOrder (recorded by one
+//   thread; every rank runs the same calls, so every rank fails there alike): the block leaves.
+// - SEND, bad input (num_tokens, an expert id, a duplicate): found after a __syncthreads, so
+//   every thread of the block sees it; thread 0 records, raises the POISON flag of call s for
+//   every block of this rank in every rank (poison_and_fail) and the block leaves before it
+//   publishes its own flag. Blocks of the rank that did not see it publish normally; the
+//   failing block's flag stays poison, so every receiver (this rank's RECV half included)
+//   fails at once (kErrMismatch, "rank r failed this call").
+// - RECV: wait_all_sources returns false (timeout, disagreement, poison, peer ahead; or
+//   Ctrl::failed set elsewhere) to every thread of the block: the block leaves before it reads
+//   the slot. Bad headers (recorded) make the block leave after the header barrier; a bad row's
+//   metadata (recorded) makes its warp skip the row (warp vote), so nothing is written through
+//   an unchecked index. Outputs of a failed call are unspecified.
+// - The fused kernel leaves after a failed SEND half; its RECV half of a healthy block meets the
+//   failing blocks' poison flags in its own slots and leaves there.
 // Row copies (warp_copy): each lane keeps kCopyU 16-byte loads in flight before it stores them,
 // so a row costs nvec / (32 * kCopyU) load latencies rather than nvec / 32.
 #pragma once
@@ -84,57 +102,44 @@ __device__ __forceinline__ int cols_per_lane(int rows, int nvec, int G) {
   return u < 1 ? 1 : u > kCopyU ? kCopyU : int(u);
 }
 
-// The first error of this rank claims ErrorInfo (later ones leave it alone).
-__device__ __forceinline__ void record(const CommView& v, uint32_t code, uint32_t desc, int peer,
-                                       uint64_t seq, uint64_t observed) {
-  ErrorInfo* err = v.err;
-  if (err != nullptr && atomicCAS_system(&err->code, 0u, code) == 0u) {
-    err->op = desc;
-    err->rank = v.rank;
-    err->peer = peer;
-    err->seq = seq;
-    err->observed = observed;
-    __threadfence_system();
-  }
-}
-// dev::fail, inlined: a call to the __noinline__ one makes ptxas save registers around the call.
-__device__ __forceinline__ void die(const CommView& v, uint32_t code, uint32_t desc, int peer,
-                                    uint64_t seq, uint64_t observed) {
-  record(v, code, desc, peer, seq, observed);
-  __trap();
-}
-
-// Record the error, raise the poison flag of call s in all of this rank's slots of every rank,
-// then trap. Recording comes first: in a one-kernel fused call this rank's own RECV half (other
-// blocks of the kernel) reads the poison from its own slots, and its kErrMismatch must not take
-// ErrorInfo before the real cause.
+// Record the error (dev::fail_inline: first error of the rank wins, Ctrl::failed set), then
+// raise the poison flag of call s in all of this rank's slots of every rank; returns (the
+// caller's block then leaves without publishing its own flag). Recording comes first: in a
+// one-kernel fused call this rank's own RECV half (other blocks of the kernel) reads the poison
+// from its own slots, and its kErrMismatch must not take ErrorInfo before the real cause.
 __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
                                              int nblocks, uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
-  record(v, code, desc, peer, s, observed);
+  dev::fail_inline(v, code, desc, peer, s, observed);
   const uint64_t f = make_flag(s, kMoePoisonDesc);
   for (int r = 0; r < v.world; ++r)
     for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
-  __trap();
 }
 
-// Thread i < world * nblocks waits for flag (src, block); then the whole block syncs.
-__device__ __forceinline__ void wait_all_sources(const CommView& v, const MoeConfig& c, uint64_t s,
+// Thread i < world * nblocks waits for flag (src, block); then the whole block syncs. True
+// when every flag arrived; false (every thread alike) when the call failed or was refused
+// (s == 0: begin_recv refused it; nothing is waited for).
+__device__ __forceinline__ bool wait_all_sources(const CommView& v, const MoeConfig& c, uint64_t s,
                                                  uint32_t desc, int nblocks) {
   const uint64_t deadline = dev::globaltimer() + v.timeout_ns;
   const uint64_t* flags = moe_flag(v.ctrl(), c, s, 0, 0);  // [src][kMoeMaxBlocks] of call s
-  for (int i = threadIdx.x; i < v.world * nblocks; i += blockDim.x) {
+  bool ok = s != 0;
+  for (int i = threadIdx.x; ok && i < v.world * nblocks; i += blockDim.x) {
     const int src = i / nblocks, blk = i - src * nblocks;
-    dev::wait_flag(flags + src * kMoeMaxBlocks + blk, s, desc, v, src, deadline);
+    ok = dev::wait_flag(flags + src * kMoeMaxBlocks + blk, s, desc, v, src, deadline);
   }
-  __syncthreads();
+  return !__syncthreads_or(!ok);
 }
 
-// Every thread: publish this block's flag for call s in every rank (after a __syncthreads).
-__device__ __forceinline__ void publish_all(const CommView& v, const MoeConfig& c, uint64_t s, uint32_t desc) {
-  __syncthreads();
+// Every thread: unless some thread of the block passes failed = true, publish this block's flag
+// for call s in every rank (after a __syncthreads) and return true; else false, nothing
+// published (the block then leaves).
+__device__ __forceinline__ bool publish_all(const CommView& v, const MoeConfig& c, uint64_t s,
+                                            uint32_t desc, bool failed = false) {
+  if (__syncthreads_or(failed)) return false;
   if (threadIdx.x < v.world)
     dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
+  return true;
 }
 
 __device__ __forceinline__ uint64_t sends_issued(const CommView& v) {
@@ -144,13 +149,19 @@ __device__ __forceinline__ uint64_t recvs_done(const CommView& v) {
   return *reinterpret_cast<volatile uint64_t*>(&v.ctrl()->seq);
 }
 
-// SEND start, every thread: this call's s; fails (kErrInFlight) when it would be more than
-// max_in_flight SENDs ahead of this rank's RECVs. Split: block 0 writes s to seq_out.
+// SEND start, every thread: this call's s, or 0 when the communicator already failed or this
+// call would be more than max_in_flight SENDs ahead of this rank's RECVs (kErrInFlight, recorded
+// by one thread; the same in every thread). Split: block 0 writes s to seq_out.
 __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfig& c, uint32_t desc,
                                                uint32_t* seq_out) {
   const uint64_t s = sends_issued(v) + 1, done = recvs_done(v);
+  if (dev::comm_failed(v)) return 0;
   // every rank runs the same program, so every rank fails here alike: no poison needed
-  if (s - done > uint64_t(c.max_in_flight)) die(v, kErrInFlight, desc, c.max_in_flight, s, s - done);
+  if (s - done > uint64_t(c.max_in_flight)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      dev::fail_inline(v, kErrInFlight, desc, c.max_in_flight, s, s - done);
+    return 0;
+  }
   if (seq_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *seq_out = uint32_t(s);
   return s;
 }
@@ -180,25 +191,29 @@ __device__ __forceinline__ void finish_recv(const CommView& v, uint64_t s, uint3
 }
 
 // RECV start, every thread: this call's s = Ctrl::seq + 1, checked against the SEND's seq
-// (split: seq_in) or against send_seq (fused: its own SEND must be the only one outstanding).
+// (split: seq_in) or against send_seq (fused: its own SEND must be the only one outstanding);
+// 0 when the communicator already failed or the check fails (kErrOrder, recorded by one
+// thread; the same in every thread). wait_all_sources then makes the block leave.
 __device__ __forceinline__ uint64_t begin_recv(const CommView& v, uint32_t desc, const uint32_t* seq_in) {
   const uint64_t s = recvs_done(v) + 1;
-  if (seq_in != nullptr) {
-    const uint32_t got = __ldg(seq_in);
-    if (got != uint32_t(s)) die(v, kErrOrder, desc, 0, s, got);
-  } else {
-    const uint64_t issued = sends_issued(v);
-    if (issued != s) die(v, kErrOrder, desc, -1, s, issued);
+  if (dev::comm_failed(v)) return 0;
+  const uint64_t got = seq_in != nullptr ? uint64_t(__ldg(seq_in)) : sends_issued(v);
+  if (seq_in != nullptr ? uint32_t(got) != uint32_t(s) : got != s) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      dev::fail_inline(v, kErrOrder, desc, seq_in != nullptr ? 0 : -1, s, got);
+    return 0;
   }
   return s;
 }
 
 // RECV start inside a fused kernel: s is its SEND half's (send_seq may not be stored yet: the
-// SEND's last block stores it); the RECV must still be the next one (Ctrl::seq + 1).
+// SEND's last block stores it); the RECV must still be the next one (Ctrl::seq + 1); 0 if not
+// (kErrOrder).
 __device__ __forceinline__ uint64_t begin_recv_fused(const CommView& v, uint32_t desc, uint64_t s) {
   const uint64_t next = recvs_done(v) + 1;
-  if (next != s) die(v, kErrOrder, desc, -1, s, next);
-  return s;
+  if (next == s) return s;
+  if (blockIdx.x == 0 && threadIdx.x == 0) dev::fail_inline(v, kErrOrder, desc, -1, s, next);
+  return 0;
 }
 
 struct DispatchSendArgs {
@@ -214,8 +229,8 @@ __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
   return 4 * (size_t(c.num_experts) + 16 + size_t(kMoeSubTokens) * (16 + c.top_k));
 }
 
-// The SEND half, every thread of the block; returns the call's s, or 0 when the call failed
-// here (the block's thread 0 then traps; the others must not go on).
+// The SEND half, every thread of the block; returns the call's s, or 0 (every thread alike)
+// when the call failed or was refused here: the block then publishes nothing and leaves.
 __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const MoeConfig& c,
                                                        const DispatchSendArgs& a) {
   extern __shared__ int32_t smem[];
@@ -233,15 +248,15 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   dev::probe(0);
   const int n = a.num_tokens ? __ldg(a.num_tokens) : T;  // requested with the counters
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
-  if (n < 0 || n > T) {
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
-    return 0;
-  }
+  const bool bad_n = n < 0 || n > T;  // the same in every block
   const int t0 = int(int64_t(n) * b / G), t1 = int(int64_t(n) * (b + 1) / G);
   for (int i = tid; i < E; i += blockDim.x) cntE[i] = 0;
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
-  __syncthreads();
+  if (__syncthreads_or(s == 0 || bad_n)) {
+    if (s != 0 && tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
+    return 0;
+  }
 
   dev::probe(1);
   // A. validate [0, t1), count [0, t0).
@@ -422,7 +437,7 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
   const uint32_t desc = moe_dispatch_desc(c);
   if (known_s == 0) dev::probe(0);
   const uint64_t s = known_s == 0 ? begin_recv(v, desc, a.seq_in) : begin_recv_fused(v, desc, known_s);
-  wait_all_sources(v, c, s, desc, moe_blocks(c));
+  if (!wait_all_sources(v, c, s, desc, moe_blocks(c))) return;
   const uint32_t ticket = recv_ticket(v);
   dev::probe(5);
 
@@ -434,11 +449,15 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     hdr[i] = __ldcg(moe_hdr(half, c, src) + (i - src * (1 + L)));
   }
   __syncthreads();
+  bool bad = false;  // a header out of range (recorded): the block leaves after the barrier
   if (tid == 0) {
     int acc = 0;
     for (int src = 0; src < W; ++src) {
       const int r = hdr[src * (1 + L)];
-      if (r < 0 || r > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(r)));
+      if (r < 0 || r > T) {
+        dev::fail_inline(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(r)));
+        bad = true;
+      }
       s_rows[src] = acc;
       acc += r;
     }
@@ -449,14 +468,17 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     for (int src = 0; src < W; ++src) {
       int32_t* h = hdr + src * (1 + L) + 1 + le;  // this thread's column only: no race
       const int cnt = *h;
-      if (cnt < 0 || cnt > T) die(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(cnt)));
+      if (cnt < 0 || cnt > T) {
+        dev::fail_inline(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(cnt)));
+        bad = true;
+      }
       *h = acc;
       acc += cnt;
     }
     tot[le] = acc;
     if (b == 0) a.expert_counts[le] = acc;
   }
-  __syncthreads();
+  if (__syncthreads_or(bad)) return;
 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
   dev::probe(6);
@@ -483,18 +505,28 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     const int t = __ldcg(meta), m = __ldcg(meta + 1);
     const int lek = lane < maxent ? __ldcg(meta + 2 + 2 * lane) : 0;
     const int idx = lane < maxent ? __ldcg(meta + 3 + 2 * lane) : 0;
-    if (t < 0 || t >= T || m < 1 || m > maxent)
-      die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
+    if (t < 0 || t >= T || m < 1 || m > maxent) {  // the same in every lane: the warp skips
+      if (lane == 0)
+        dev::fail_inline(v, kErrCapacity, desc, src, s,
+                         (uint64_t(uint32_t(t)) << 32) | uint32_t(m));
+      continue;
+    }
+    bool bad_meta = false;
     if (lane < m) {
       const int le = lek & 0xFFFF, k = lek >> 16;
       const int32_t* off = hdr + 1 + le;  // off[src * (1 + L)]: first row of (le, src)
       if (le >= L || k >= K || idx < 0 ||
-          idx >= (src + 1 < W ? off[(src + 1) * (1 + L)] : tot[le]) - off[src * (1 + L)])
-        die(v, kErrCapacity, desc, src, s, (uint64_t(uint32_t(lek)) << 32) | uint32_t(idx));
-      const size_t er = size_t(le) * erows + off[src * (1 + L)] + idx;
-      if (ch == 0) a.expert_src[er] = (src * T + t) * K + k;
-      s_erow[warp][lane] = er;
+          idx >= (src + 1 < W ? off[(src + 1) * (1 + L)] : tot[le]) - off[src * (1 + L)]) {
+        dev::fail_inline(v, kErrCapacity, desc, src, s,
+                         (uint64_t(uint32_t(lek)) << 32) | uint32_t(idx));
+        bad_meta = true;
+      } else {
+        const size_t er = size_t(le) * erows + off[src * (1 + L)] + idx;
+        if (ch == 0) a.expert_src[er] = (src * T + t) * K + k;
+        s_erow[warp][lane] = er;
+      }
     }
+    if (__any_sync(0xFFFFFFFFu, bad_meta)) continue;  // nothing written through a bad entry
     __syncwarp();
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u) {

@@ -6,6 +6,8 @@
 // Grid: G = ragged_blocks (cuda/ragged.cu: one block per ~32 KiB of the larger of operand and
 // output, 1..kMaxBlocks; fewer for virtual ranks sharing a GPU) blocks of kRaggedThreads threads
 // on every rank, a pure function of the static sizes. Block b of rank `me`, call s (p = s & 1):
+//   0. a block of a failed communicator (Ctrl::failed, read with s) leaves at once, before
+//      anything is read or written (kernels/common.cuh "Failure"), found with step 1's vote.
 //   1. validate: the threads stride over all K = k * W slices (int32 or int64 offsets, widened
 //      to int64; ragged_slice_field, the host protocol's test too). Any bad slice:
 //      thread 0 finds the first (index, field), raises the poison flag of every block at every
@@ -27,7 +29,8 @@
 //      kErrRaggedRecv naming me (the staging threads check, __syncthreads_or, thread 0 reports;
 //      my flags are already up, so no peer is left waiting).
 //   3. receive: for every src != me (me-1, me-2, ...): thread 0 waits for flags[p][0][src][b]
-//      (bounded, names src); __syncthreads_or broadcasts a failure (the block returns). Per
+//      (bounded, names src; gives up when another block of the rank failed, poll_flag);
+//      __syncthreads_or broadcasts a failure (the block returns). Per
 //      chunk: threads j < chunk read header entry src*k+j (ld.cg, L2: written by src over NVLink)
 //      and recv_sizes[src*k+j]; a size that differs -> kErrRaggedRecv naming src, an entry
 //      outside [0, M) rows (impossible after src's step 1: memory corruption) ->
@@ -46,8 +49,8 @@
 //   cycle, so no cooperative launch and no grid-wide barrier. Every failure (bad slice, wait
 //   failure, size mismatch) is seen by the whole block through __syncthreads_or and ends it with
 //   a plain return before any further data access (only finish_call is skipped, which the
-//   failed communicator never needs again); a fail() that returns instead of trapping needs no
-//   change here.
+//   failed communicator never needs again): no kernel traps, so the CUDA context stays usable
+//   and out is unspecified after a failed call (the rows already copied, the rest untouched).
 // - Nothing outside [0, M) rows of a frame or of out is written: step 1 runs before any push and
 //   the receiver re-checks the header's rows. out is written only where slices land.
 // - Shared staging arrays: every refill is preceded by a __syncthreads after the previous
@@ -162,8 +165,7 @@ __device__ __forceinline__ bool ragged_send_slices(const CommView& v, uint64_t s
         const int64_t sent = ragged_index<I>(a.send, i0 + j);
         const int64_t want = ragged_index<I>(a.recv, i0 + j);
         if (sent == want) continue;
-        fail(v.err, kErrRaggedRecv, a.desc, v.rank, v.rank, seq,
-             ragged_recv_detail(j0 + j, sent, want));
+        fail(v, kErrRaggedRecv, a.desc, v.rank, seq, ragged_recv_detail(j0 + j, sent, want));
         break;
       }
       return false;
@@ -182,11 +184,13 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
   const uint64_t deadline = globaltimer() + v.timeout_ns;
   const int64_t k = a.k, K = a.k * W;
 
-  // 1. validate every slice of this rank before anything is written.
+  // 0. a failed communicator does nothing; 1. validate every slice of this rank before
+  // anything is written.
+  const bool dead = comm_failed(v);
   bool bad = false;
-  for (int64_t i = t; i < K; i += blockDim.x) bad |= ragged_bad_field<I>(a, i) >= 0;
-  if (__syncthreads_or(bad)) {
-    if (t == 0) {
+  for (int64_t i = t; !dead && i < K; i += blockDim.x) bad |= ragged_bad_field<I>(a, i) >= 0;
+  if (__syncthreads_or(bad || dead)) {
+    if (t == 0 && !comm_failed(v)) {  // a bad slice (dead: another kernel reported it)
       int64_t i = 0;
       int field = ragged_bad_field<I>(a, 0);
       while (field < 0 && i + 1 < K) field = ragged_bad_field<I>(a, ++i);
@@ -221,9 +225,9 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
     const int src = (me + W - r) % W;
     uint32_t code = kErrNone;
     uint64_t seen = 0;
-    if (t == 0) code = poll_flag(&v.ctrl()->flags[p][0][src][b], seq, a.desc, deadline, &seen);
+    if (t == 0) code = poll_flag(v, &v.ctrl()->flags[p][0][src][b], seq, a.desc, deadline, &seen);
     if (__syncthreads_or(code != kErrNone)) {
-      if (t == 0) fail(v.err, code, a.desc, me, src, seq, seen);  // on the way out: no live state
+      if (t == 0) fail(v, code, a.desc, src, seq, seen);  // on the way out: no live state
       return;
     }
     for (int64_t j0 = 0; j0 < k; j0 += kRaggedChunk) {
@@ -242,7 +246,7 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
           const int64_t want = ragged_index<I>(a.recv, src * k + j);
           const uint32_t code = ragged_recv_error(e, want, a.m_rows);
           if (code == kErrNone) continue;
-          fail(v.err, code, a.desc, me, src, seq,
+          fail(v, code, a.desc, src, seq,
                code == kErrRaggedRecv ? ragged_recv_detail(j, e.y, want)
                                       : ragged_slice_detail(src * k + j, 4));
           break;

@@ -37,6 +37,11 @@
 // Invariants: every call waits for every peer (two halves suffice, layout.h); a rank writes only
 // its own slot and header entry of a peer's half; G <= kMaxBlocks; every wait has the
 // communicator's deadline and reports the peer (timeout, disagreement, peer ahead, poisoned).
+// Failure (common.cuh): blocks of a failed communicator leave at their start; a rank with a bad
+// count poisons its flags at every peer, records and leaves before pushing anything (every
+// block alike: the count is the same for all); a failed wait or a bad header (recorded, or
+// Ctrl::failed set elsewhere) makes the block leave at the __syncthreads_or after it, before
+// reading that source. Outputs of a failed call are unspecified (partly written).
 #pragma once
 #include "common.cuh"
 #include "../common/varlen_layout.h"
@@ -72,11 +77,12 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
   const int b = blockIdx.x, G = gridDim.x;
   const uint64_t deadline = globaltimer() + v.timeout_ns;
   const int64_t n = __ldg(num_rows);
-  if (n < 0 || n > max_rows) {
-    if (threadIdx.x == 0)
+  const bool bad = n < 0 || n > max_rows;  // the same in every block
+  if (__syncthreads_or(comm_failed(v) || bad)) {
+    if (bad && b == 0 && threadIdx.x == 0 && !comm_failed(v))
       poison_fail(v, seq, G, kVarlenPoisonDesc, kErrRowCount, desc, v.rank,
                   count_detail(n, max_rows));
-    return;  // not reached (trap)
+    return;
   }
   const size_t r0 = size_t(varlen_split(n, G, b)) * row_bytes;
   const size_t r1 = size_t(varlen_split(n, G, b + 1)) * row_bytes;
@@ -106,14 +112,17 @@ __global__ void __launch_bounds__(kVarlenThreads) all_gather_v_kernel(
       c = n;
       if (r0 < r1) block_copy<false>(out + size_t(off) * row_bytes + r0, in + r0, r1 - r0);
     } else {
+      bool ok = true;
       if (threadIdx.x == 0) {
-        wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
-        const int32_t got = __ldcg(varlen_header(mine) + src);
-        if (got < 0 || got > max_rows)  // the sender validated it: memory corruption
-          fail(v.err, kErrRowCount, desc, v.rank, src, seq, count_detail(got, max_rows));
+        ok = wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
+        const int32_t got = ok ? __ldcg(varlen_header(mine) + src) : 0;
+        if (got < 0 || got > max_rows) {  // the sender validated it: memory corruption
+          fail(v, kErrRowCount, desc, src, seq, count_detail(got, max_rows));
+          ok = false;
+        }
         s_cnt[src] = got;
       }
-      __syncthreads();
+      if (__syncthreads_or(!ok)) return;
       c = s_cnt[src];
       const size_t a = size_t(varlen_split(c, G, b)) * row_bytes;
       const size_t e = size_t(varlen_split(c, G, b + 1)) * row_bytes;
@@ -149,18 +158,19 @@ __global__ void __launch_bounds__(kVarlenThreads) reduce_scatter_v_kernel(
   const uint64_t deadline = globaltimer() + v.timeout_ns;
   if (threadIdx.x <= W) s_off[threadIdx.x] = __ldg(offsets + threadIdx.x);
   if (threadIdx.x == 0) s_bad = -1;
-  __syncthreads();
+  if (__syncthreads_or(comm_failed(v))) return;
   if (threadIdx.x == 0) {
     // offsets[0] == 0 and every count in [0, max_rows] bound every offset by W * max_rows.
     for (int r = 0; r < W && s_bad < 0; ++r) {
       const int64_t c = int64_t(s_off[r + 1]) - s_off[r];
       if ((r == 0 && s_off[0] != 0) || c < 0 || c > max_rows) s_bad = r;
     }
-    if (s_bad >= 0)
+    if (s_bad >= 0 && b == 0)  // every block finds it; one poisons and records
       poison_fail(v, seq, G, kVarlenPoisonDesc, kErrRowCount, desc, s_bad,
                   count_detail(int64_t(s_off[s_bad + 1]) - s_off[s_bad], max_rows));
   }
   __syncthreads();
+  if (s_bad >= 0) return;  // the same in every thread and block (the offsets are)
 
   // 1. push segment r (my partial results for rank r's rows) to slot[me] of rank r.
   for (int i = 1; i < W; ++i) {
@@ -184,15 +194,18 @@ __global__ void __launch_bounds__(kVarlenThreads) reduce_scatter_v_kernel(
   // 2. wait for every peer's part of my rows, check they agree on my count, sum in rank order.
   const int64_t cme = int64_t(s_off[me + 1]) - s_off[me];
   char* mine = v.half(me, p);
+  bool ok = true;
   if (threadIdx.x < W && int(threadIdx.x) != me) {
     const int src = threadIdx.x;
-    wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
-    const int32_t got = __ldcg(varlen_header(mine) + src);
-    if (got != cme)
-      fail(v.err, kErrOffsetsDiffer, desc, me, src, seq,
+    ok = wait_flag(&v.ctrl()->flags[p][0][src][b], seq, desc, v, src, deadline);
+    const int32_t got = ok ? __ldcg(varlen_header(mine) + src) : int32_t(cme);
+    if (got != cme) {
+      fail(v, kErrOffsetsDiffer, desc, src, seq,
            uint64_t(uint32_t(got)) | (uint64_t(uint32_t(int32_t(cme))) << 32));
+      ok = false;
+    }
   }
-  __syncthreads();
+  if (__syncthreads_or(!ok)) return;
   const size_t vpr = row_bytes / 16;  // row_bytes % 16 == 0 (checked at launch)
   const size_t va = size_t(varlen_split(cme, G, b)) * vpr;
   const size_t ve = size_t(varlen_split(cme, G, b + 1)) * vpr;

@@ -8,7 +8,8 @@ import json
 
 from . import xla_best
 from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm,
-                     _pivot, _plot, _put, _ratio, _units, _varying, _write_json)
+                     _pivot, _plot, _put, _ratio, _units, _varying, _write_json,
+                     add_loop_arguments, add_xla_best_argument)
 
 
 def _ar_shapes(hiddens, min_bytes, max_bytes):
@@ -357,3 +358,22 @@ def _tune(env, a, min_bytes, max_bytes):
                 tuning_rows=rows)
 
 
+def add_arguments(s):
+    """The flags of `bench allreduce`."""
+    add_loop_arguments(s, quick="a CPU smoke run: hidden 512, messages up to 64 KiB, 7 runs")
+    add_xla_best_argument(s)
+    s.add_argument("--tune", action="store_true",
+                   help="also measure the one-shot / two-shot / psum crossovers of this world "
+                        "size and print them as tuning-file rows (`python -m jax_nvcomm.tune` "
+                        "measures every op and dtype and writes the file)")
+    s.add_argument("--hidden", type=int, nargs="*", metavar="H",
+                   help="hidden sizes (default: 4096 7168 8192; 512 with --quick)")
+    s.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
+                   help="largest message per rank; sizes double from 4 KiB up to it (default: "
+                        "128 MiB; 64 KiB with --quick)")
+    s.add_argument("--tokens", type=int, nargs="*", metavar="T",
+                   help="only the shapes with these tokens per rank (default: every size)")
+    s.add_argument("--methods", nargs="*", choices=AR_METHODS + FUSED_METHODS + QUANT_METHODS,
+                   metavar="METHOD",
+                   help="only these methods (default: all): " + ", ".join(
+                       repr(m) for m in AR_METHODS + FUSED_METHODS + QUANT_METHODS))

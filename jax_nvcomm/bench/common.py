@@ -293,22 +293,31 @@ def _device_time_on(env, a) -> bool:
     return mode == "on" or (mode == "auto" and env.platform == "gpu")
 
 
-def add_device_time_argument(s):
-    """--device-time, for every bench subcommand that times loop programs."""
+def add_loop_arguments(s, quick: str):
+    """The flags of every loop benchmark (allreduce, moe, varlen, ragged): output, sizes of the timed
+    programs (defaults chosen in `loop_defaults`), --device-time. `quick`: what --quick does."""
+    s.add_argument("--out", default="bench_out", metavar="DIR",
+                   help="directory for the JSON results and the PNG plot (default: bench_out)")
+    s.add_argument("--quick", action="store_true", help=quick)
+    s.add_argument("--reps", type=int, default=None, metavar="N",
+                   help="timed runs of each program; the tables show their median and p10-p90 "
+                        "(default: 15 on GPUs, 7 with --quick, 3 on CPU devices)")
+    s.add_argument("--unroll", type=int, default=None, metavar="N",
+                   help="calls unrolled in one loop step (default: 25 on GPUs, 4 on CPU)")
+    s.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="loop steps per program, so 1 + unroll x steps calls per program "
+                        "(default: 8 on GPUs, 2 on CPU)")
     s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
                    help="also the kernels' device time per call, from a profiler trace of "
-                        "2 more runs of each program (device 0); auto: on for GPUs")
+                        "2 more runs of each program (device 0); auto (default): on for GPUs")
 
 
-def add_loop_arguments(s):
-    """The options of every loop benchmark: --out, --quick, --reps, --unroll, --steps and
-    --device-time."""
-    s.add_argument("--out", default="bench_out", help="directory for JSON and PNG")
-    s.add_argument("--quick", action="store_true", help="few, small sizes (CPU smoke run)")
-    s.add_argument("--reps", type=int, default=None, help="program runs per method")
-    s.add_argument("--unroll", type=int, default=None, help="unrolled calls per loop step")
-    s.add_argument("--steps", type=int, default=None, help="loop steps per program")
-    add_device_time_argument(s)
+def loop_defaults(a) -> None:
+    """Fill in --reps / --unroll / --steps left unset (see `add_loop_arguments`)."""
+    cpu_like = os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
+    a.reps = a.reps or (3 if cpu_like else 7 if a.quick else 15)
+    a.unroll = a.unroll or (4 if cpu_like else 25)
+    a.steps = a.steps or (2 if cpu_like else 8)
 
 
 def add_xla_best_argument(s):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from . import xla_best
 from .common import (Env, _cell, _device_time_on, _human, _measure, _pivot, _plot, _put,
-                     _ratio, _row0, _units, _write_json)
+                     _ratio, _row0, _units, _write_json, add_loop_arguments,
+                     add_xla_best_argument)
 
 
 def _moe_config(env, a):
@@ -252,3 +253,24 @@ def run_moe(a):
     return 0
 
 
+def add_arguments(s):
+    """The flags of `bench moe`."""
+    add_loop_arguments(s, quick="fewer sizes: 1, 8 and 32 tokens per rank")
+    add_xla_best_argument(s)
+    s.add_argument("--tokens", type=int, nargs="*", metavar="T",
+                   help="tokens per rank (default: 1 8 32 128 512 4096)")
+    s.add_argument("--methods", nargs="*", metavar="METHOD",
+                   choices=("nvc", "nvc split", "xla ragged", "xla dense"),
+                   help="only these methods (default: all): 'nvc' (moe_dispatch / moe_combine), "
+                        "'nvc split' (needs --split), 'xla ragged' (lax.ragged_all_to_all), "
+                        "'xla dense' (lax.all_to_all of capacity-padded buffers)")
+    s.add_argument("--dtypes", nargs="*", choices=("bf16", "fp8"),
+                   help="dispatch payload dtypes (default: both; combine is bf16)")
+    s.add_argument("--moe-hidden", type=int, default=None, metavar="H",
+                   help="hidden size (default: 7168 on GPUs, 256 on CPU)")
+    s.add_argument("--experts", type=int, default=None, metavar="E",
+                   help="number of experts, top-8 routing (default: 32 per rank, 256 from 8 "
+                        "ranks on; 4 per rank on CPU)")
+    s.add_argument("--split", action="store_true",
+                   help="also the split halves (moe_dispatch_send + _recv, "
+                        "moe_combine_send + _recv) back to back, beside the fused calls")

@@ -236,10 +236,18 @@ def run_ragged(a):
 
 
 def add_arguments(s):
-    B.add_loop_arguments(s)
-    s.add_argument("--hidden", type=int, nargs="*", help="row widths (default 2048 7168)")
-    s.add_argument("--tokens", type=int, nargs="*", help="tokens per rank (128 512 4096)")
-    s.add_argument("--top-k", type=int, default=8)
-    s.add_argument("--routing", nargs="*", choices=ROUTINGS, help="default: both")
-    s.add_argument("--methods", nargs="*", choices=METHODS, help="default: all")
+    """The flags of `bench ragged`."""
+    B.add_loop_arguments(s, quick="small shapes: hidden 256, 8 and 32 tokens per rank (also "
+                                  "the default on CPU devices)")
+    s.add_argument("--hidden", type=int, nargs="*", metavar="H",
+                   help="row widths (default: 2048 7168; 256 with --quick or on CPU)")
+    s.add_argument("--tokens", type=int, nargs="*", metavar="T",
+                   help="tokens per rank (default: 128 512 4096; 8 32 with --quick or on CPU)")
+    s.add_argument("--top-k", type=int, default=8, metavar="K",
+                   help="experts per token (default: 8)")
+    s.add_argument("--routing", nargs="*", choices=ROUTINGS,
+                   help="balanced (uniform) and/or skewed (Zipf popularity) routing (default: "
+                        "both)")
+    s.add_argument("--methods", nargs="*", choices=METHODS,
+                   help="only these methods (default: all)")
     B.add_xla_best_argument(s)

@@ -288,20 +288,33 @@ def run_step(a) -> int:
 
 
 def add_arguments(s):
-    s.add_argument("--out", default="bench_out", help="directory for JSON, table, PNG")
+    """The flags of `bench step`."""
+    s.add_argument("--out", default="bench_out", metavar="DIR",
+                   help="directory for the JSON, the text table and the PNG (default: "
+                        "bench_out)")
     add_xla_best_argument(s)
     s.add_argument("--presets", nargs="*", choices=sorted(PRESETS),
-                   help="default: example and moe-slice on GPUs, example on CPU")
-    s.add_argument("--layouts", nargs="*", default=["low-latency", "high-throughput",
-                                                     "dp-attn-tp-moe", "ep-ragged"])
-    s.add_argument("--phases", nargs="*", default=["decode", "prefill"])
-    s.add_argument("--iters", type=int, default=None, help="timed steps per row")
-    s.add_argument("--warmup", type=int, default=3)
-    s.add_argument("--no-trace", action="store_true", help="skip the profiler traces")
-    s.add_argument("--trace-dir", default=None, help="where traces go (default OUT/traces)")
-    s.add_argument("--machine", default=None, help="name in the JSON file name (default: "
-                   "from the devices, e.g. h200x2)")
-    s.add_argument("--quiet", action="store_true")
+                   help="model sizes: example (the example's own dimensions), moe-slice "
+                        "(hidden 7168, 256 experts top-8, as many layers as fit); default: "
+                        "both on GPUs, example on CPU")
+    s.add_argument("--layouts", nargs="*", metavar="LAYOUT",
+                   default=["low-latency", "high-throughput", "dp-attn-tp-moe", "ep-ragged"],
+                   help="which of the example's layouts (default: all four: low-latency, "
+                        "high-throughput, dp-attn-tp-moe, ep-ragged)")
+    s.add_argument("--phases", nargs="*", default=["decode", "prefill"], metavar="PHASE",
+                   help="decode and/or prefill (default: both)")
+    s.add_argument("--iters", type=int, default=None, metavar="N",
+                   help="timed steps per row and implementation (default: 20 on GPUs, 5 on "
+                        "CPU)")
+    s.add_argument("--warmup", type=int, default=3, metavar="N",
+                   help="untimed steps before the timed ones (default: 3)")
+    s.add_argument("--no-trace", action="store_true",
+                   help="skip the profiler traces (no first-kernel and busy columns)")
+    s.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="where the traces go (default: OUT/traces)")
+    s.add_argument("--machine", default=None,
+                   help="name in the JSON file name (default: from the devices, e.g. h200x2)")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     s.add_argument("--nvcomm-only", action="store_true",
                    help="only jax_nvcomm's steps (and the bound), no XLA collectives, so no "
                         "agreement column; the default when ranks share a GPU (NCCL refuses "

@@ -224,5 +224,9 @@ def run_varlen(a):
 
 
 def add_arguments(s):
-    B.add_loop_arguments(s)
-    s.add_argument("--varlen-hidden", type=int, default=None, help="row width (bf16 elements)")
+    """The flags of `bench varlen`."""
+    B.add_loop_arguments(s, quick="CPU-sized loads (400 / 1 tokens, decode capacity 4, row "
+                                  "width 256) instead of 4000 / 10 tokens at width 4096")
+    s.add_argument("--varlen-hidden", type=int, default=None, metavar="H",
+                   help="row width in bf16 elements (default: 4096 on GPUs, 256 on CPU or "
+                        "with --quick)")

@@ -176,7 +176,7 @@ GPU_DEFAULTS = dict(layers=4, hidden=2048, heads=16, experts=128, top_k=8, ffn=7
                     iters=20, split=True)
 # CPU: scaled down so that the default run (8 host devices, both layouts and phases, both
 # implementations) takes well under a minute on 2 cores.
-CPU_DEFAULTS = dict(layers=4, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
+CPU_DEFAULTS = dict(layers=2, hidden=256, heads=None, experts=32, top_k=4, ffn=128,
                     shared_ffn=128, tokens=128, decode_tokens=4, context=64, dtype="float32",
                     iters=5, split=True)
 
@@ -442,7 +442,8 @@ def dp_tp_collectives(impl, axis, num_rows, max_rows, comm=None):
       world * max_rows rows; no count exchange, no compaction; the padding rows are computed and
       dropped). Of XLA's two choices it is the one to beat: zero-filled lax.psum of a
       [world * max_rows] buffer moves about twice the bytes of psum_scatter on the way back,
-      and padded all_gather was XLA's best gather at every load of `bench varlen` (README)."""
+      and padded all_gather was XLA's best gather at every load of `bench varlen`
+      (docs/perf/README.md)."""
     from jax import lax
     if impl == "jax_nvcomm":
         import jax_nvcomm as nvc
@@ -1413,10 +1414,10 @@ def allow_ragged_nccl_fallback() -> None:
 def setup_platform(cpu_devices: int = 8) -> None:
     """Before any JAX backend starts: join the launcher's job if started by it; otherwise,
     without a GPU, use `cpu_devices` CPU host devices."""
-    from .. import _dist
-    if _dist.is_launched():
+    if os.environ.get("JAX_NVCOMM_LAUNCHED") == "1":  # a rank of `python -m jax_nvcomm.launch`
+        import jax_nvcomm as nvc
         allow_ragged_nccl_fallback()
-        _dist.distributed_initialize()
+        nvc.distributed_initialize()
         return
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized() or _gpu_present():
@@ -1434,7 +1435,8 @@ def setup_platform(cpu_devices: int = 8) -> None:
 _NOT_SHOWN = ("iters", "dtype", "heads")
 
 
-def parse_args(argv=None, prog=None) -> Config:
+def arg_parser(prog=None) -> argparse.ArgumentParser:
+    """The command line of the example (`python -m jax_nvcomm.demo --help`)."""
     p = argparse.ArgumentParser(
         prog=prog, description="MoE decoder stack with jax_nvcomm vs XLA's collectives "
         "(low-latency TP layout, high-throughput DP-attention + EP layout, and opt-in "
@@ -1443,12 +1445,12 @@ def parse_args(argv=None, prog=None) -> Config:
     g = p.add_argument_group("model (defaults: CPU {} / GPU {})".format(
         " ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items() if k not in _NOT_SHOWN),
         " ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items() if k not in _NOT_SHOWN)))
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
+    g.add_argument("--layers", type=int, help="decoder layers")
+    g.add_argument("--hidden", type=int, help="hidden size (model width)")
     g.add_argument("--heads", type=int, help="attention heads (default: max(8, hidden/128), "
                    "rounded up to a multiple of the world size for the low-latency layout)")
-    g.add_argument("--experts", type=int)
-    g.add_argument("--top-k", dest="top_k", type=int)
+    g.add_argument("--experts", type=int, help="routed experts (a multiple of the world size)")
+    g.add_argument("--top-k", dest="top_k", type=int, help="experts per token")
     g.add_argument("--ffn", type=int, help="intermediate size of one expert")
     g.add_argument("--shared-ffn", dest="shared_ffn", type=int,
                    help="intermediate size of the shared expert (0: none; default: --ffn's "
@@ -1459,7 +1461,7 @@ def parse_args(argv=None, prog=None) -> Config:
     g.add_argument("--context", type=int, help="decode: length of the fixed K/V context")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float16"),
                    help="default: bfloat16 on GPU, float32 on CPU")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default: 0)")
     r = p.add_argument_group("run")
     r.add_argument("--devices", type=int, help="use the first N devices (default: all; "
                    "max(8, N) CPU devices when no GPU is present)")
@@ -1472,7 +1474,8 @@ def parse_args(argv=None, prog=None) -> Config:
                         "models/moe_ragged.py on ragged_all_to_all)")
     r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
-    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before the timed ones (default: 2)")
     x = r.add_mutually_exclusive_group()
     x.add_argument("--xla-only", action="store_true", help="run only XLA's collectives")
     x.add_argument("--nvcomm-only", action="store_true",
@@ -1489,7 +1492,12 @@ def parse_args(argv=None, prog=None) -> Config:
                          "moe_dispatch_recv (the default)")
     sp.add_argument("--no-split", dest="split", action="store_false",
                     help="high-throughput: fused moe_dispatch, the shared expert outside it "
-                         "(for comparison: README, 'Split-phase MoE')")
+                         "(for comparison: docs/guide.md, 'Split-phase MoE')")
+    return p
+
+
+def parse_args(argv=None, prog=None) -> Config:
+    p = arg_parser(prog)
     a = p.parse_args(argv)
 
     def split(s, allowed, flag):

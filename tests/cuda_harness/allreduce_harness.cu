@@ -14,9 +14,10 @@
 //                                             numbers compare kernel variants, not hardware)
 //   a build with -DNVC_PROBE [-DNVC_PROBE_LAST], --gpus 2 --probe: SM cycles per kernel phase
 //                                             (kernels/common.cuh probe(); not a check)
-//   build/allreduce_harness --timeout-test  one rank of two calls alone: expects the kernel to
-//                                           report kErrTimeout and trap (kills the context, so
-//                                           it runs alone)
+//   build/allreduce_harness --error         the failure paths: a rank calling alone (timeout),
+//                                           ranks calling other sizes (disagreement), each ends
+//                                           with its record and no trap; then a normal case runs
+//                                           in the same process (error_test below)
 // Do not build with --use_fast_math: the exact checks assume IEEE float32 without flush-to-zero.
 //
 // Each rank gets its own symmetric buffer (comm_buffer_bytes), its own stream and its own
@@ -34,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <string>
 #include <vector>
@@ -983,25 +985,122 @@ bool validation_ok(World& w) {
   return ok;
 }
 
-// --timeout-test: rank 0 of a 2-rank world calls alone; the kernel must report and trap.
-int timeout_test(int sms, bool twoshot) {
-  World w = make_world(2, 1 << 20, 200ull * 1000 * 1000, sms);
+// --error: the failure paths (kernels/common.cuh "Failure"), all in this one process, since no
+// kernel traps any more: each fault must end with the named record, cudaSuccess from the
+// stream, no hang, and a healthy context (the last check runs a normal case and compares it).
+//   timeout      rank 0 of a 2-rank world calls alone (one-shot, two-shot, fused one-shot on the
+//                cluster kernel): kErrTimeout naming rank 1, call #1; one-shot outputs NaN;
+//                Ctrl::failed set; then a second call on that rank exits at its start (fast,
+//                record unchanged)
+//   sizes        both ranks call, rank 1 with twice the tokens (one-shot plain, fused on the
+//                cluster kernel, two-shot): both record a disagreement (kErrMismatch, the other
+//                rank) well before the deadline (the one-shot tag, layout.h lamport_tag)
+//   healthy      a fresh 2-rank world runs a random case after all of the above, checked as in
+//                the full run
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+uint32_t ctrl_failed(const World& w, int r) {
+  nvc::Ctrl head;
+  set_dev(r);
+  CK(cudaMemcpy(&head, w.r[r].buf, sizeof(head), cudaMemcpyDeviceToHost));
+  return head.failed;
+}
+
+bool all_nan(const HostT& t) {
+  for (uint32_t b : t.v)
+    if (!std::isnan(to_f(t.dt, b))) return false;
+  return true;
+}
+
+// One fault: `ranks` of a fresh 2-rank world call (rank r with tokens T * (1 + r * grow));
+// every calling rank must record `code` naming the other rank, within `max_s`.
+bool fault_case(const char* name, int sms, Strategy s, bool fused, int64_t T, int64_t H,
+                int ranks, int grow, uint32_t code, double max_s) {
+  const uint64_t timeout_ns = 2ull * 1000 * 1000 * 1000;
+  World w = make_world(2, 1 << 20, timeout_ns, sms);
   g_world = &w;
-  Case c;
-  c.sh = {1, 2, 4096, false, false, false};
-  c.W = 2;
-  gen_inputs(c, 1);
-  upload(c);
-  const Strategy s = twoshot ? Strategy::kTwoShot : Strategy::kOneShot;
-  set_dev(0);
-  CK(nvc::cuda::all_reduce(w.r[0].v, args_of(c, 0), s, nullptr, w.r[0].st, w.sms));
-  const cudaError_t e = cudaStreamSynchronize(w.r[0].st);
-  const ErrorInfo* info = w.r[0].err;
-  std::printf("timeout test (%s): sync -> %s, ErrorInfo code=%u rank=%d peer=%d seq=%llu\n",
-              twoshot ? "twoshot" : "oneshot", cudaGetErrorName(e), info->code, info->rank,
-              info->peer, (unsigned long long)info->seq);
-  const bool ok = e != cudaSuccess && info->code == nvc::kErrTimeout && info->rank == 0 &&
-                  info->peer == 1 && info->seq == 1;
+  std::vector<Case> cs(2);
+  for (int r = 0; r < 2; ++r) {
+    cs[r].sh = {1, T * (1 + r * grow), H, fused, false, false};
+    cs[r].W = 2;
+    gen_inputs(cs[r], 7 + r);
+    upload(cs[r]);
+  }
+  const double t0 = now_s();
+  for (int r = 0; r < ranks; ++r) {
+    set_dev(r);
+    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, nullptr, w.r[r].st, w.sms));
+  }
+  bool ok = true;
+  for (int r = 0; r < ranks; ++r) {
+    set_dev(r);
+    const cudaError_t e = cudaStreamSynchronize(w.r[r].st);
+    const double dt = now_s() - t0;
+    const ErrorInfo* info = w.r[r].err;
+    const uint32_t failed = ctrl_failed(w, r);
+    const bool good = e == cudaSuccess && info->code == code && info->rank == r &&
+                      info->peer == 1 - r && info->seq == 1 && failed == code && dt < max_s;
+    std::printf("  %-34s rank %d: sync %s after %.2f s, ErrorInfo code=%u rank=%d peer=%d "
+                "seq=%llu, Ctrl::failed=%u %s\n", name, r, cudaGetErrorName(e), dt, info->code,
+                info->rank, info->peer, (unsigned long long)info->seq, failed,
+                good ? "ok" : "FAIL");
+    ok &= good;
+  }
+  if (ranks == 1 && s == Strategy::kOneShot && !fused) {  // the poison of a failed poll: NaN
+    const bool nan = all_nan(download(cs[0]).out[0]);
+    std::printf("  %-34s rank 0 output all NaN: %s\n", name, nan ? "ok" : "FAIL");
+    ok &= nan;
+  }
+  if (ranks == 1) {  // a failed communicator: the next call exits at its start
+    const ErrorInfo before = *w.r[0].err;
+    const double t1 = now_s();
+    set_dev(0);
+    CK(nvc::cuda::all_reduce(w.r[0].v, args_of(cs[0], 0), s, nullptr, w.r[0].st, w.sms));
+    const cudaError_t e = cudaStreamSynchronize(w.r[0].st);
+    const double dt = now_s() - t1;
+    const bool same = std::memcmp(&before, w.r[0].err, sizeof(before)) == 0;
+    const bool good = e == cudaSuccess && dt < 0.5 && same;
+    std::printf("  %-34s next call: sync %s after %.3f s, record unchanged %s: %s\n", name,
+                cudaGetErrorName(e), dt, same ? "yes" : "no", good ? "ok" : "FAIL");
+    ok &= good;
+  }
+  for (auto& c : cs) release(c);
+  free_world(w);
+  g_world = nullptr;
+  return ok;
+}
+
+int error_test(int sms) {
+  bool ok = true;
+  std::printf("fault checks (2 ranks, deadline 2 s; no kernel traps):\n");
+  const uint32_t tmo = nvc::kErrTimeout, mis = nvc::kErrMismatch;
+  ok &= fault_case("timeout one-shot", sms, Strategy::kOneShot, false, 2, 4096, 1, 0, tmo, 4.0);
+  ok &= fault_case("timeout two-shot", sms, Strategy::kTwoShot, false, 2, 4096, 1, 0, tmo, 4.0);
+  ok &= fault_case("timeout fused one-shot (cluster)", sms, Strategy::kOneShot, true, 1, 4096, 1,
+                   0, tmo, 4.0);
+  ok &= fault_case("timeout fused two-shot", sms, Strategy::kTwoShot, true, 4, 1024, 1, 0, tmo,
+                   4.0);
+  // Sizes: the tag check reports both ranks within far less than the 2 s deadline.
+  ok &= fault_case("sizes one-shot", sms, Strategy::kOneShot, false, 2, 4096, 2, 1, mis, 1.0);
+  ok &= fault_case("sizes fused one-shot (cluster)", sms, Strategy::kOneShot, true, 1, 4096, 2,
+                   1, mis, 1.0);
+  ok &= fault_case("sizes fused one-shot (rows)", sms, Strategy::kOneShot, true, 8, 1024, 2, 1,
+                   mis, 1.0);
+  ok &= fault_case("sizes two-shot", sms, Strategy::kTwoShot, false, 2, 4096, 2, 1, mis, 1.0);
+  {  // the context is healthy: a normal case on a fresh world, checked as in the full run
+    World w = make_world(2, 1 << 20, 2ull * 1000 * 1000 * 1000, sms);
+    g_world = &w;
+    const bool good = run_case(w, Shape{1, 7, 4096, true, true, false}, 4242) &&
+                      run_case(w, Shape{0, 3, 1000, false, true, false}, 4243);
+    std::printf("  %-34s %s\n", "healthy context afterwards", good ? "ok" : "FAIL");
+    ok &= good;
+    free_world(w);
+    g_world = nullptr;
+  }
   std::printf("RESULT: %s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }
@@ -1229,8 +1328,7 @@ void probe_run(int sms) {
 #endif
 
 int main(int argc, char** argv) {
-  bool quick = false, tmo = false, tmo_one = false, do_bench = false, do_probe = false,
-       do_local = false;
+  bool quick = false, err = false, do_bench = false, do_probe = false, do_local = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
@@ -1238,10 +1336,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
     else if (!std::strcmp(argv[i], "--gpus") && i + 1 < argc) g_ngpu = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) g_ranks = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--timeout-test")) tmo = true;
-    else if (!std::strcmp(argv[i], "--timeout-test-oneshot")) tmo = tmo_one = true;
+    else if (!std::strcmp(argv[i], "--error")) err = true;
     else {
-      std::printf("usage: %s [--gpus N] [--ranks N] [--quick | --bench | --bench-local | --probe | --timeout-test | --timeout-test-oneshot]\n",
+      std::printf("usage: %s [--gpus N] [--ranks N] "
+                  "[--quick | --bench | --bench-local | --probe | --error]\n",
                   argv[0]);
       return 2;
     }
@@ -1279,7 +1377,7 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s, %d SMs, %d GPU(s) used (rank r on GPU r %% %d)\n", prop.name, sms,
               g_ngpu, g_ngpu);
-  if (tmo) return timeout_test(sms, !tmo_one);
+  if (err) return error_test(sms);
   if (do_bench) {
     bench(sms);
     return 0;

@@ -12,7 +12,7 @@ MP = os.path.join(TESTS, "mp")
 
 
 def skip_reason():
-    """None when the GPU tests can run here, else why not (shown by `pytest -rs`)."""
+    """None when the GPU tests can run here, else why not (the skip summary shows it)."""
     if os.environ.get("JAX_NVCOMM_TEST_GPU") != "1":
         return ("GPU test: needs JAX_NVCOMM_TEST_GPU=1 and a CUDA GPU "
                 "(JAX_NVCOMM_TEST_GPU=1 python -m pytest -m gpu tests)")

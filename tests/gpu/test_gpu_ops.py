@@ -94,7 +94,7 @@ def test_fused_all_reduce_rms_norm(comms, world, rng, dtype, strategy, tokens, h
                                                                          strategy=strategy)),
         mesh=c.mesh, in_specs=(P("x"), P("x"), P()), out_specs=(P("x"), P("x"))))(x, res, w)
     f = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-    # the CUDA path rounds the cross-rank sum to x.dtype before the residual add (README,
+    # the CUDA path rounds the cross-rank sum to x.dtype before the residual add (docs/DESIGN.md,
     # "Decisions"): the reference does the same, in float64 otherwise
     s = f(jnp.asarray(f(x).reshape(world, tokens, hidden).sum(0), dtype))
     tol = TOL[jnp.dtype(dtype)]

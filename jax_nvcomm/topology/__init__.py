@@ -22,7 +22,8 @@ buffer and a missing P2P path fails there (named). NVLink is told from PCIe by t
 P2P attribute NATIVE_ATOMIC_SUPPORTED (peer atomics: NVLink yes, PCIe no), a proxy that NVML's
 per-link query would replace.
 
-`python -m jax_nvcomm.topology` prints the facts of this process's GPUs and their links.
+`python -m jax_nvcomm.topology` prints the facts of this process's GPUs and their links
+(`topology/__main__.py`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ from dataclasses import asdict, dataclass
 ENV_TEST_HOSTNAME = "JAX_NVCOMM_TEST_HOSTNAME"
 SYMMETRIC, XLA = "symmetric", "xla"
 LINKS = ("same", "nvlink", "pcie", "none", "unknown")
+# how to get cuda-python (the same pins as pyproject's extras cuda13 / cuda12)
+INSTALL_CUDA_PYTHON = ("pip install 'cuda-python>=13,<14' (driver CUDA 12: "
+                       "'cuda-python>=12.8,<13'); `bash scripts/dev.sh install` and "
+                       "pip install '.[cuda13]' in the checkout include it")
 
 
 def host_id(env: Mapping[str, str] | None = None) -> str:
@@ -134,8 +139,7 @@ def _driver():
     except ImportError as e:
         raise CudaPythonMissing(
             "jax_nvcomm: cuda-python is not installed (needed for the GPU topology facts at "
-            "setup): pip install 'jax_nvcomm[cuda13]' (or [cuda12]), or see `bash scripts/dev.sh "
-            f"deps` ({e})") from e
+            f"setup): {INSTALL_CUDA_PYTHON} ({e})") from e
     _call(driver, driver.cuInit, 0)
     return driver
 
@@ -242,7 +246,7 @@ def gather(prefix: str, groups, backend: str, timeout_s: float):
     """(facts of every rank, links), identical in every process (collective over the job)."""
     import jax
 
-    from . import _exchange
+    from .. import _exchange
     me = jax.process_index()
     facts, links = local_facts(groups, backend, me, host_id())
     if jax.process_count() > 1:
@@ -273,22 +277,3 @@ def report(ordinals: Sequence[int] | None = None) -> dict:
             if a < b:
                 out["links"][f"{a}-{b}"] = link_between(a, b)
     return out
-
-
-def main(argv=None) -> int:
-    rep = report()
-    if "error" in rep:
-        print(f"host {rep['host']}: no CUDA facts: {rep['error']}", file=sys.stderr)
-        return 1
-    print(f"host {rep['host']}: {len(rep['devices'])} CUDA device(s)")
-    for d in rep["devices"]:
-        print(f"  GPU {d['ordinal']}: {d['name']}  pci {d['pci_bus_id']}  SMs {d['sm_count']}  "
-              f"multicast {'yes' if d['multicast_supported'] else 'no'}  uuid {d['uuid']}")
-    for pair, link in rep["links"].items():
-        print(f"  link {pair}: {link}")
-    print(json.dumps(rep))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -76,6 +76,9 @@ def test_world_1_crossover_rule():
           16384: {"ours": 3.9, "xla": 3.8}, 32768: {"ours": 4.0, "xla": 5.0},
           65536: {"ours": 6.0, "xla": 9.0}}
     assert tune.local_min(by, "ours", "xla") == 32768  # wins at 8 KiB, loses at 16: not then
+    by[32768]["ours"] = 4.9  # ahead by 2%: inside the noise, no win
+    assert tune.local_min(by, "ours", "xla") == 65536
+    assert tune.local_min(by, "ours", "xla", margin=0.0) == 32768
     by[65536]["ours"] = 9.5
     assert tune.local_min(by, "ours", "xla") is None    # loses at the largest size
     assert tune.local_min({4096: {"xla": 1.0}}, "ours", "xla") is None  # ours not measured

@@ -9,6 +9,9 @@ an auto axis of size 1 still makes the kernel call a nested shard_map's), and ("
 Forms: plain (every axis manual), partially manual over tp in both axis orders (jit shards the
 rows over dp), vmap (plain and partially manual), scan over layers, a uniform lax.cond,
 Explicit axes, jax.set_mesh. Each form's program prints one line; the script ends with PASS."""
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +20,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from common import global_array, init, rank_print
-from ragged_cases import make_call, np_ragged_all_to_all
+
+# tests/ragged_cases.py: the tests folder, whatever the working directory and PYTHONSAFEPATH
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ragged_cases import make_call, np_ragged_all_to_all  # noqa: E402
 
 nvc = init()
 from jax_nvcomm.reference import np_moe_combine, np_moe_dispatch  # noqa: E402

@@ -108,8 +108,8 @@ def xla_reduce_scatter_v(y, offsets, axis, world):
     valid = (j[None, :] < counts[:, None]).reshape((world, max_rows) + (1,) * (y.ndim - 1))
     rows = jnp.take(y, idx.reshape(-1), axis=0).reshape(idx.shape + y.shape[1:])  # (Explicit
     padded = jnp.where(valid, rows.astype(jnp.float32), 0.0)          # axes: a flat index)
-    if world == 1:
-        return padded[0].astype(y.dtype)
+    if world == 1:  # each rank's own rows: varying over the axis, as lax.psum_scatter types them
+        return _shard.varying(padded[0].astype(y.dtype), axis)
     return lax.psum_scatter(_shard.varying(padded, axis), axis, scatter_dimension=0,
                             tiled=False).astype(y.dtype)
 

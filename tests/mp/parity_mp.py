@@ -30,7 +30,12 @@ from jax_nvcomm.reference import np_moe_combine, np_moe_dispatch  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 N = jax.device_count()
-W = 2 if N >= 2 else 1
+# Ranks sharing one GPU (the launcher's --share-gpu) cannot run XLA's own collectives (NCCL
+# refuses two ranks on one device), and XLA moves data over the auto axis of a partially manual
+# program with them: there every device is a tp rank and dp (size 1) stays an auto axis that
+# still routes each kernel call through the nested shard_map, without XLA collectives.
+SHARED = os.environ.get("JAX_NVCOMM_SHARE_GPU") == "1"
+W = N if SHARED else 2 if N >= 2 else 1
 DP = N // W
 B, LAYERS, E, K, T, H = 2, 2, 4, 2, 4, 32
 EPS = 1e-5

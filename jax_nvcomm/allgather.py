@@ -1,6 +1,10 @@
 """`all_gather`: gather along a mesh axis through the communicator's symmetric buffers
 (= `lax.all_gather(x, axis_name, axis=axis, tiled=tiled)`). Messages whose gathered size
-exceeds `max_message_bytes` use `lax.all_gather`."""
+exceeds `max_message_bytes` use `lax.all_gather`.
+
+The kernel call (`gather_call`) gathers along a leading block; under `jax.vmap` the batch goes
+into the same message (each rank's batch contiguous, ONE call) and the gathered blocks are put
+in place after it; `_shard.per_device` splits the non-gathered dims over auto mesh axes."""
 from __future__ import annotations
 
 import jax
@@ -21,6 +25,37 @@ def _gather0(x, tok, comm):
     return _shard.ffi_call(comm, "all_gather", rt, x, order=tok)
 
 
+def _local_gather(v, tok, comm, nb):
+    """One device's gather of v [*batch, n, ...] (nb batch dims) along n: [*batch, W * n, ...].
+    The batch goes into the one message: [W, *batch, n, ...] comes back, then moves in place.
+    Returns (that, the order token)."""
+    W = comm.world_size
+    if v.size * v.dtype.itemsize * W > comm.max_message_bytes:  # a vmapped batch outgrew it
+        return lax.all_gather(v, comm.axis_name, axis=nb, tiled=True), tok
+    if nb == 0:
+        return _gather0(v, tok, comm)
+    lead, n, rest = v.shape[:nb], v.shape[nb], v.shape[nb + 1:]
+    g, tok = _gather0(v.reshape((-1,) + rest), tok, comm)
+    g = jnp.moveaxis(g.reshape((W,) + lead + (n,) + rest), 0, nb)
+    return g.reshape(lead + (W * n,) + rest), tok
+
+
+def gather_call(comm, nb=0):
+    """The kernel call of all_gather, `(v, tok) -> (gathered, tok)`: v [*batch, n, ...] with
+    nb batch dims, gathered along n. Per device (`_shard.per_device`: every other dim
+    independent); under vmap the call for nb + 1 batch dims."""
+    def call(v, tok):
+        dims = tuple(d for d in range(v.ndim) if d != nb)
+        return _shard.per_device(comm, lambda a, t: _local_gather(a, t, comm, nb), (v,), tok,
+                                 (dims,), (dims,))
+
+    def rule(size, batched, v, tok):
+        g, tok = gather_call(comm, nb + 1)(v, tok)
+        return (g,), (True,), tok
+
+    return _shard.batching(call, rule)
+
+
 def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     """Gather `x` from every rank of `comm`'s axis (= `lax.all_gather(x, comm.axis_name,
     axis=axis, tiled=tiled)`), through the communicator's buffers.
@@ -29,6 +64,9 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     `lax.all_gather`. Gradients: the tangent is `lax.all_gather` of the input tangent.
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.all_gather` instead, with the same results.
+    Partially manual shard_map: the non-gathered dims split over the auto mesh axes where they
+    divide, else whole. jax.vmap: each rank's batch goes in ONE message, the gathered blocks
+    are moved in place after it (a transpose of the result).
 
     Args:
       x: the local shard, any dtype; rank >= 1 when tiled.
@@ -70,12 +108,11 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     if comm.world_size == 1 or nbytes * comm.world_size > comm.max_message_bytes:
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
 
+    call = gather_call(comm)
+
     @jax.custom_jvp
     def gather(v, tok):
-        if tiled:
-            g, tok = _gather0(jnp.moveaxis(v, axis, 0), tok, comm)
-        else:
-            g, tok = _gather0(v[None], tok, comm)
+        g, tok = call(jnp.moveaxis(v, axis, 0) if tiled else v[None], tok)
         return jnp.moveaxis(g, 0, axis), tok
 
     @gather.defjvp

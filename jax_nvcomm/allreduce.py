@@ -3,6 +3,12 @@ the symmetric buffers, optionally fused with the residual add and RMSNorm that f
 
 Gradients: `jax.custom_jvp` whose tangent rule uses `lax.psum` (linear, and JAX transposes it
 correctly under both check_vma settings) while the primal runs our kernel.
+
+Inside it, the kernel call is a `custom_vmap` function (`_shard.batching`): under `jax.vmap`
+the batch is folded into ONE call (all_reduce: the batch is more elements; the fused ops: more
+rows, `_fused_rule`). Each call runs through `_shard.per_device` (partially manual shard_maps).
+The strategy is picked again for what one device's call moves (`_pick`): a vmapped batch makes
+the message larger, a split over auto mesh axes smaller.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import numpy as np
 from jax import lax
 
 from . import _fallback, _order, _shard
-from .reference import rms_norm_reference, xla_all_reduce_rms_norm
+from .reference import add_rms_norm, rms_norm_reference, xla_all_reduce_rms_norm
 from .strategy import select_strategy
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -40,6 +46,43 @@ def _resolve(comm, strategy, shape, dtype, what):
     if nbytes == 0:
         return "xla"
     return strategy
+
+
+def _pick(comm, requested, shape, dtype, what):
+    """The strategy of one device's call on `shape`: `_resolve` of the requested one, except
+    that a "oneshot" request whose message outgrew the Lamport slot (a vmapped batch folded in)
+    takes what "auto" picks (every strategy gives the same bits)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    if requested == "oneshot" and nbytes > comm.lamport_slot_bytes:
+        requested = "auto"
+    return _resolve(comm, requested, shape, dtype, what)
+
+
+def _local_all_reduce(v, tok, comm, strategy):
+    """One device's all-reduce of v (any shape, its own shard): (sum, order token)."""
+    strat = _pick(comm, strategy, v.shape, v.dtype, "all_reduce")
+    if strat == "xla":
+        return lax.psum(v, comm.axis_name), tok
+    v2, undo = _as_rows(v)
+    out, tok = _kernel_all_reduce(v2, tok, comm, strat)
+    return undo(out), tok
+
+
+def all_reduce_call(comm, strategy):
+    """The kernel call of all_reduce, `(v, tok) -> (sum, tok)`, for `strategy` (a name
+    `_resolve` takes): per device (`_shard.per_device`, every dim of v independent) and, under
+    vmap, once for the whole batch (elementwise: the batch is more elements)."""
+    def call(v, tok):
+        dims = tuple(range(v.ndim))
+        return _shard.per_device(comm, lambda a, t: _local_all_reduce(a, t, comm, strategy),
+                                 (v,), tok, (dims,), (dims,))
+
+    def rule(size, batched, v, tok):
+        out, tok = f(v, tok)
+        return (out,), (True,), tok
+
+    f = _shard.batching(call, rule)
+    return f
 
 
 def _kernel_all_reduce(x2, tok, comm, strategy):
@@ -75,6 +118,10 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     for every strategy. Gradients: the tangent is `lax.psum` of the input tangent.
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.psum` instead, with the same results.
+    Where lax.psum works, this works (docs/API.md, "lax parity"): in a partially manual
+    shard_map each device calls the kernel on its share of x (split over the auto mesh axes
+    along the first dim they divide, else whole); under jax.vmap the batch is more elements,
+    ONE call.
 
     Args:
       x: the local shard, bfloat16, float16 or float32, any shape.
@@ -103,11 +150,11 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     if strat == "xla" or comm.world_size == 1 and x.size == 0:
         return lax.psum(x, axis)
 
+    call = all_reduce_call(comm, strategy)
+
     @jax.custom_jvp
     def ar(v, tok):
-        v2, undo = _as_rows(v)
-        out, tok = _kernel_all_reduce(v2, tok, comm, strat)
-        return undo(out), tok
+        return call(v, tok)
 
     @ar.defjvp
     def ar_jvp(primals, tangents):
@@ -154,6 +201,10 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     round the sum to x.dtype before the add, as `lax.psum` + add does: docs/DESIGN.md "Decisions".)
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.psum` + XLA's add + RMSNorm instead, with the same results.
+    Partially manual shard_map: the rows split over the auto mesh axes where they divide,
+    else whole. jax.vmap: with an unbatched weight the batch folds into rows, ONE fused call;
+    with a batched weight (or an unbatched x and a batched residual) ONE all_reduce of x, then
+    XLA's add + RMSNorm (the "xla" strategy's arithmetic, not fused).
 
     Args:
       x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a
@@ -185,9 +236,12 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
         # Mixed dtypes are not fused (documented): psum + XLA's own add + RMSNorm.
         return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
+    call = fused_call(comm, strategy, eps, _kernel_fused, xla_all_reduce_rms_norm,
+                      add_rms_norm, 2, what)
+
     @jax.custom_jvp
     def fused(v, res, w, tok):
-        return _kernel_fused(v, res, w, tok, comm, strat, eps)
+        return call(v, res, w, tok)
 
     @fused.defjvp
     def fused_jvp(primals, tangents):
@@ -202,6 +256,56 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     normed, res_out, tok = fused(x, residual, weight, _order.token(axis))
     _order.record(tok)
     return normed, res_out
+
+
+def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, xla, what):
+    """One device's fused call on x, res [..., tokens, hidden] (its own rows): the leading dims
+    fold into rows. Returns (*outs, tok), outs shaped [..., tokens, last dim of the kernel's]."""
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    x2, r2 = x.reshape(-1, hidden), res.reshape(-1, hidden)
+    strat = _pick(comm, strategy, x2.shape, x2.dtype, what)
+    if strat == "xla":
+        outs = xla(x2, r2, w, comm.axis_name, eps)
+    else:
+        *outs, tok = kernel(x2, r2, w, tok, comm, strat, eps)
+    return (*[o.reshape(lead + o.shape[1:]) for o in outs], tok)
+
+
+def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs, what):
+    """The kernel call of a fused op (all_reduce_rms_norm, all_reduce_rms_norm_quant),
+    `(x, residual, weight, tok) -> (*outs, tok)`, x and residual [..., tokens, hidden] (rows
+    independent: split over auto mesh axes by `_shard.per_device`).
+
+    kernel(x2, r2, w, tok, comm, strategy, eps) -> (*outs, tok) makes the FFI call on
+    [rows, hidden]; xla(x2, r2, w, axis, eps) -> outs is the "xla" strategy; finish(s,
+    residual, weight, eps) -> outs is XLA's add + norm (+ quantisation) of an all-reduced sum;
+    n_outs: how many outs (each [rows, ...]); what: the op's name (strategy table row, errors).
+
+    Under vmap (`_fused_rule`): an unbatched weight folds the batch into rows, ONE fused call
+    (an unbatched residual is broadcast: residual_out is per batch element anyway). A batched
+    weight, or an unbatched x with a batched residual: ONE all_reduce of x (batched or not),
+    then `finish` in XLA: not fused, same arithmetic as the "xla" strategy."""
+    def call(x, res, w, tok):
+        rows = tuple(range(x.ndim - 1))
+        local = lambda a, b, c, t: _local_fused(a, b, c, t, comm, strategy, eps, kernel, xla,
+                                                what)
+        return _shard.per_device(comm, local, (x, res, w), tok, (rows, rows, ()),
+                                 (rows,) * n_outs)
+
+    def rule(size, batched, x, res, w, tok):
+        bx, br, bw = batched
+        if bx and not bw:  # fold: the batch is more rows
+            *outs, tok = f(x, _shard.batched(size, br, res), w, tok)
+            return tuple(outs), (True,) * n_outs, tok
+        sum_, tok = all_reduce_call(comm, strategy)(x, tok)
+        nd = x.ndim - bx  # dims of one batch element
+        if bw:
+            w = w.reshape((size,) + (1,) * (nd - 1) + w.shape[-1:])
+        outs = [_shard.batched(size, o.ndim > nd, o) for o in finish(sum_, res, w, eps)]
+        return tuple(outs), (True,) * n_outs, tok
+
+    f = _shard.batching(call, rule)
+    return f
 
 
 def fused_result_vmas(x, residual, weight, axis):

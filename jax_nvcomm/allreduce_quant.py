@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from . import _order, _shard
-from .allreduce import _STRATEGY_CODE, _resolve, check_fused_args, fused_result_vmas
+from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_call,
+                        fused_result_vmas)
 from .reference import rms_norm_reference
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -41,7 +42,13 @@ def quantize_rows(normed):
 def xla_all_reduce_rms_norm_quant(x, residual, weight, axis, eps):
     """The "xla" strategy: `lax.psum` in x.dtype, residual add + RMSNorm in float32 (as the
     "xla" strategy of all_reduce_rms_norm), then quantize_rows of the float32 normed."""
-    r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
+    return _add_rms_norm_quant(lax.psum(x, axis), residual, weight, eps)
+
+
+def _add_rms_norm_quant(s, residual, weight, eps):
+    """XLA's add + RMSNorm + quantisation of an all-reduced sum s (the "xla" strategy's
+    arithmetic, for a vmapped batched weight): (q, scale, residual_out)."""
+    r = s.astype(jnp.float32) + residual.astype(jnp.float32)
     q, scale = quantize_rows(rms_norm_reference(r, weight, eps))
     return q, scale, r.astype(residual.dtype)
 
@@ -74,7 +81,9 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
     Non-finite values: a row whose r holds a NaN or an inf has a NaN normed, so its scale and
     every q of the row are NaN (e4m3fn has no inf); an infinite weight gives scale = inf and
     q = NaN where normed is inf, 0 elsewhere. On a communicator in XLA fallback mode
-    (`comm.xla_fallback`) it runs the "xla" strategy.
+    (`comm.xla_fallback`) it runs the "xla" strategy. Partially manual shard_map and jax.vmap
+    as `all_reduce_rms_norm` (a batched weight: the kernel all-reduce, then XLA's add +
+    RMSNorm + quantisation).
 
     Args:
       x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a
@@ -116,7 +125,8 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
         return _no_grad(lambda v, res, w: xla_all_reduce_rms_norm_quant(v, res, w, axis, eps))(
             x, residual, weight)
 
-    fused = _no_grad(lambda v, res, w, tok: _kernel_fused_quant(v, res, w, tok, comm, strat, eps))
+    fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant,
+                                xla_all_reduce_rms_norm_quant, _add_rms_norm_quant, 3, what))
     q, scale, res_out, tok = fused(x, residual, weight, _order.token(axis))
     _order.record(tok)
     return q, scale, res_out

@@ -10,6 +10,9 @@ world * max_tokens rows and max_tokens * top_k combine slots, never with num_exp
 Gradients (custom_vjp): the forward passes run our kernels; the backward passes are written
 with XLA collectives (`lax.psum_scatter`, `lax.all_gather`) from the handle, so they need a
 backend where XLA's collectives run (not several ranks sharing one GPU).
+
+Every kernel call (here and in moe_split.py) goes through `moe_call`: whole over the auto
+axes of a partially manual shard_map (`_shard.per_device`), and a named error under jax.vmap.
 """
 from __future__ import annotations
 
@@ -173,27 +176,62 @@ def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what="moe_dispat
 # ---------------------------------------------------------------------------------------------
 # kernel calls
 
-def _dispatch_call(x, topk_ids, moe, nt, x_scale, tok):
-    """The dispatch kernel call: ((expert_x, counts, expert_x_scale, token_dest, expert_src),
-    the call's order token)."""
+_NO_VMAP = (
+    "jax_nvcomm: {what}: jax.vmap is not supported: a MoECommunicator's call carries "
+    "max_tokens tokens, and each micro-batch's expert rows are counted and ordered on their "
+    "own, so a batch cannot fold into one call. Fold the micro-batches into the tokens (a "
+    "communicator with max_tokens = batch * tokens) and call it once, or call it once per "
+    "micro-batch (a loop, lax.map, or the split halves to overlap them)")
+
+
+def moe_call(moe, what, fn):
+    """A MoE kernel call `fn(*arrays, tok) -> (*outs, tok)` as the ops call it: per device with
+    every argument and result whole over auto mesh axes (`_shard.per_device`: routing
+    orders rows across all tokens, so every group along an auto axis makes the same call on
+    all of them), and a custom_vmap whose rule refuses vmap with the reason (`_NO_VMAP`)."""
+    def call(*args):
+        *arrays, tok = args
+        return _shard.per_device(moe, fn, tuple(arrays), tok, None, None)
+
+    return _shard.batching(call, _NO_VMAP.format(what=what))
+
+
+def scales_in(x_scale):
+    """The x_scale operands of a dispatch kernel function: none when there are no scales (a
+    zero-size operand is made inside: passed into a nested shard_map, jax 0.11's partitioner
+    crashes on it)."""
+    return () if x_scale is None else (x_scale,)
+
+
+def scales_of(moe, rest):
+    """(x_scale, tok) of a dispatch kernel function's trailing operands (`scales_in`, token)."""
+    *scale, tok = rest
+    return (scale[0] if scale else jnp.zeros((moe.max_tokens, moe.scale_cols), jnp.float32),
+            tok)
+
+
+def _dispatch_kernel(x, topk_ids, nt, *rest, moe):
+    """The dispatch kernel call on (x, topk_ids, nt, *scales_in(x_scale), tok): (expert_x,
+    counts, expert_x_scale, token_dest, expert_src, the call's order token)."""
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
     L, R = moe.num_local_experts, W * T
+    scale, tok = scales_of(moe, rest)
     x = _shard.varying(x, axis)  # varies over the axis now, when check_vma tracks it
     vma = _shard.vma_of(x) | _shard.vma_of(topk_ids)
     rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
     results = (rt((L, R, H), moe.dtype), rt((L,), jnp.int32), rt((L, R, S), jnp.float32),
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))
-    scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
     args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
-    return _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
+    outs, tok = _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
+    return (*outs, tok)
 
 
-def _combine_call(expert_y, topk_weights, handle, moe, tok):
+def _combine_kernel(expert_y, topk_weights, token_dest, expert_src, counts, tok, *, moe):
     """The combine kernel call: (y, the call's order token)."""
     axis = moe.axis_name
     args = [_shard.varying(a, axis) for a in
-            (expert_y, topk_weights, handle.token_dest, handle.expert_src, handle.expert_counts)]
+            (expert_y, topk_weights, token_dest, expert_src, counts)]
     vma = frozenset().union(*[_shard.vma_of(a) for a in args])
     rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), expert_y.dtype, vma)
     return _shard.ffi_call(moe, "moe_combine", rt, *args, order=tok)
@@ -292,6 +330,8 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `reference.moe_dispatch_xla` (`lax.ragged_all_to_all`) instead, with the same results.
     Its handle is then an `XlaMoEHandle` (expert_src not filled).
+    Partially manual shard_map: every group along the auto mesh axes dispatches all the
+    tokens (the routing orders rows across them: nothing splits); jax.vmap raises (below).
 
     Args:
       x: [max_tokens, hidden] of moe.dtype.
@@ -315,6 +355,9 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
       TypeError / ValueError: shapes or dtypes other than the above, x_scale missing or
         unexpected, a constant num_tokens out of range. Bad ids found on the device fail the
         call on that rank (and its peers at once) with a named error.
+      NotImplementedError: under jax.vmap (a call carries max_tokens tokens, each
+        micro-batch's rows are counted and ordered on their own): fold the micro-batches into
+        the tokens, or call once per micro-batch. The same for moe_combine and the split halves.
     """
     what = "moe_dispatch"
     if not isinstance(moe, MoECommunicator):
@@ -330,10 +373,11 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
 
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens).astype(jnp.int32)
 
+    call = moe_call(moe, what, lambda *a: _dispatch_kernel(*a, moe=moe))
+
     @jax.custom_vjp
     def dispatch(x, x_scale, ids, nt, tok):
-        outs, tok = _dispatch_call(x, ids, moe, nt, x_scale, tok)
-        return (*outs, tok)
+        return call(x, ids, nt, *scales_in(x_scale), tok)
 
     def fwd(x, x_scale, ids, nt, tok):
         out = dispatch(x, x_scale, ids, nt, tok)
@@ -370,6 +414,7 @@ def moe_combine(expert_y, topk_weights, handle, moe):
     Raises:
       TypeError / ValueError: shapes or dtypes other than the above, a handle that is not a
         `MoEHandle`.
+      NotImplementedError: under jax.vmap (as moe_dispatch).
     """
     what = "moe_combine"
     if not isinstance(moe, MoECommunicator):
@@ -385,9 +430,11 @@ def moe_combine(expert_y, topk_weights, handle, moe):
         return _fallback.moe_combine(expert_y, topk_weights, handle, moe)
     _inflight.check_fused(moe, what)
 
+    call = moe_call(moe, what, lambda *a: _combine_kernel(*a, moe=moe))
+
     @jax.custom_vjp
     def combine(ey, w, handle, tok):
-        return _combine_call(ey, w, handle, moe, tok)
+        return call(ey, w, handle.token_dest, handle.expert_src, handle.expert_counts, tok)
 
     def fwd(ey, w, handle, tok):
         return combine(ey, w, handle, tok), (ey, w, handle)

@@ -39,7 +39,8 @@ from jax import lax
 
 from . import _fallback, _inflight, _order, _shard
 from .moe import (Dispatched, MoECommunicator, MoEHandle, _check_combine_args,
-                  _check_dispatch_args, _combine_grads, _dispatch_cotangents)
+                  _check_dispatch_args, _combine_grads, _dispatch_cotangents, moe_call,
+                  scales_in, scales_of)
 
 
 @jax.tree_util.register_dataclass
@@ -125,19 +126,24 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
         return _FallbackSent((x, topk_ids, num_tokens, x_scale), "dispatch")
     _inflight.check_send(moe, what)
     axis = moe.axis_name
-    T, K, S = moe.max_tokens, moe.top_k, moe.scale_cols
+    T, K = moe.max_tokens, moe.top_k
     nt = jnp.asarray(T if num_tokens is None else num_tokens).astype(jnp.int32)
 
-    @jax.custom_vjp
-    def send(x, x_scale, ids, nt, tok):
+    def kernel(x, ids, nt, *rest):
+        scale, tok = scales_of(moe, rest)
         xv = _shard.varying(x, axis)
         vma = _shard.vma_of(xv) | _shard.vma_of(ids)
         rts = (_shard.result_type(xv, (T, K), jnp.int32, vma),
                _shard.result_type(xv, (1,), jnp.uint32, vma))
-        scale = x_scale if x_scale is not None else jnp.zeros((T, S), jnp.float32)
         args = [_shard.varying(a, axis) for a in (xv, scale, ids, nt)]
         (td, seq), tok = _shard.ffi_call(moe, "moe_dispatch_send", rts, *args, order=tok)
         return td, seq, tok
+
+    call = moe_call(moe, what, kernel)
+
+    @jax.custom_vjp
+    def send(x, x_scale, ids, nt, tok):
+        return call(x, ids, nt, *scales_in(x_scale), tok)
 
     def fwd(*args):
         return send(*args), None
@@ -182,8 +188,7 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
     x, x_scale = sent.x, sent.x_scale
     seq_in = _after(sent.seq, after)
 
-    @jax.custom_vjp
-    def recv(x, x_scale, td, seq, tok):
+    def kernel(seq, tok):
         seq = _shard.varying(seq, axis)
         vma = _shard.vma_of(seq)
         rt = lambda shape, dt: _shard.result_type(seq, shape, dt, vma)
@@ -191,6 +196,12 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
                rt((L, R), jnp.int32))
         outs, tok = _shard.ffi_call(moe, "moe_dispatch_recv", rts, seq, order=tok)
         return (*outs, tok)
+
+    call = moe_call(moe, what, kernel)
+
+    @jax.custom_vjp
+    def recv(x, x_scale, td, seq, tok):
+        return call(seq, tok)
 
     def fwd(x, x_scale, td, seq, tok):
         out = recv(x, x_scale, td, seq, tok)
@@ -235,12 +246,17 @@ def moe_combine_send(expert_y, handle, moe) -> CombineSent:
     _inflight.check_send(moe, what)
     axis = moe.axis_name
 
-    @jax.custom_vjp
-    def send(ey, es, cnt, tok):
+    def kernel(ey, es, cnt, tok):
         args = [_shard.varying(a, axis) for a in (ey, es, cnt)]
         vma = frozenset().union(*[_shard.vma_of(a) for a in args])
         rt = _shard.result_type(args[0], (1,), jnp.uint32, vma)
         return _shard.ffi_call(moe, "moe_combine_send", rt, *args, order=tok)
+
+    call = moe_call(moe, what, kernel)
+
+    @jax.custom_vjp
+    def send(ey, es, cnt, tok):
+        return call(ey, es, cnt, tok)
 
     def fwd(*args):
         return send(*args), None
@@ -284,12 +300,18 @@ def moe_combine_recv(csent, topk_weights, moe, *, after=None):
     axis = moe.axis_name
     seq_in = _after(csent.seq, after)
 
+    def kernel(seq, w, td, tok):
+        args = [_shard.varying(a, axis) for a in (seq, w, td)]
+        vma = frozenset().union(*[_shard.vma_of(a) for a in args])
+        rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), y_dtype, vma)
+        return _shard.ffi_call(moe, "moe_combine_recv", rt, *args, order=tok)
+
+    call = moe_call(moe, what, kernel)
+    y_dtype = csent.expert_y.dtype
+
     @jax.custom_vjp
     def recv(ey, w, handle, seq, tok):
-        args = [_shard.varying(a, axis) for a in (seq, w, handle.token_dest)]
-        vma = frozenset().union(*[_shard.vma_of(a) for a in args])
-        rt = _shard.result_type(args[0], (moe.max_tokens, moe.hidden), ey.dtype, vma)
-        return _shard.ffi_call(moe, "moe_combine_recv", rt, *args, order=tok)
+        return call(seq, w, handle.token_dest, tok)
 
     def fwd(ey, w, handle, seq, tok):
         return recv(ey, w, handle, seq, tok), (ey, w, handle)

@@ -32,6 +32,9 @@ Transformations:
 - jax.vmap (custom_vmap under the custom_vjp): one call for the whole batch, as lax's batching
   rule does it: the batch is folded into the slices per peer (k -> k * B, offsets shifted by
   b * N and b * M).
+- partially manual shard_map (`axis_names` leaving mesh axes to the compiler): the kernel call
+  runs through `_shard.per_device`, the dims after the rows split over those axes where they
+  divide (docs/API.md, "lax parity").
 """
 from __future__ import annotations
 
@@ -135,9 +138,12 @@ def _check_args(operand, output, index, comm):
 # the XLA path and the kernel call
 
 def _xla(operand, output, io, ss, oo, rs, comm):
-    """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py)."""
-    return reference.ragged_all_to_all_xla(operand, output, io, ss, oo, rs,
-                                           axis_name=comm.axis_name)
+    """lax.ragged_all_to_all on GPUs, its dense emulation on CPUs (reference.py), per device
+    (`_shard.per_device`: its row indexing on per-device arrays)."""
+    dims = tuple(range(1, operand.ndim))
+    return _shard.per_device(
+        comm, lambda *a: (reference.ragged_all_to_all_xla(*a, axis_name=comm.axis_name),),
+        (operand, output, io, ss, oo, rs), None, (dims, dims, (), (), (), ()), (dims,))[0]
 
 
 def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):
@@ -167,7 +173,12 @@ def _kernel(comm):
 
     @custom_vmap
     def call(operand, output, io, ss, oo, rs, tok):
-        return _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok)
+        # per device (partially manual shard_maps): rows move, the dims after them are
+        # independent (split over auto mesh axes where they divide), the index arrays whole
+        dims = tuple(range(1, operand.ndim))
+        return _shard.per_device(comm, lambda *a: _ffi_ragged(comm, *a),
+                                 (operand, output, io, ss, oo, rs), tok,
+                                 (dims, dims, (), (), (), ()), (dims,))
 
     @call.def_vmap
     def fold(axis_size, in_batched, operand, output, io, ss, oo, rs, tok):
@@ -281,7 +292,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
       (reverse mode, lax's transpose rule; see the module docstring), batched by jax.vmap into
-      one call.
+      one call; in a partially manual shard_map the dims after the rows split over the auto
+      mesh axes where they divide.
 
     Raises:
       TypeError / ValueError: an argument outside the above (naming it, the expected and the

@@ -59,11 +59,17 @@ def rms_norm_reference(r, weight, eps):
     return r * inv * weight.astype(jnp.float32)
 
 
+def add_rms_norm(s, residual, weight, eps):
+    """Residual add + RMSNorm in float32 of an all-reduced sum s: (normed in s.dtype,
+    residual_out in residual.dtype)."""
+    r = s.astype(jnp.float32) + residual.astype(jnp.float32)
+    return rms_norm_reference(r, weight, eps).astype(s.dtype), r.astype(residual.dtype)
+
+
 def xla_all_reduce_rms_norm(x, residual, weight, axis, eps):
     """The "xla" strategy of all_reduce_rms_norm (also `all_reduce_rms_norm_xla`):
     lax.psum in x.dtype, then residual add + RMSNorm in float32."""
-    r = lax.psum(x, axis).astype(jnp.float32) + residual.astype(jnp.float32)
-    return rms_norm_reference(r, weight, eps).astype(x.dtype), r.astype(residual.dtype)
+    return add_rms_norm(lax.psum(x, axis), residual, weight, eps)
 
 
 def _excl_cumsum(a, axis=0):

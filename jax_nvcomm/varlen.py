@@ -27,6 +27,11 @@ every row everywhere, as `lax.all_gather(..., to="invarying")`); y and y_mine va
 - all_gather_v, check_vma=False (nothing tracked, so the cotangent of gathered is per rank):
   reduce_scatter_v of it, i.e. our reduce-scatter kernel, as for `lax.all_gather`.
 Forward-mode (`jax.jvp`) is not supported (custom_vjp).
+
+Kernel calls (`gather_v_call`, `scatter_v_call`): per device through `_shard.per_device`
+(the dims after the rows split over the auto axes of a partially manual shard_map), and
+custom_vmap functions: a batch with one count (or one offsets array) for every element widens
+every row, ONE call; batched counts are refused by name.
 """
 from __future__ import annotations
 
@@ -79,11 +84,7 @@ def _vma_tracked(x, axis) -> bool:
 
 def xla_all_gather_v(x, nr, axis, world):
     """Padded `lax.all_gather` (invariant) of x and of the counts, then compaction."""
-    max_rows = x.shape[0]
-    if world == 1:  # rows from num_rows on are zero, as for any group (API.md)
-        offsets = jnp.stack([jnp.int32(0), nr])
-        valid = (jnp.arange(max_rows, dtype=jnp.int32) < nr).reshape((-1,) + (1,) * (x.ndim - 1))
-        return jnp.where(valid, x, jnp.zeros((), x.dtype)), offsets, nr
+    max_rows = x.shape[0]  # (a group of one too: the results are typed as for any group)
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
     counts = lax.all_gather(nr, axis, to="invarying")                     # [W]
@@ -105,9 +106,10 @@ def xla_reduce_scatter_v(y, offsets, axis, world):
     j = jnp.arange(max_rows, dtype=jnp.int32)
     idx = jnp.clip(offsets[:-1, None] + j[None, :], 0, y.shape[0] - 1)     # [W, max_rows]
     valid = (j[None, :] < counts[:, None]).reshape((world, max_rows) + (1,) * (y.ndim - 1))
-    padded = jnp.where(valid, y[idx].astype(jnp.float32), 0.0)
-    if world == 1:
-        return padded[0].astype(y.dtype)
+    rows = jnp.take(y, idx.reshape(-1), axis=0).reshape(idx.shape + y.shape[1:])  # (Explicit
+    padded = jnp.where(valid, rows.astype(jnp.float32), 0.0)          # axes: a flat index)
+    if world == 1:  # each rank's own rows: varying over the axis, as lax.psum_scatter types them
+        return _shard.varying(padded[0].astype(y.dtype), axis)
     return lax.psum_scatter(_shard.varying(padded, axis), axis, scatter_dimension=0,
                             tiled=False).astype(y.dtype)
 
@@ -119,10 +121,11 @@ def _gather_call(x, nr, tok, comm, zero_tail=True):
     axis, W = comm.axis_name, comm.world_size
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
-    vma = (_shard.vma_of(x) | _shard.vma_of(nr)) - {axis}
-    rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype, vma),
-           _shard.result_type(x, (W + 1,), jnp.int32, vma),
-           _shard.result_type(x, (), jnp.int32, vma))
+    vma_n = _shard.vma_of(nr) - {axis}  # the offsets and total depend on the counts only
+    rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype,
+                              (_shard.vma_of(x) - {axis}) | vma_n),
+           _shard.result_type(x, (W + 1,), jnp.int32, vma_n),
+           _shard.result_type(x, (), jnp.int32, vma_n))
     return _shard.ffi_call(comm, "all_gather_v", rts, x, nr, order=tok,
                            zero_tail=np.int64(1 if zero_tail else 0))
 
@@ -134,6 +137,86 @@ def _scatter_call(y, offsets, tok, comm):
     vma = _shard.vma_of(y) | _shard.vma_of(offsets)
     rt = _shard.result_type(y, (y.shape[0] // W,) + tuple(y.shape[1:]), y.dtype, vma)
     return _shard.ffi_call(comm, "reduce_scatter_v", rt, y, offsets, order=tok)
+
+
+def _rows_first(v, nb):
+    """v [*batch, rows, ...] (nb batch dims) as [rows, *batch, ...]: a vmapped batch widens
+    every row, so one call moves the whole batch."""
+    return jnp.moveaxis(v, nb, 0) if nb else v
+
+
+def _rows_back(v, nb):
+    return jnp.moveaxis(v, 0, nb) if nb else v
+
+
+def _local_gather_v(x, nr, tok, comm, zero_tail, nb):
+    """One device's all_gather_v of x [*batch, max_rows, ...]: ((gathered, offsets, total),
+    tok); the XLA path when the (widened or split) rows do not fit the buffers."""
+    x = _rows_first(x, nb)
+    if not fits(comm, x.shape[0], _row_bytes(x)):
+        outs = xla_all_gather_v(x, jnp.clip(nr, 0, x.shape[0]), comm.axis_name,
+                                comm.world_size)
+    else:
+        outs, tok = _gather_call(x, nr, tok, comm, zero_tail)
+    g, off, tot = outs
+    return _rows_back(g, nb), off, tot, tok
+
+
+def _local_scatter_v(y, offsets, tok, comm, nb):
+    """One device's reduce_scatter_v of y [*batch, W * max_rows, ...]: (y_mine, tok); the XLA
+    path when the (widened or split) rows do not fit the buffers or 16-byte vectors."""
+    y = _rows_first(y, nb)
+    row = _row_bytes(y)
+    if row % 16 or not fits(comm, y.shape[0] // comm.world_size, row):
+        out = xla_reduce_scatter_v(y, offsets, comm.axis_name, comm.world_size)
+    else:
+        out, tok = _scatter_call(y, offsets, tok, comm)
+    return _rows_back(out, nb), tok
+
+
+_NO_BATCHED_COUNTS = (
+    "jax_nvcomm: {what}: vmap with a batched {arg} is not supported: ONE call carries the "
+    "whole batch only when every batch element has the same rows (one {arg}), and each "
+    "element's own counts would need a second message. Pass {arg} unbatched, fold the batch "
+    "into the rows yourself and call it once, or call it once per element (lax.map)")
+
+
+def gather_v_call(comm, zero_tail, nb=0):
+    """The kernel call of all_gather_v, `(x, nr, tok) -> (gathered, offsets, total, tok)`, x
+    [*batch, max_rows, ...] with nb batch dims. Per device (`_shard.per_device`: the dims
+    after the rows and the batch dims independent; the counts whole); under vmap (num_rows
+    unbatched) the call for nb + 1 batch dims: ONE message, rows widened by the batch."""
+    def call(x, nr, tok):
+        dims = tuple(d for d in range(x.ndim) if d != nb)
+        local = lambda a, n, t: _local_gather_v(a, n, t, comm, zero_tail, nb)
+        return _shard.per_device(comm, local, (x, nr), tok, (dims, ()), (dims, (), ()))
+
+    def rule(size, batched, x, nr, tok):
+        if batched[1]:
+            raise NotImplementedError(_NO_BATCHED_COUNTS.format(what="all_gather_v",
+                                                                arg="num_rows"))
+        *outs, tok = gather_v_call(comm, zero_tail, nb + 1)(x, nr, tok)
+        return tuple(outs), (True, False, False), tok
+
+    return _shard.batching(call, rule)
+
+
+def scatter_v_call(comm, nb=0):
+    """The kernel call of reduce_scatter_v, `(y, offsets, tok) -> (y_mine, tok)`, y
+    [*batch, W * max_rows, ...] with nb batch dims; as `gather_v_call` (offsets unbatched)."""
+    def call(y, offsets, tok):
+        dims = tuple(d for d in range(y.ndim) if d != nb)
+        local = lambda a, o, t: _local_scatter_v(a, o, t, comm, nb)
+        return _shard.per_device(comm, local, (y, offsets), tok, (dims, ()), (dims,))
+
+    def rule(size, batched, y, offsets, tok):
+        if batched[1]:
+            raise NotImplementedError(_NO_BATCHED_COUNTS.format(what="reduce_scatter_v",
+                                                                arg="offsets"))
+        out, tok = scatter_v_call(comm, nb + 1)(y, offsets, tok)
+        return (out,), (True,), tok
+
+    return _shard.batching(call, rule)
 
 
 def _my_rows(ct, offsets, nr, axis):
@@ -168,6 +251,10 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
         dominates a decode step gathered into a prefill-sized buffer; only safe when nothing
         reads those rows (garbage, e.g. NaN, times a zero cotangent is still NaN).
 
+    Partially manual shard_map: the dims after the rows split over the auto mesh axes where
+    they divide, else whole. jax.vmap with num_rows unbatched: the batch widens every row, ONE
+    call (a transpose in and out); a batched num_rows raises NotImplementedError.
+
     Returns:
       (gathered, offsets, total): gathered [world_size * max_rows, ...], rank r's rows at
       offsets[r] .. offsets[r+1] - 1, rows from total on zero (with zero_tail; API.md:
@@ -179,6 +266,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     Raises:
       ValueError: x a scalar, num_rows not an integer scalar or (constant) out of range, a
         call outside shard_map over the communicator's axis.
+      NotImplementedError: jax.vmap with a batched num_rows.
     """
     what = "all_gather_v"
     _shard.check_context(comm, what)
@@ -192,14 +280,18 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     row = _row_bytes(x)
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0
             or not fits(comm, max_rows, row)):
-        return xla_all_gather_v(x, jnp.clip(nr, 0, max_rows), axis, W)
+        dims = tuple(range(1, x.ndim))
+        return _shard.per_device(comm, lambda a, n: xla_all_gather_v(a, n, axis, W),
+                                 (x, jnp.clip(nr, 0, max_rows)), None, (dims, ()),
+                                 (dims, (), ()))
     tracked = _vma_tracked(x, axis)
     float_x = jnp.issubdtype(x.dtype, jnp.inexact)
 
+    call = gather_v_call(comm, zero_tail)
+
     @jax.custom_vjp
     def gather(v, n, tok):
-        (g, off, tot), tok = _gather_call(v, n, tok, comm, zero_tail)
-        return g, off, tot, tok
+        return call(v, n, tok)
 
     def fwd(v, n, tok):
         out = gather(v, n, tok)
@@ -214,7 +306,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
             dx = _shard.varying(_my_rows(ct, offsets, n, axis), axis)
         else:
             dx = reduce_scatter_v(ct, offsets, comm)
-        return dx, None, None
+        return _shard.like(dx, x), None, None
 
     gather.defvjp(fwd, bwd)
     g, off, tot, tok = gather(_shard.varying(x, axis), nr, _order.token(axis))
@@ -238,6 +330,9 @@ def reduce_scatter_v(y, offsets, comm):
         ranks passing different offsets fail with a named error on the kernel path).
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
 
+    Partially manual shard_map and jax.vmap as `all_gather_v` (batched offsets:
+    NotImplementedError).
+
     Returns:
       y_mine [max_rows, ...] in y.dtype, varying across the axis. Gradient: all_gather_v of
       the cotangent (rows past the total zero).
@@ -245,6 +340,7 @@ def reduce_scatter_v(y, offsets, comm):
     Raises:
       TypeError / ValueError: y's dtype, a first dimension not a multiple of world_size, offsets
         not int32 [world_size + 1], a call outside shard_map over the communicator's axis.
+      NotImplementedError: jax.vmap with batched offsets.
     """
     what = "reduce_scatter_v"
     _shard.check_context(comm, what)
@@ -263,11 +359,15 @@ def reduce_scatter_v(y, offsets, comm):
     row = _row_bytes(y)
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0 or row % 16
             or not fits(comm, max_rows, row)):
-        return xla_reduce_scatter_v(y, offsets, axis, W)
+        dims = tuple(range(1, y.ndim))
+        return _shard.per_device(comm, lambda a, o: (xla_reduce_scatter_v(a, o, axis, W),),
+                                 (y, offsets), None, (dims, ()), (dims,))[0]
+
+    call = scatter_v_call(comm)
 
     @jax.custom_vjp
     def scatter(v, off, tok):
-        return _scatter_call(v, off, tok, comm)
+        return call(v, off, tok)
 
     def fwd(v, off, tok):
         return scatter(v, off, tok), off
@@ -279,7 +379,7 @@ def reduce_scatter_v(y, offsets, comm):
         g, _, total = all_gather_v(ct, n, comm)
         keep = (jnp.arange(g.shape[0]) < total).reshape((-1,) + (1,) * (g.ndim - 1))
         dy = jnp.where(keep, g, jnp.zeros((), g.dtype))
-        return _shard.varying(dy, axis), None, None
+        return _shard.like(_shard.varying(dy, axis), y), None, None
 
     scatter.defvjp(fwd, bwd)
     out, tok = scatter(_shard.varying(y, axis), offsets, _order.token(axis))

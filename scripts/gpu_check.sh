@@ -32,6 +32,10 @@
 #   bash scripts/gpu_check.sh ragged   ragged_all_to_all's GPU tests: in-process, world 1 against
 #                                      XLA's, 2 and 4 processes sharing GPU 0, CUDA-graph loops;
 #                            raggedmem one process of tests/mp/ragged_mp.py under memcheck
+#   bash scripts/gpu_check.sh parity   lax parity in-process (tests/gpu/test_gpu_parity.py: every
+#                                      op in every form next to lax, world = local GPUs; ~5 min)
+#                            paritymp  tests/mp/parity_mp.py: 2 and 4 processes sharing GPU 0
+#                                      (and one per GPU on 2+), forward forms against numpy
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
@@ -380,6 +384,13 @@ ragged)  # ragged_all_to_all: tests/gpu/test_gpu_ragged.py (it starts tests/mp/r
   step ragged_pytest 500 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu \
     tests/gpu/test_gpu_ragged.py
   ;;
+parity)  # lax parity in-process: tests/test_parity.py's matrix on the local GPUs (world 1 on one)
+  step parity_pytest 580 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu \
+    tests/gpu/test_gpu_parity.py -k in_process ;;
+paritymp)  # lax parity across processes: 2 and 4 processes sharing GPU 0, one per GPU on 2+
+  step parity_sh2 280 $L -n 2 --share-gpu --timeout 270 tests/mp/parity_mp.py
+  step parity_sh4 300 $L -n 4 --share-gpu --timeout 290 tests/mp/parity_mp.py
+  [ "$NG" -ge 2 ] && step parity_mp2 280 $L -n 2 --timeout 270 tests/mp/parity_mp.py ;;
 raggedmem)  # ragged_all_to_all in one process under compute-sanitizer memcheck
   step ragged_memcheck 500 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
     compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/ragged_mp.py --rounds=8
@@ -422,7 +433,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

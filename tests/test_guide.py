@@ -35,7 +35,9 @@ def test_guide_blocks_run_in_order_on_8_cpu_devices():
     # what each block prints it checked
     assert "2-D mesh, groups of 4 | backend host | equal: True" in text
     for label in ("TP layer: relative difference", "MoE layer: relative difference",
-                  "DP -> TP: total rows", "gradient: relative difference"):
+                  "DP -> TP: total rows", "gradient: relative difference",
+                  "partial-manual TP layer: relative difference",
+                  "vmap over 4 micro-batches: 1 kernel call | relative difference"):
         err = float(re.search(re.escape(label) + r"[^\n]*?(\d\.\d+e[-+]\d+)", text).group(1))
         assert err < 1e-4, (label, text)
     assert "other rows zero: True" in text
@@ -44,6 +46,14 @@ def test_guide_blocks_run_in_order_on_8_cpu_devices():
     assert "FP8 output: float8_e4m3fn" in text
     assert re.search(r"^oneshot: all_reduce_rms_norm \(8, 256\) float32", text, re.M), text
     assert "error: jax_nvcomm: all_reduce: x must be" in text
+    # a failure found on the device: named at the call (CPU devices), refused after, check()
+    assert re.search(r"^failed call: JaxRuntimeError FAILED_PRECONDITION: jax_nvcomm: "
+                     r"all_gather_v call #1: rank \d: rank 2('s row count is 17| failed this "
+                     r"call)", text, re.M), text
+    assert "next call refused: True" in text
+    assert ("comm.check(): 8 records; jax_nvcomm: all_gather_v call #1: rank 2: rank 2's row "
+            "count is 17, outside [0, max_rows=16]") in text, text
+    assert "new communicator: total rows 30 | equal to the counts' sum: True" in text
     assert "Warning" not in out.stderr, out.stderr[-4000:]
 
 

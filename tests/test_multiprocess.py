@@ -97,3 +97,12 @@ def test_process_0s_bad_tuning_file_fails_every_process(tmp_path):
     assert any("GOT ValueError" in l and "dtype must be one of" in l for l in got), got
     assert any("GOT RuntimeError: jax_nvcomm: process 0 failed to make process 0's tuning "
                "table: ValueError" in l for l in got), got
+
+
+@pytest.mark.multiprocess
+def test_parity_forms_across_processes():
+    """Every op in the forward lax-parity forms on a (dp=2, tp=2) mesh of 4 processes
+    (partially manual shard_map, vmap, scan, cond, Explicit axes, set_mesh) against numpy."""
+    rc, out = launch(4, "parity_mp.py", timeout=400)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS") == 4, out[-4000:]

@@ -348,6 +348,24 @@ def test_group_of_one(rng, count):
         np.testing.assert_array_equal(got, np_scatter(x[None], counts, max_rows))
 
 
+def test_group_of_one_in_a_loop(rng):
+    """A group of one inside a fori_loop: gather then scatter is a loop carry, so the scatter's
+    result must be typed varying over the axis like lax.psum_scatter's (it was not once, and
+    only a loop's carry check showed it)."""
+    with nvc.Communicator(mesh1d(1), "x") as c:
+        def loop(x, n):
+            def step(_, v):
+                g, off, _ = nvc.all_gather_v(v, n[0], c)
+                return nvc.reduce_scatter_v(g * 0.5, off, c)
+            return jax.lax.fori_loop(0, 3, step, x)
+        x = rng.standard_normal((6, 8)).astype(np.float32)
+        f = jax.jit(jax.shard_map(loop, mesh=c.mesh, in_specs=(P("x"), P("x")),
+                                  out_specs=P("x")))
+        got = np.asarray(f(x, np.array([4], np.int32)))
+        want = np.concatenate([x[:4] * 0.125, np.zeros((2, 8), np.float32)])
+        np.testing.assert_array_equal(got, want)
+
+
 def test_large_calls_take_the_xla_path(rng):
     """world * max_rows * row bytes above max_message_bytes: no kernel call, same results."""
     mesh = mesh1d(4)

@@ -12,9 +12,11 @@
 #   3. --bench --ranks 2 (two virtual ranks sharing the GPU, CUDA graphs of 200 calls) of base
 #      and variant in turns, ROUNDS rounds each (order base/var, var/base, ...)
 #   4. a table per shape: medians of the rounds, base, variant and variant - base, for the
-#      one-shot columns and the two-shot ones (no two-shot code differs: a control)
-# Logs: $OUT (default ab_out): build_*.log, var_quick.log, var_error.log, bench_*_N.log,
-# table.txt. About 3 minutes on one H200 with 16 cores.
+#      one-shot columns and the two-shot ones (the same two-shot fast path in both: a control
+#      for drift between the runs)
+# Logs: $OUT (default ab_out): summary.txt, build_*.log, var_quick.log, var_error.log,
+# bench_*_N.log, table.txt. About 3 minutes on one H200 with 16 cores (the base compiles while
+# the variant's checks run).
 # usage: bash scripts/ab_oneshot.sh [--rounds N] [--build-only] [--table DIR]
 #   --rounds N     bench rounds per build (default 3)
 #   --build-only   steps 1 only (no GPU needed)
@@ -82,7 +84,8 @@ if floor:
     print("graph node floor (empty kernel): base %.2f, variant %.2f" %
           tuple(statistics.median(floor.get(b, [float("nan")])) for b in ("base", "var")))
 for title, group in (("one-shot", ["plain1", "fused1", "quant1"]),
-                     ("two-shot (no code differs: a control)", ["plain2", "fused2", "quant2"])):
+                     ("two-shot (same fast path in both builds: a control)",
+                      ["plain2", "fused2", "quant2"])):
     print(f"\n{title}")
     print("%-10s" % "shape" + "".join(" | %-6s %6s %6s %6s" % (c, "base", "var", "d")
                                       for c in group))

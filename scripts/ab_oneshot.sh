@@ -123,7 +123,8 @@ if [ ! -d tests/cuda_harness/ab_base/csrc ]; then
   say "tests/cuda_harness/ab_base/csrc is missing: no base to compare with"; exit 2
 fi
 rm -rf "$B" && mkdir -p "$B/base/tests/cuda_harness" || exit 2
-cp -r csrc "$B/base/csrc" && cp tests/cuda_harness/allreduce_harness.cu "$B/base/tests/cuda_harness/" &&
+cp -r csrc "$B/base/csrc" &&
+  cp tests/cuda_harness/allreduce_harness.cu "$B/base/tests/cuda_harness/" &&
   cp -r tests/cuda_harness/ab_base/. "$B/base/" || { say "copying the base tree failed"; exit 2; }
 say "base tree: $(cd tests/cuda_harness/ab_base && find . -type f | sed 's|^\./||' | tr '\n' ' ')"
 say "nvcc: $(nvcc --version | tail -1)"

@@ -132,7 +132,7 @@ __device__ __forceinline__ uint64_t lamport_tag_observed(const uint4& g) {
 // Step 5 names a tag slot of this rank's own control block by one integer (one register through
 // the fused epilogue): tag = which * kMaxWorld + src for lamport_tags[which][src], -1 for none.
 __device__ __forceinline__ const uint32_t* lamport_own_tag(const CommView& v, int tag) {
-  return v.ctrl()->lamport_tags[0][tag];
+  return v.ctrl()->lamport_tags[tag / kMaxWorld][tag % kMaxWorld];
 }
 __device__ __forceinline__ int lamport_tag_src(int tag) { return tag % kMaxWorld; }
 

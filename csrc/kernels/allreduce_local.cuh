@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kArThreads, kQuant ? 1 : 2)
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
     rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
-                            [&](size_t i, bool) { return local_sum_v4<T>(x, i); });
+                            [&](size_t i) { return local_sum_v4<T>(x, i); });
   }
 }
 

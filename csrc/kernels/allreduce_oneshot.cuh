@@ -20,51 +20,34 @@
 //   3. the block holding the last arrival ticket (taken by every block after reading the
 //      counters, common.cuh arrive_issue) stores lamport_bytes = this call's bytes and
 //      lamport_seq = k, while the peers' data is in flight: nothing on the kernel's tail.
-//   4. reduce: poll the W slots of own buffer k % 3 (volatile 16-byte loads, every 32-bit word
+//   4. check: threads 0..W-1 of the grid poll the peers' tags of buffer k % 3 (bounded) and
+//      compare them with their own: a tag of another op, dtype, size or call number is
+//      kErrMismatch / kErrAhead naming the peer. Without it, a rank whose peer pushed a longer
+//      message of another call would sum it silently.
+//   5. reduce: poll the W slots of own buffer k % 3 (volatile 16-byte loads, every 32-bit word
 //      compared with the sentinel as raw bits, deadline from %globaltimer -> kErrTimeout), sum in
 //      float32 in rank order 0..W-1 (rmsnorm.cuh), write T(sum) or run the fused epilogue. Fused:
 //      block b owns rows [tokens*b/G, tokens*(b+1)/G) so each row's reduction stays in a block.
-//   5. tag check, inside step 4: thread src of the grid (src < W, src != me) checks src's tag
-//      of buffer k % 3 in its own control block. The tag's load joins the load batch of the
-//      first vector the thread polls (lamport_sum_vecs issues every load of a round before
-//      testing any, and reloads them all while anything is empty), so it arrives in the same
-//      round trip as the data and adds no wait of its own. The batch is complete when the tag
-//      is; a complete tag is compared at once, and one of another call ends the poll whatever
-//      its data: another op, dtype or size is kErrMismatch, another call number kErrAhead,
-//      naming src (observed: make_flag(its k, its descriptor)). Plain and cluster kernels: the
-//      thread's first poll of step 4. Fused one-block epilogue (no register to spare in its
-//      pass 1): the thread polls its first vector with the tag just before the epilogue
-//      (oneshot_first_sum, out of line) and the epilogue takes that sum from shared memory
-//      instead of polling it. A checking thread that polls no vector at all (a message of
-//      fewer vectors than W, a block or lane without rows) waits for the tag alone first
-//      (oneshot_wait_tag). Without the check, a rank whose peer pushed a longer message of
-//      another call would sum it silently; other threads do not wait for the check (they may
-//      sum such data; the call fails anyway).
 //
 // Failure (common.cuh): a kernel of a failed communicator (Ctrl::failed) leaves at its start,
 // every block alike (__syncthreads_or), pushing nothing; so does every block of a call whose
 // size exceeds the slot (kErrCapacity, uniform over the grid). A poll that passes its deadline
-// records kErrTimeout naming the first missing rank (or, only the tag missing, its source;
-// only the rank's first error is kept) and gives up: the sums of the vectors it polled are NaN
-// (lamport_poison_v4) and the kernel computes on, so every barrier of the epilogue is still
-// met. A poll that has waited kLamportPatientNs also checks Ctrl::failed at every round and
-// gives up the same way (without recording) once another thread of the rank failed, e.g. on a
-// tag of another call (step 5): data of that call would never complete this one (a peer that
-// pushed a shorter message). So a disagreement is recorded as soon as the checking thread sees
-// the tag, and every other poll of the rank still waiting gives up within kLamportPatientNs
-// plus a round. Below that wait a poll reads nothing but its slots, its tag and the timer (the
-// fast path costs nothing; a check inlined into every round cost the fused epilogue
-// registers). Results of a failed call: NaN where data was missing, else unspecified.
+// records kErrTimeout naming the first missing rank (only the rank's first error is kept) and
+// gives up: the sums of the vectors it polled are NaN (lamport_poison_v4) and the kernel
+// computes on, so every barrier of the epilogue is still met. A poll that has waited
+// kLamportPatientNs also checks Ctrl::failed at every round and gives up the same way (without
+// recording) once another thread of the rank failed, e.g. on a tag of another call (step 4):
+// data of that call would never complete this one. Below that wait the poll reads nothing but
+// its slots and the timer (the fast path costs nothing; a check inlined into every round cost
+// the fused epilogue registers). Results of a failed call: NaN where data was missing, else
+// unspecified.
 //
 // Why three buffers suffice: a peer writes buffer (k+1) % 3 of my region only in its call k+1,
 // i.e. after it consumed my call-k push, which I issued after finishing call k-1, whose step 2
 // cleared exactly that buffer (= (k-2) % 3). It cannot reach call k+2 (buffer (k-1) % 3, which I
-// clear in call k) before consuming my push of call k+1. I only ever read my own region. The
-// tags rotate and are cleared with their buffers and are pushed in the same calls, and every
-// peer's tag is observed by its checking thread before the kernel ends (step 5 waits for it,
-// with the data or alone), so the same argument covers them. Ordering between the clear (in
-// an earlier kernel) and a peer's later stores relies on kernel boundaries, as every Lamport
-// implementation does.
+// clear in call k) before consuming my push of call k+1. I only ever read my own region.
+// Ordering between the clear (in an earlier kernel) and a peer's later stores relies on kernel
+// boundaries, as every Lamport implementation does.
 //
 // Aliasing: out may alias x and residual_out may alias residual: an output vector is written
 // only after this rank's own pushed copy of every input vector it depends on has been observed
@@ -110,40 +93,13 @@ struct OneShotUnicast {
   }
 };
 
-// Step 5's test of a tag g loaded from src's slot: a tag is complete when none of its words is
-// 0 (a 16-byte store is not atomic, so every word is tested, as for the data); a complete tag
-// is this call's when it equals lamport_tag_v4(k, desc).
-__device__ __forceinline__ bool lamport_tag_empty(const uint4& g) {
-  return (g.x == 0u) | (g.y == 0u) | (g.z == 0u) | (g.w == 0u);
-}
-__device__ __forceinline__ bool lamport_tag_other(const uint4& g, uint64_t k, uint32_t desc) {
-  const uint4 w = lamport_tag_v4(k, desc);
-  return !lamport_tag_empty(g) && ((g.x ^ w.x) | (g.y ^ w.y) | (g.z ^ w.z) | (g.w ^ w.w)) != 0u;
-}
-// What a tag g of another call is reported as: another op, dtype or size is kErrMismatch, the
-// same descriptor with another call number kErrAhead; observed: make_flag(its k, its
-// descriptor).
-__device__ __forceinline__ uint32_t lamport_tag_code(const uint4& g, uint32_t desc) {
-  return (g.x & 0xFFFFFFu) == (desc & 0xFFFFFFu) ? kErrAhead : kErrMismatch;
-}
-__device__ __forceinline__ uint64_t lamport_tag_observed(const uint4& g) {
-  return make_flag(g.y & 0x7FFFFFFFu, g.x & 0xFFFFFFu);
-}
-// Step 5 names a tag slot of this rank's own control block by one integer (one register through
-// the fused epilogue): tag = which * kMaxWorld + src for lamport_tags[which][src], -1 for none.
-__device__ __forceinline__ const uint32_t* lamport_own_tag(const CommView& v, int tag) {
-  return v.ctrl()->lamport_tags[tag / kMaxWorld][tag % kMaxWorld];
-}
-__device__ __forceinline__ int lamport_tag_src(int tag) { return tag % kMaxWorld; }
-
 // A poll still missing data after this long (from the call's start) also checks Ctrl::failed.
 constexpr uint64_t kLamportPatientNs = 100 * 1000;
 
 // Whether a poll that has waited kLamportPatientNs gives up: 2 past the deadline, 1 when another
 // thread of the rank failed (Ctrl::failed), else 0. Out of line, so the fused epilogue keeps
-// its registers, and small: a caller keeps its live values out of the registers its callees
-// use. v is a __grid_constant__ kernel parameter in every Lamport kernel, so passing it by
-// reference copies nothing.
+// its registers; v is a __grid_constant__ kernel parameter in every Lamport kernel, so passing
+// it by reference copies nothing.
 static __device__ __noinline__ int lamport_give_up(const CommView& v, uint64_t deadline) {
   return globaltimer() > deadline ? 2 : comm_failed(v) ? 1 : 0;
 }
@@ -152,25 +108,18 @@ static __device__ __noinline__ int lamport_give_up(const CommView& v, uint64_t d
 // rank-order sums to out[0..nv). Loads kChunk slots of every vector at once (all issued before
 // any check); while any word of them is still empty, reloads them all (polls are local). A
 // vector's sum is the same float32 additions in rank order whatever kN, kChunk and nv are.
-// tag_slot >= 0 (step 5, the thread's first poll only: lamport_own_tag): src's tag joins the
-// first chunk's loads; the chunk is complete when the tag is too, and a tag of another call
-// ends the poll at once, recorded, complete data or not (the sums are NaN, as for a poll that
-// gave up).
 template <typename T, int kChunk, int kN>
 __device__ __forceinline__ void lamport_sum_vecs(const CommView& v, const char* slot0,
                                                  const size_t (&i)[kN], int nv, uint64_t k,
                                                  uint32_t desc, uint64_t deadline,
-                                                 uint4 (&out)[kN], int tag_slot = -1) {
+                                                 uint4 (&out)[kN]) {
   float acc[kN][Vec<T>::kElems];
   bool gave_up = false;
-  const uint32_t* tag = tag_slot >= 0 ? lamport_own_tag(v, tag_slot) : nullptr;
   for (int s0 = 0; s0 < v.world; s0 += kChunk) {
     const int n = v.world - s0 < kChunk ? v.world - s0 : kChunk;
     uint4 d[kN][kChunk];
     bool empty;
     do {
-      uint4 got;  // src's tag (tag != nullptr), requested with the data
-      if (tag != nullptr) got = ld_volatile_v4(tag);
       empty = false;
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
@@ -185,32 +134,22 @@ __device__ __forceinline__ void lamport_sum_vecs(const CommView& v, const char* 
           }
         }
       }
-      const bool other = tag != nullptr && lamport_tag_other(got, k, desc);
-      if (tag != nullptr) empty |= lamport_tag_empty(got);
-      if (other || (empty && globaltimer() > deadline - v.timeout_ns + kLamportPatientNs)) {
-        const int why = other ? 3 : lamport_give_up(v, deadline);
-        if (why >= 2) {  // record: the tag of another call, or the first rank still missing
-          uint32_t code = kErrTimeout;
-          int peer = lamport_tag_src(tag_slot);  // a timeout with no data missing: the tag
-          uint64_t observed = 0;
-          if (why == 3) {
-            code = lamport_tag_code(got, desc);
-            observed = lamport_tag_observed(got);
-          } else {
+      if (empty && globaltimer() > deadline - v.timeout_ns + kLamportPatientNs) {
+        const int why = lamport_give_up(v, deadline);
+        if (why == 2) {  // report the first rank still missing (fail keeps the first error)
+          int c = 0;
+          auto missing = [&](int cc) {
+            bool m = false;
 #pragma unroll
-            for (int c = kChunk - 1; c >= 0; --c) {
-              bool m = false;
-#pragma unroll
-              for (int j = 0; j < kN; ++j) m |= j < nv && c < n && lamport_any_empty(d[j][c]);
-              if (m) peer = s0 + c;
-            }
-          }
-          fail(v, code, desc, peer, k, observed);  // fail keeps the rank's first error
+            for (int j = 0; j < kN; ++j) m |= j < nv && lamport_any_empty(d[j][cc]);
+            return m;
+          };
+          while (c + 1 < n && !missing(c)) ++c;
+          fail(v, kErrTimeout, desc, s0 + c, k, 0);
         }
         gave_up = why != 0;  // the sums are NaN (see the header)
       }
     } while (empty && !gave_up);
-    tag = nullptr;  // step 5 goes with the first chunk only
 #pragma unroll
     for (int j = 0; j < kN; ++j)
 #pragma unroll
@@ -222,50 +161,13 @@ __device__ __forceinline__ void lamport_sum_vecs(const CommView& v, const char* 
     if (j < nv) out[j] = gave_up ? lamport_poison_v4<T>() : pack<T>(acc[j]);
 }
 
-// Step 5 for a thread that checks src's tag but polls no vector: the tag alone, bounded and
-// patient like the data polls (lamport_give_up). Out of line: such threads have nothing else
-// to do (or only shapes with tiny rows).
-static __device__ __noinline__ void oneshot_wait_tag(const CommView& v, int tag, uint64_t k,
-                                                     uint32_t desc, uint64_t deadline) {
-  const uint32_t* p = lamport_own_tag(v, tag);
-  const int src = lamport_tag_src(tag);
-  while (true) {
-    const uint4 got = ld_volatile_v4(p);
-    if (!lamport_tag_empty(got)) {
-      if (lamport_tag_other(got, k, desc))
-        fail(v, lamport_tag_code(got, desc), desc, src, k, lamport_tag_observed(got));
-      return;
-    }
-    if (globaltimer() > deadline - v.timeout_ns + kLamportPatientNs) {
-      const int why = lamport_give_up(v, deadline);
-      if (why == 2) fail(v, kErrTimeout, desc, src, k, 0);
-      if (why != 0) return;
-    }
-  }
-}
-
-// Whether this thread checks a tag in step 5: thread src of the grid (blocks of kThreads
-// threads) checks src's, for src < W and src != me.
-template <int kThreads>
-__device__ __forceinline__ bool oneshot_checks_tag(const CommView& v) {
-  const int tid = int(blockIdx.x) * kThreads + int(threadIdx.x);
-  return tid < v.world && tid != v.rank;
-}
-// The tag slot (lamport_own_tag) it checks in a call using buffer cur; -1 in other threads.
-template <int kThreads>
-__device__ __forceinline__ int oneshot_tag_slot(const CommView& v, int cur) {
-  const int src = int(blockIdx.x) * kThreads + int(threadIdx.x);
-  return oneshot_checks_tag<kThreads>(v) ? cur * kMaxWorld + src : -1;
-}
-
 // The T-packed rank-order sum of vector i (lamport_sum_vecs for one vector).
 template <typename T, int kChunk>
 __device__ __forceinline__ uint4 lamport_sum_v4(const CommView& v, const char* slot0, size_t i,
-                                                uint64_t k, uint32_t desc, uint64_t deadline,
-                                                int tag_slot = -1) {
+                                                uint64_t k, uint32_t desc, uint64_t deadline) {
   const size_t idx[1] = {i};
   uint4 out[1];
-  lamport_sum_vecs<T, kChunk>(v, slot0, idx, 1, k, desc, deadline, out, tag_slot);
+  lamport_sum_vecs<T, kChunk>(v, slot0, idx, 1, k, desc, deadline, out);
   return out[0];
 }
 
@@ -364,15 +266,31 @@ __device__ __forceinline__ OneShotCall oneshot_exchange(const CommView& v, const
   return call;
 }
 
-// Step 5 of a checking thread in the fused one-block epilogue: the sum of its first vector,
-// polled with its tag before the epilogue (oneshot_body). Out of line: inlined, its poll
-// shared values with the epilogue's polls that then stayed live through every row, and the
-// FP8 epilogue spilled.
-template <typename T, int kChunk>
-static __device__ __noinline__ uint4 oneshot_first_sum(const CommView& v, const char* slot0,
-                                                       size_t i, uint64_t k, uint32_t desc,
-                                                       uint64_t deadline, int tag) {
-  return lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline, tag);
+// Step 4 (threads 0..W-1 of the grid, thread `src` for source src): wait for src's tag of this
+// call in the own control block and compare it with this rank's; another op, dtype or size is
+// kErrMismatch, another call number kErrAhead (observed: make_flag(its k, its descriptor));
+// the data polls then give up (Ctrl::failed). Bounded like the data polls. Returns at once in
+// other threads.
+template <int kThreads>
+__device__ __forceinline__ void oneshot_check_tag(const CommView& v, const OneShotCall& call,
+                                                  uint32_t desc) {
+  const size_t src = size_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (src >= size_t(v.world) || int(src) == v.rank) return;
+  const char* p = reinterpret_cast<const char*>(lamport_tag_at(v, v.rank, call.cur, int(src)));
+  const uint4 want = lamport_tag_v4(call.k, desc);
+  uint4 got = ld_volatile_v4(p);
+  while ((got.x == 0u) | (got.y == 0u) | (got.z == 0u) | (got.w == 0u)) {
+    if (globaltimer() > call.deadline) {
+      fail(v, kErrTimeout, desc, int(src), call.k, 0);
+      return;
+    }
+    got = ld_volatile_v4(p);
+  }
+  if (got.x != want.x || got.y != want.y || got.z != want.z || got.w != want.w) {
+    const uint32_t peer_desc = got.x & 0xFFFFFFu;
+    fail(v, peer_desc == (desc & 0xFFFFFFu) ? kErrAhead : kErrMismatch, desc, int(src), call.k,
+         make_flag(got.y & 0x7FFFFFFFu, peer_desc));
+  }
 }
 
 template <typename T, bool kFused, class Policy, bool kQuant = false>
@@ -386,39 +304,20 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   const OneShotCall call = oneshot_exchange<T, Policy, kArThreads>(v, t, desc, mc, s_dst);
   if (!call.ok) return;  // every block alike (oneshot_exchange)
   const uint64_t k = call.k, deadline = call.deadline;
-  const int tag = oneshot_tag_slot<kArThreads>(v, call.cur);  // step 5: with the first poll
+  oneshot_check_tag<kArThreads>(v, call, desc);
   probe(2);
-  // 4. reduce
+  // 5. reduce
   const char* slot0 = call.slot0;
   if constexpr (!kFused) {
     const size_t nv = size_t(t.tokens) * size_t(t.hidden) / Vec<T>::kElems;
     const size_t nthreads = size_t(gridDim.x) * kArThreads;
-    const size_t tid = size_t(blockIdx.x) * kArThreads + threadIdx.x;
     char* out = static_cast<char*>(t.out);
-    if (tag >= 0 && tid >= nv) oneshot_wait_tag(v, tag, k, desc, deadline);
-    for (size_t i = tid; i < nv; i += nthreads)
-      st_v4(out + i * 16,
-            lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline, i == tid ? tag : -1));
+    for (size_t i = size_t(blockIdx.x) * kArThreads + threadIdx.x; i < nv; i += nthreads)
+      st_v4(out + i * 16, lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline));
   } else {
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
-    // Step 5 before the epilogue (its pass 1 has no register to spare): a checking thread
-    // polls its first vector with the tag here, and the epilogue takes that sum from shared
-    // memory (own entry: no barrier) at its first call instead of polling again. The
-    // residuals of its first step go to L1 before, so the epilogue's loads of them are short.
-    __shared__ uint4 s_first[kMaxWorld];
-    if (tag >= 0) {
-      const int64_t i0 = rmsnorm_rows_first(rc, rb, re);
-      if (i0 >= 0) {
-        rmsnorm_rows_prefetch_residual(t, rc, rb, re);
-        s_first[threadIdx.x] = oneshot_first_sum<T, kChunk>(v, slot0, size_t(i0), k, desc,
-                                                            deadline, tag);
-      } else {
-        oneshot_wait_tag(v, tag, k, desc, deadline);
-      }
-    }
-    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn, [&](size_t i, bool first) {
-      if (first && oneshot_checks_tag<kArThreads>(v)) return s_first[threadIdx.x];
+    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) {
       return lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline);
     });
   }

@@ -17,14 +17,12 @@
 // of 4, else 2 unless turned off); identical on every rank; all blocks co-resident (the host caps
 // nclusters by the occupancy API and the SM budget).
 //
-// Steps 1-3 (push, clear, counters), step 5 (the tag check with the first poll of threads
-// 0..W-1 of the grid: lanes of the first cluster's first row) and the failure path (polls that
-// give up yield NaN, so every cluster barrier is still met) are those of allreduce_oneshot.cuh
-// over the G * kClThreads threads of the grid. Step 4, cluster c (of nclusters) owns rows c,
+// Steps 1-4 (push, clear, counters, tag check) and the failure path (polls that give up yield
+// NaN, so every cluster barrier is still met) are those of allreduce_oneshot.cuh over the
+// G * kClThreads threads of the grid. Step 5, cluster c (of nclusters) owns rows c,
 // c + nclusters, ...; block j of the cluster plays virtual lanes l = j * kClThreads +
-// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the
-// lane's columns are loaded into registers before the first row (every row uses the same
-// columns).
+// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
+// registers before the first row (every row uses the same columns).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
 //     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
 //     order (float32), adds the residual (loaded before the poll), stores residual_out, keeps
@@ -116,8 +114,9 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
       oneshot_exchange<T, OneShotUnicast, kClThreads, false>(v, t, desc, nullptr, s_dst);
   if (!call.ok) return;
   const uint64_t k = call.k, deadline = call.deadline;
+  oneshot_check_tag<kClThreads>(v, call, desc);
 
-  // 4. rows, split over the cluster
+  // 5. rows, split over the cluster
   const char* slot0 = call.slot0;
   const char* res = static_cast<const char*>(t.residual);
   const char* wgt = static_cast<const char*>(t.weight);
@@ -126,9 +125,6 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
   const int nvr = rc.nvr;
   const int vl = crank * kClThreads + int(threadIdx.x);  // virtual lane of the row group
   const int warp = int(threadIdx.x) / 32;
-  // step 5 with the lane's first poll (its first row's first column), or alone without one
-  const int tag = oneshot_tag_slot<kClThreads>(v, call.cur);
-  if (tag >= 0 && !(cid < t.tokens && vl < nvr)) oneshot_wait_tag(v, tag, k, desc, deadline);
   uint4 wv[kClMaxCols];  // the lane's weight vectors: the same for every row
   if (cid < t.tokens) {
 #pragma unroll
@@ -154,8 +150,7 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
         const bool two = col + kArThreads < nvr;
         const size_t idx[2] = {rbase + col, rbase + col + kArThreads};
         uint4 sv[2];
-        lamport_sum_vecs<T, 4>(v, slot0, idx, two ? 2 : 1, k, desc, deadline, sv,
-                               row == cid && c == 0 ? tag : -1);
+        lamport_sum_vecs<T, 4>(v, slot0, idx, two ? 2 : 1, k, desc, deadline, sv);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 0 || two) {

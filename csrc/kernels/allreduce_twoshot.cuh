@@ -245,7 +245,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
           t, rc, rb, re, kArThreads / kRowThreads, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
     else
       rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
-                              [&](size_t i, bool) { return ld_cg_v4(ag + i * 16); });
+                              [&](size_t i) { return ld_cg_v4(ag + i * 16); });
   }
   probe(11);
   // Every block read seq before taking its ticket: the last one advances Ctrl::seq (its atomic

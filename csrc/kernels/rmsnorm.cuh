@@ -255,45 +255,11 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
   }
 }
 
-// The index of the first vector this thread sums in rmsnorm_rows over [row_begin, row_end)
-// (pair 0 of its first step: row row_begin + group * nr, column lane; every later vector of
-// the thread has a larger row or column), or -1 when it sums none. rmsnorm_rows tells sum_vec
-// which call that is (its `first` argument).
-__device__ __forceinline__ int64_t rmsnorm_rows_first(const RowCfg& rc, int64_t row_begin,
-                                                      int64_t row_end) {
-  const int group = threadIdx.x / rc.tpr, lane = threadIdx.x % rc.tpr;
-  const int64_t row = row_begin + int64_t(group) * rc.nr;
-  return row < row_end && lane < rc.nvr ? row * rc.nvr + lane : -1;
-}
-
-// Asks L1 for the residual vectors of this thread's first step of rmsnorm_rows over
-// [row_begin, row_end) (its kEpiPairs pairs): for a caller that waits before the epilogue, so
-// that pass 1's residual loads are short. Costs no registers. residual_out may alias residual:
-// harmless, since a vector is only ever overwritten by the thread that read it, after it did,
-// and the rows are this block's alone.
-__device__ __forceinline__ void rmsnorm_rows_prefetch_residual(const ArTensors& t,
-                                                               const RowCfg& rc,
-                                                               int64_t row_begin,
-                                                               int64_t row_end) {
-  const int group = threadIdx.x / rc.tpr, lane = threadIdx.x % rc.tpr;
-  const int64_t rbase = row_begin + int64_t(group) * rc.nr;
-  const char* res = static_cast<const char*>(t.residual);
-#pragma unroll
-  for (int p = 0; p < kEpiPairs; ++p) {
-    const int64_t row = rbase + p % rc.nr;
-    const int col = lane + (p / rc.nr) * rc.tpr;
-    if (row < row_end && col < rc.nvr) prefetch_l1(res + (size_t(row) * rc.nvr + col) * 16);
-  }
-}
-
-// Residual add + RMSNorm over rows [row_begin, row_end). sum_vec(i, first) returns the T-packed
-// sum of 16-byte vector i of the message (i = row * nvr + column); first is true for the
-// thread's first vector only (rmsnorm_rows_first; a constant false at every pair but pair 0
-// once unrolled: the one-shot hands over a sum it polled before, allreduce_oneshot.cuh step 5).
-// Every thread of the block must call it with the same row range (it contains __syncthreads).
-// s_red: kEpiPairs * kArThreads/32 floats of shared memory; s_r: rmsnorm_smem_bytes(rc) bytes of
-// shared memory holding r between the two passes (each thread reads back only what it wrote, so
-// no extra barrier).
+// Residual add + RMSNorm over rows [row_begin, row_end). sum_vec(i) returns the T-packed sum of
+// 16-byte vector i of the message (i = row * nvr + column). Every thread of the block must call
+// it with the same row range (it contains __syncthreads). s_red: kEpiPairs * kArThreads/32 floats
+// of shared memory; s_r: rmsnorm_smem_bytes(rc) bytes of shared memory holding r between the two
+// passes (each thread reads back only what it wrote, so no extra barrier).
 //
 // Group g of an iteration owns rows row0 + g*nr + q (q < nr). Each step of a thread handles
 // kEpiPairs (row, column) pairs p: row q = p % nr, column lane + (p / nr + step*kb) * tpr with
@@ -335,7 +301,6 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
     }
   }
 
-  bool first_iter = true;  // sum_vec's `first`: pair 0 of the first step of the first iteration
   for (int64_t row0 = row_begin; row0 < row_end; row0 += rows_per_iter) {
     const int64_t rbase = row0 + int64_t(group) * nr;
     // Pass 1: r = sum + residual -> residual_out, shared memory, sums of squares. Row q's
@@ -346,7 +311,6 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
     auto pass1 = [&](auto nr_c) {
       constexpr int NR = decltype(nr_c)::value;
       for (int c0 = lane; c0 < nvr; c0 += (kP / NR) * tpr) {
-        const bool first_step = first_iter && c0 == lane;
         uint4 sv[kP], rv[kP];
         // The residual first: its loads do not depend on the peers, so their latency overlaps
         // the wait in sum_vec (a one-shot poll) instead of following it. Same values, same
@@ -362,8 +326,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         for (int p = 0; p < kP; ++p) {
           const int64_t row = rbase + p % NR;
           const int col = c0 + (p / NR) * tpr;
-          if (row < row_end && col < nvr)
-            sv[p] = sum_vec(size_t(row) * nvr + col, p == 0 && first_step);
+          if (row < row_end && col < nvr) sv[p] = sum_vec(size_t(row) * nvr + col);
         }
 #pragma unroll
         for (int p = 0; p < kP; ++p) {
@@ -391,7 +354,6 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
     if (nr == 1) pass1(std::integral_constant<int, 1>());
     else if (nr == 2) pass1(std::integral_constant<int, 2>());
     else pass1(std::integral_constant<int, 4>());
-    first_iter = false;
     probe(3);
     // Per-row totals: butterfly over the warp, then the group's warps in order.
 #pragma unroll

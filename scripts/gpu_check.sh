@@ -51,6 +51,13 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
+# The 2-GPU run (nvidia-h200-x2), one 10-minute call each, in this order:
+#   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
+#                                      times), the cluster A/B
+#   bash scripts/gpu_check.sh twogpu2  bench step, both presets, every layout (ep-ragged included) with
+#                                      its bound, XLA best and capture; then one process per GPU
+#   bash scripts/gpu_check.sh twogpu3  bench ragged (nvc vs lax.ragged_all_to_all, XLA best), tune on
+#                                      2 GPUs with the all-reduce / MoE XLA-best tables
 # `shared` is the parts harness, share, faults, demo1, bench1 in turn; parts may be named directly and
 # several modes given at once (e.g. `gpu_check.sh harness share`) to fit one call. A prebuilt
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
@@ -120,6 +127,9 @@ quick)
   step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
   ;;
 shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
+twogpu1) for p in pytest kern13 clusterab; do run_part $p; done ;;
+twogpu2) run_part stepfull ;;
+twogpu3) for p in benchragged tuneN; do run_part $p; done ;;
 harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"

@@ -102,3 +102,13 @@ def test_the_bound_step_has_no_communication(layout):
     assert any(op in texts["xla"] for op in _COMM_OPS[:-1])
     h, _ = out
     assert np.isfinite(np.asarray(h, np.float32)).all()
+
+
+def test_capture_share():
+    """capture = (xla - ours) / (xla - bound), only where XLA is 2% or more above the bound."""
+    from jax_nvcomm.bench import step
+    assert step.capture(2.0, 1.5, 1.0) == 0.5
+    assert step.capture(2.0, 1.0, 1.0) == 1.0
+    assert step.capture(2.0, 2.2, 1.0) < 0           # slower than XLA
+    assert step.capture(1.01, 1.0, 1.0) is None      # XLA within 2% of the bound
+    assert step.capture(2.0, None, 1.0) is None and step.capture(2.0, 1.5, None) is None

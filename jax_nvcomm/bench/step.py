@@ -20,7 +20,9 @@ For every (preset, layout, phase) row and each implementation:
     wrong numbers; high-throughput: every local expert gets this rank's tokens in the
     dispatched [world * tokens] layout, no combine exchange; ep-ragged: every rank's group
     sizes taken to be its own, each exchange a local copy), timed in the same turns.
-    XLA/bound is the most any collective library could gain over XLA in that row;
+    XLA/bound is the most any collective library could gain over XLA in that row; capture =
+    (XLA best - ours) / (XLA best - bound), the share of that gain jax_nvcomm takes (rows with
+    XLA/bound >= 1.02 only);
   - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);
@@ -101,6 +103,8 @@ def _row(preset, r):
                                   "XLA's flags not tried (CPU devices or --xla-best off)"))
     if out.get("xla_best_ms") and ms.get("jax_nvcomm"):
         out["best_ratio"] = out["xla_best_ms"] / ms["jax_nvcomm"]
+    # against XLA at its best (XLA's default where no flag was tried)
+    out["capture"] = capture(out.get("xla_best_ms"), ms.get("jax_nvcomm"), ms.get("none"))
     for impl, key in (("jax_nvcomm", "nvcomm"), ("xla", "xla")):
         s = tr.get(impl)
         if s:
@@ -112,6 +116,20 @@ def _row(preset, r):
             if s.get("skew"):
                 out[f"{key}_skew"] = {str(d): v for d, v in s["skew"].items()}
     return out
+
+
+# Rows whose XLA step is within this factor of the no-communication bound have nothing left to
+# capture: their capture share is not computed (noise would dominate it).
+CAPTURE_MIN_GAP = 1.02
+
+
+def capture(xla_ms, nvc_ms, bound_ms):
+    """The share of XLA's communication time that jax_nvcomm removes: (xla - nvc) / (xla -
+    bound), 1.0 = down to the bound, 0 = no gain, < 0 = slower than XLA. None when a time is
+    missing or XLA is within CAPTURE_MIN_GAP of the bound."""
+    if not xla_ms or not nvc_ms or not bound_ms or xla_ms < CAPTURE_MIN_GAP * bound_ms:
+        return None
+    return (xla_ms - nvc_ms) / (xla_ms - bound_ms)
 
 
 def _fmt(v, spec):
@@ -128,7 +146,8 @@ def format_table(rows) -> str:
     head = (f"{'preset':10} {'layout':16} {'phase':8} {'tok':>5} {'ms nvcomm':>10} "
             f"{'ms XLA':>9} {'XLA/nvc':>8} {'ms XLA best':>11} {'best/nvc':>9} "
             f"{'1st kernel us nvc/XLA':>22} "
-            f"{'busy us nvc/XLA':>18} {'agree':>6} {'XLA/bound':>10}  XLA flags")
+            f"{'busy us nvc/XLA':>18} {'agree':>6} {'XLA/bound':>10} {'capture':>8}"
+            f"  XLA flags")
     lines = [head]
     for r in rows:
         fk = f"{_fmt(r.get('nvcomm_first_kernel_us'), '.0f')}/" \
@@ -140,7 +159,8 @@ def format_table(rows) -> str:
                      f"{_fmt(r['ratio'], '.2f') + 'x' if r['ratio'] else '-':>8} "
                      f"{_fmt(r.get('xla_best_ms'), '.3f'):>11} "
                      f"{_fmt(r.get('best_ratio'), '.2f') + 'x' if r.get('best_ratio') else '-':>9} "
-                     f"{fk:>22} {busy:>18} {str(r['agree']):>6} {bound:>10}"
+                     f"{fk:>22} {busy:>18} {str(r['agree']):>6} {bound:>10} "
+                     f"{_fmt(r.get('capture'), '.0%'):>8}"
                      f"  {r.get('xla_best_flags', '-')}")
     return "\n".join(lines)
 

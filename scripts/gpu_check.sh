@@ -443,7 +443,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -13,7 +13,7 @@
 #                                      in-process on every local GPU, one process per GPU when
 #                                      there are 2+, two processes sharing GPU 0, CUDA-graph loop,
 #                                      fault matrix rows; ~6 min), log in $OUT/pytest_gpu.log
-#   bash scripts/gpu_check.sh onegpu13 issue 13's A/B timings on one GPU (virtual ranks: kernel
+#   bash scripts/gpu_check.sh onegpulat the kernel-latency A/B timings on one GPU (virtual ranks: kernel
 #                                      variants against each other, not 2-GPU numbers)
 #   bash scripts/gpu_check.sh faults   the fault matrix on GPU 0 (scripts/faults.py), 2 processes
 #                                      started directly: a peer killed / raising with timeout 10 s
@@ -51,7 +51,7 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
-# The 2-GPU run (nvidia-h200-x2), one 10-minute call each, in this order:
+# The 2-GPU run (2 x H200), one 10-minute part each, in this order:
 #   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
 #                                      times), the cluster A/B
 #   bash scripts/gpu_check.sh twogpu2  bench step, both presets, every layout (ep-ragged included) with
@@ -127,7 +127,7 @@ quick)
   step bench_ar 150 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/bench"
   ;;
 shared) for p in harness share faults demo1 bench1; do run_part $p; done ;;
-twogpu1) for p in pytest kern13 clusterab; do run_part $p; done ;;
+twogpu1) for p in pytest kernlat clusterab; do run_part $p; done ;;
 twogpu2) run_part stepfull ;;
 twogpu3) for p in benchragged tuneN; do run_part $p; done ;;
 harness)
@@ -231,14 +231,14 @@ multibench)
   step bench_ar 300 $PY -m jax_nvcomm.bench allreduce --tune --out "$OUT/bench"
   step bench_moe 240 $PY -m jax_nvcomm.bench moe --out "$OUT/bench"
   ;;
-order)  # independent collectives (issue 12): default XLA flags, then the most concurrency
+order)  # independent collectives (the call-order work): default XLA flags, then the most concurrency
   step ind_sp 150 $PY tests/mp/independent_mp.py --runs=30
   step ind_sp_conc 150 $PY tests/mp/independent_mp.py --runs=30 --concurrent=1
   [ "$NG" -ge 2 ] && step ind_mpN 150 $L -n "$NG" --timeout 145 tests/mp/independent_mp.py --runs=30 --concurrent=1
   step ind_sh2 150 $L -n 2 --share-gpu --timeout 145 tests/mp/independent_mp.py --runs=5
   grep -h "PASS independent" "$OUT/all.log" | cut -c1-200 | tee -a "$OUT/summary.txt"
   ;;
-step)  # whole jitted steps vs XLA (issue 11): the package as it is, then what each variant costs
+step)  # whole jitted steps vs XLA (the step-speed work): the package as it is, then what each variant costs
   step step_A 300 $PY -m jax_nvcomm.bench step --presets example --out "$OUT/stepA" --iters 30
   step step_B 240 env JAX_NVCOMM_DECLARE_EFFECT=1 $PY -m jax_nvcomm.bench step --presets example \
     --out "$OUT/stepB" --iters 30
@@ -297,10 +297,10 @@ stepI)  # the step benchmark, example preset, steps in turns with the no-communi
   cp /tmp/step$tag/bench_*_step.json "$OUT/step$tag.json" 2>/dev/null
   cat /tmp/step$tag/bench_*_step.txt 2>&1 | sed "s/^/[$tag] /" | tee -a "$OUT/summary.txt"
   ;;
-kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
+kernlat)  # the kernel-latency work: (1) the all-reduce harness's graph timing (--bench: plain / fused / FP8,
   # one- and two-shot, hidden 4096 and 7168, 1-512 tokens) and its phase probes (a -DNVC_PROBE
   # build); (2) device time per call (--device-time on) of the ops at the targets' sizes;
-  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kern13.txt
+  # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kernel_latency.txt
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
@@ -316,9 +316,9 @@ kern13)  # issue 13: (1) the all-reduce harness's graph timing (--bench: plain /
   step moe13 200 $PY -m jax_nvcomm.bench moe --tokens 4 128 --methods nvc --dtypes bf16 \
     --device-time on --out /tmp/moe13
   for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
-  grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kern13.txt"
+  grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kernlat.txt"
   ;;
-onegpu13)  # issue 13 A/B timings that one GPU can give (virtual ranks share it: kernel variants
+onegpulat)  # kernel-latency A/B timings that one GPU can give (virtual ranks share it: kernel variants
   # compared with each other, not with 2 GPUs): all-reduce graph table with 2 ranks, the cluster
   # kernel off / 4 / 4+2, MoE graph time (fused and split), world 1 against a device copy
   mkdir -p build
@@ -331,7 +331,7 @@ onegpu13)  # issue 13 A/B timings that one GPU can give (virtual ranks share it:
   done
   step og_moe 120 build/moe_h --graph-time
   step og_local 120 build/ar_h --bench-local
-  grep -A30 "=== og_" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape|floor|^ *[0-9]+x[0-9]+ |^example|^EP2|^config" > "$OUT/onegpu13.txt"
+  grep -A30 "=== og_" "$OUT/all.log" | grep -E "===|^[0-9]+x|^shape|floor|^ *[0-9]+x[0-9]+ |^example|^EP2|^config" > "$OUT/onegpulat.txt"
   ;;
 clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): bitwise harness
   # checks, then graph timing off / clusters of 4 / of 4 and 2, in turns (JAX_NVCOMM_AR_CLUSTER)
@@ -443,7 +443,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kern13|onegpu13|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -1,5 +1,5 @@
 // Fused one-shot all-reduce + residual add + RMSNorm with each row split over a thread-block
-// cluster: the small-token-count variant of allreduce_oneshot.cuh (issue 13). Same Lamport
+// cluster: the small-token-count variant of allreduce_oneshot.cuh (the kernel-latency work). Same Lamport
 // protocol, buffers, counters and per-element arithmetic; only the mapping of a row to threads
 // differs, and the reduction keeps its shape, so the results are bitwise those of the one-block
 // epilogue (rmsnorm.cuh), hence of two-shot, world 1 and every token count.

@@ -285,8 +285,10 @@ def batching(fn, rule):
     `rule(size, batched, *args, tok) -> (outs, outs_batched, tok)` instead, where `batched`
     says which of args carry the batch (as their leading dim, size `size`) and the rule folds
     it into ONE call (of this or another kernel function). The token is never batched: it
-    goes in and comes out whole. `rule` may also be a string: vmap then raises
-    NotImplementedError with that text (an op whose batch cannot be folded).
+    goes in and comes out whole: when only the token carries the batch (none of the op's own
+    arguments do), the rule is not called and ONE unbatched call is made. `rule` may also be a
+    string: vmap of batched arguments then raises NotImplementedError with that text (an op
+    whose batch cannot be folded).
 
     The op's own `jax.custom_jvp` / `custom_vjp` wraps the result (outside): custom_vmap
     alone has no reverse-mode rule.
@@ -298,14 +300,14 @@ def batching(fn, rule):
 
     @f.def_vmap
     def _rule(size, in_batched, *args):
-        if isinstance(rule, str):
-            raise NotImplementedError(rule)
         *args, tok = args
         if in_batched[-1]:
             tok = tok[0]
         if not any(jax.tree.leaves(in_batched[:-1])):  # only the token was batched
             outs = f(*args, tok)
             return outs, jax.tree.map(lambda _: False, outs)
+        if isinstance(rule, str):  # an op's own arguments are batched and it cannot fold them
+            raise NotImplementedError(rule)
         outs, out_batched, tok = rule(size, tuple(in_batched[:-1]), *args, tok)
         return (*outs, tok), (*out_batched, False)
 

@@ -29,9 +29,9 @@ Transformations:
   zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
   overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp)
   is not supported.
-- jax.vmap (custom_vmap under the custom_vjp): one call for the whole batch, as lax's batching
-  rule does it: the batch is folded into the slices per peer (k -> k * B, offsets shifted by
-  b * N and b * M).
+- jax.vmap (`_shard.batching` under the custom_vjp): one call for the whole batch, as lax's
+  batching rule does it: the batch is folded into the slices per peer (k -> k * B, offsets
+  shifted by b * N and b * M).
 - partially manual shard_map (`axis_names` leaving mesh axes to the compiler): the kernel call
   runs through `_shard.per_device`, the dims after the rows split over those axes where they
   divide (docs/API.md, "lax parity").
@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 
 from . import _ffi, _order, _shard, reference
 from .communicator import Communicator
@@ -169,9 +168,9 @@ def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
 
 
 def _kernel(comm):
-    """The kernel call as a function with its own batching rule (jax.vmap: one call)."""
-
-    @custom_vmap
+    """The kernel call `(operand, output, io, ss, oo, rs, tok) -> (result, tok)`: per device
+    (`_shard.per_device`) and, under jax.vmap, ONE call for the whole batch (`_shard.batching`:
+    `fold`)."""
     def call(operand, output, io, ss, oo, rs, tok):
         # per device (partially manual shard_maps): rows move, the dims after them are
         # independent (split over auto mesh axes where they divide), the index arrays whole
@@ -180,34 +179,28 @@ def _kernel(comm):
                                  (operand, output, io, ss, oo, rs), tok,
                                  (dims, dims, (), (), (), ()), (dims,))
 
-    @call.def_vmap
-    def fold(axis_size, in_batched, operand, output, io, ss, oo, rs, tok):
-        B = axis_size
-        b_op, b_out, *b_idx, b_tok = in_batched
-
-        def front(a, b):
-            return a if b else jnp.broadcast_to(a, (B,) + a.shape)
-
-        operand, output = front(operand, b_op), front(output, b_out)
+    def fold(B, batched, operand, output, io, ss, oo, rs, tok):
+        """lax's batching: the batch folds into the slices per peer (k -> k * B)."""
+        operand, output = (_shard.batched(B, b, a) for a, b in zip((operand, output), batched))
         N, M = operand.shape[1], output.shape[1]
         if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
             raise ValueError(f"jax_nvcomm: {_WHAT}: a vmap batch of {B} folds to "
                              f"{B * max(N, M)} rows, more than int32 offsets address: pass "
                              "int64 offsets and sizes (x64)")
         shift = jnp.arange(B, dtype=io.dtype)[:, None]
-        io, ss, oo, rs = (front(a, b) for a, b in zip((io, ss, oo, rs), b_idx))   # [B, K]
+        io, ss, oo, rs = (_shard.batched(B, b, a)                                   # [B, K]
+                          for a, b in zip((io, ss, oo, rs), batched[2:]))
         io, oo = io + shift * N, oo + shift * M
         # lax's order: slice i of example b is folded slice i * B + b, so the B * k slices to
         # one peer stay together (k -> k * B)
         io, ss, oo, rs = (a.T.reshape(-1) for a in (io, ss, oo, rs))
-        if b_tok:
-            tok = tok[0]
-        res, tok = _dispatch(comm, call, operand.reshape((B * N,) + operand.shape[2:]),
+        res, tok = _dispatch(comm, f, operand.reshape((B * N,) + operand.shape[2:]),
                              output.reshape((B * M,) + output.shape[2:]), io, ss, oo, rs, tok,
                              batch=B)
-        return (res.reshape((B, M) + res.shape[1:]), tok), (True, False)
+        return (res.reshape((B, M) + res.shape[1:]),), (True,), tok
 
-    return call
+    f = _shard.batching(call, fold)
+    return f
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,8 +125,8 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
         return _no_grad(lambda v, res, w: xla_all_reduce_rms_norm_quant(v, res, w, axis, eps))(
             x, residual, weight)
 
-    fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant,
-                                xla_all_reduce_rms_norm_quant, _add_rms_norm_quant, 3, what))
+    fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant, _add_rms_norm_quant,
+                                3, what))
     q, scale, res_out, tok = fused(x, residual, weight, _order.token(axis))
     _order.record(tok)
     return q, scale, res_out

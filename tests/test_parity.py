@@ -11,8 +11,9 @@ everywhere, False where typing differs most.
 
 References (written here, from lax): psum; psum + add + RMSNorm; all_gather; a padded
 all_gather + compaction (all_gather_v) and padded psum_scatter in float32 (reduce_scatter_v);
-reference.moe_dispatch_xla / moe_combine_xla; lax.ragged_all_to_all (on CPU devices its
-emulation from lax.all_to_all, reference.ragged_all_to_all_xla). Gathers and dispatched rows are
+reference.moe_dispatch_xla / moe_combine_xla; reference.ragged_all_to_all_reference
+(lax.ragged_all_to_all's semantics from lax.all_gather and a scatter, independent of the
+emulation that the op's strategy="xla" runs on CPU devices). Gathers and dispatched rows are
 compared bit for bit; sums within float32 tolerance (another summation order); FP8 outputs
 within one FP8 step. The MoE ops cannot fold a batch into one call: vmap forms check the
 named error. Each program also counts its kernel calls: ONE per op call in the plain, partial
@@ -29,8 +30,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla, ragged_all_to_all_xla,
-                                  rms_norm_reference)
+from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla,
+                                  ragged_all_to_all_reference, rms_norm_reference)
 from ragged_cases import make_call
 
 W, DP, B, L = 4, 2, 2, 2          # tp size, dp size, micro-batches, scanned layers
@@ -300,7 +301,6 @@ class MoE:
 class Ragged:
     name, calls, grads, vmap_error = "ragged_all_to_all", 1, True, None
     no_explicit_grad = MoE.no_explicit_grad
-    ref_loop = True  # lax.ragged_all_to_all's batching rule takes 1-D operands only
 
     def args(self, rng, odd, nb):
         n, m = (5, 7) if odd else (6, 8)
@@ -313,8 +313,9 @@ class Ragged:
         return (nvc.ragged_all_to_all(operand, output, *index, c),)
 
     def ref(self, operand, output, *index):
-        """lax.ragged_all_to_all (its emulation from lax.all_to_all on CPU devices)."""
-        return (ragged_all_to_all_xla(operand, output, *index, axis_name="tp"),)
+        """lax.ragged_all_to_all's semantics from lax.all_gather and a scatter (the independent
+        reference: not the emulation that strategy="xla" runs on CPU devices)."""
+        return (ragged_all_to_all_reference(operand, output, *index, axis_name="tp"),)
 
     def compare(self, a, b):
         _same(a[0], b[0])
@@ -371,24 +372,14 @@ def _grads(f, args, diff):
     return jax.grad(loss, argnums=tuple(range(len(idx))))(*[args[i] for i in idx])
 
 
-def _vmap_loop(f, in_axes):
-    """jax.vmap(f, in_axes) as a loop over the B micro-batches (for a lax reference that
-    cannot be vmapped)."""
-    def run(*a):
-        outs = [f(*[v[b] if ax == 0 else v for v, ax in zip(a, in_axes)]) for b in range(B)]
-        return jax.tree.map(lambda *o: jnp.stack(o), *outs)
-    return run
-
-
 def _body(form, op, c, m, args):
     """(our outputs, the lax reference's) of the op in `form`, on the local shards."""
     ours = lambda *a: tuple(op.ours(c, m, *a))
     ref = lambda *a: tuple(op.ref(*[_whole(v) for v in a]))
     in_axes = [0 if a.batched else None for a in args]
     diff = [a.diff for a in args]
-    vmap_ref = _vmap_loop if getattr(op, "ref_loop", False) else jax.vmap
     if form in ("vmap", "vmap_partial"):
-        return jax.vmap(ours, in_axes=in_axes), vmap_ref(ref, in_axes=in_axes)
+        return jax.vmap(ours, in_axes=in_axes), jax.vmap(ref, in_axes=in_axes)
     if form == "scan":
         def layers(f):
             def run(*a):
@@ -402,10 +393,10 @@ def _body(form, op, c, m, args):
                 lambda *a: _grads(ref, a, diff))
     if form == "grad_vmap":
         return (lambda *a: _grads(jax.vmap(ours, in_axes=in_axes), a, diff),
-                lambda *a: _grads(vmap_ref(ref, in_axes=in_axes), a, diff))
+                lambda *a: _grads(jax.vmap(ref, in_axes=in_axes), a, diff))
     if form == "vmap_grad":
         return (jax.vmap(lambda *a: _grads(ours, a, diff), in_axes=in_axes),
-                vmap_ref(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
+                jax.vmap(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
     return ours, ref
 
 

@@ -7,8 +7,10 @@ correctly under both check_vma settings) while the primal runs our kernel.
 Inside it, the kernel call is a `custom_vmap` function (`_shard.batching`): under `jax.vmap`
 the batch is folded into ONE call (all_reduce: the batch is more elements; the fused ops: more
 rows, `fused_call`). Each call runs through `_shard.per_device` (partially manual shard_maps).
-The strategy is picked again for what one device's call moves (`_pick`): a vmapped batch makes
-the message larger, a split over auto mesh axes smaller.
+The strategy is decided on what one device's call moves: by the public function on its share
+of x (`_shard.local_shape`: a split over auto mesh axes makes it smaller), taking XLA's path
+without the kernel call when that says "xla", and again in the call (`_pick`), where a vmapped
+batch folded in makes the message larger.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def _resolve(comm, strategy, shape, dtype, what):
 
 def _pick(comm, requested, shape, dtype, what):
     """The strategy of one device's call on `shape`: `_resolve` of the requested one, except
-    that a "oneshot" request whose message outgrew the Lamport slot (a vmapped batch folded in)
-    takes what "auto" picks (every strategy gives the same bits)."""
+    that a "oneshot" request whose message outgrew the Lamport slot (a vmapped batch folded in:
+    without one the public function has refused it) takes what "auto" picks (every strategy
+    gives the same bits)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
     if requested == "oneshot" and nbytes > comm.lamport_slot_bytes:
         requested = "auto"
@@ -128,7 +131,8 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
       strategy: "auto" (`select_strategy`, from the static shape, dtype, world size and the
         communicator's tuning table), "oneshot", "twoshot" or "xla" (`lax.psum`). Messages
-        larger than `comm.max_message_bytes` use "xla".
+        larger than `comm.max_message_bytes` use "xla". Sizes are those of each device's call
+        (in a partially manual shard_map its share of x).
 
     Returns:
       An array of x's shape and dtype, invariant across the axis (typed as after `lax.psum`).
@@ -143,7 +147,9 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     _check_dtype(x, "x", what)
-    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    # decided on each device's share of x (all of x unless auto mesh axes split it)
+    strat = _resolve(comm, strategy, _shard.local_shape(comm, x, tuple(range(x.ndim))), x.dtype,
+                     what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_reduce(x, comm)
     axis = comm.axis_name
@@ -227,7 +233,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     what = "all_reduce_rms_norm"
     _shard.check_context(comm, what)
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
-    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    strat = _resolve(comm, strategy, local_rows(comm, x), x.dtype, what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
@@ -305,6 +311,12 @@ def fused_call(comm, strategy, eps, kernel, finish, n_outs, what):
 
     f = _shard.batching(call, rule)
     return f
+
+
+def local_rows(comm, x):
+    """The shape of each device's share of the fused ops' x [tokens, hidden]: the rows split
+    over auto mesh axes as `fused_call` splits them (all of x unless they do)."""
+    return _shard.local_shape(comm, x, tuple(range(x.ndim - 1)))
 
 
 def fused_result_vmas(x, residual, weight, axis):

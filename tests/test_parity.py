@@ -18,6 +18,7 @@ compared bit for bit; sums within float32 tolerance (another summation order); F
 within one FP8 step. The MoE ops cannot fold a batch into one call: vmap forms check the
 named error. Each program also counts its kernel calls: ONE per op call in the plain, partial
 and vmap forms."""
+import collections
 import dataclasses
 import re
 
@@ -30,6 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
+from jax_nvcomm import varlen
 from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla,
                                   ragged_all_to_all_reference, rms_norm_reference)
 from ragged_cases import make_call
@@ -593,6 +595,72 @@ def test_plain_call_adds_nothing(comms):
         names = [e.primitive.name for e in _eqns(jax.make_jaxpr(smap)(x))]
         assert names.count("shard_map") == 1 and names.count("ffi_call") == 1, names
         assert not {"reshape", "transpose"} & set(names), names
+
+
+class OneShot(AllReduce):
+    name = "all_reduce[oneshot]"
+
+    def ours(self, c, m, x):
+        return (nvc.all_reduce(x, c, strategy="oneshot"),)
+
+
+def test_partial_manual_decides_on_each_devices_share(rng):
+    """Mesh (dp=2 Auto, tp=4), shard_map over tp only: what depends on the message size
+    (strategy, whether the call fits the buffers) is decided on each device's share, split
+    over dp, not on the unsplit array. Every call here fits per device but not unsplit: each
+    makes its kernel call (an explicit "oneshot" too, above the Lamport slot unsplit), with
+    the lax results; a "oneshot" share above the slot is still refused."""
+    mesh = _mesh("dp_tp")
+    with nvc.Communicator(mesh, "tp", max_message_bytes=8192) as c:
+        rows, n = 32, 8                        # 32 x 128 float32: 16 KiB unsplit, 8 KiB each
+        big = lambda: _rand(rng, False, (W * rows, 128))          # noqa: E731
+        small = lambda: _rand(rng, False, (W * n, 128))           # noqa: E731
+        counts = rng.integers(0, n + 1, W).astype(np.int32)
+        cases = [(AllReduce(), [big()]), (OneShot(), [small()]),
+                 (Fused(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
+                 (Quant(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
+                 (AllGather(), [small()]), (AllGatherV(), [small(), counts]),
+                 (ReduceScatterV(), [_rand(rng, False, (W * W * n, 128)), counts])]
+        # unsplit, none of them fits: 16 KiB messages, a 4 KiB one-shot message, gathers of
+        # 4 x 4 KiB, varlen rows of 512 bytes
+        assert rows * 128 * 4 > c.max_message_bytes and n * 128 * 4 > c.lamport_slot_bytes
+        assert W * n * 128 * 4 > c.max_message_bytes and not varlen.fits(c, n, 512)
+        assert varlen.fits(c, n, 256)  # split over dp, each fits
+        rank = {ReduceScatterV: [True, False], AllGatherV: [True, True]}
+        specs, values, sizes = [], [], []
+        for op, args in cases:
+            sizes.append(len(args))
+            for k, a in enumerate(args):
+                split = rank.get(type(op), [True, True, False])[k]
+                specs.append(P("tp") if split else P())
+                values.append(jnp.asarray(a))
+
+        def body(*local):
+            outs, i = [], 0
+            for (op, _), k in zip(cases, sizes):
+                a = local[i:i + k]
+                i += k
+                outs.append((tuple(op.ours(c, None, *a)), tuple(op.ref(*a))))
+            return jax.tree.map(lambda o: o[None], outs)
+
+        prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=P("tp"),
+                                     axis_names={"tp"}))
+        with jax.set_mesh(mesh):
+            hlo = prog.lower(*values).as_text()
+            got = prog(*values)
+        calls = collections.Counter(re.findall(r"custom_call @nvc_(\w+)\(", hlo))
+        assert calls == {"all_reduce": 2, "all_reduce_rms": 1, "all_reduce_rms_quant": 1,
+                         "all_gather": 2, "all_gather_v": 1, "reduce_scatter_v": 1}, calls
+        for (op, _), (ours, ref) in zip(cases, got):
+            op.compare(ours, ref)
+
+        def too_big(v):  # 16 x 128 float32: 4 KiB a device, above the 2560-byte slot
+            return nvc.all_reduce(v, c, strategy="oneshot")[None]
+        with pytest.raises(ValueError, match="strategy='oneshot' takes messages up to 2560 "
+                                             "bytes on this communicator, got 4096"):
+            with jax.set_mesh(mesh):
+                jax.jit(jax.shard_map(too_big, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                                      axis_names={"tp"})).lower(jnp.zeros((W * 16, 128)))
 
 
 # ---------------------------------------------------------------------------------------------

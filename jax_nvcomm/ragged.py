@@ -16,7 +16,8 @@ aliases `output` (XLA input_output_aliases): only the rows slices land on are wr
 
 Where it runs (the same results everywhere):
 - the kernel, when the call fits the buffers (`_host.ragged_fits`: M rows of output and the
-  slice headers within one flag half, M * row bytes <= max_message_bytes);
+  slice headers within one flag half, M * row bytes <= max_message_bytes; the row bytes of each
+  device's call, in a partially manual shard_map its share of a row);
 - XLA's `lax.ragged_all_to_all` (emulated on CPU: `reference._ragged_all_to_all`) with
   strategy="xla" and on communicators in XLA fallback mode; calls that do not fit take it on
   GPUs and raise a ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
@@ -58,8 +59,8 @@ def fits(comm, m_rows: int, row_bytes: int, k: int) -> bool:
                                        int(m_rows), int(row_bytes), int(k)))
 
 
-def _row_bytes(x) -> int:
-    return int(np.prod(x.shape[1:], dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+def _row_bytes(shape, dtype) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) * jnp.dtype(dtype).itemsize
 
 
 def _enough_bytes(comm, m_rows, row_bytes, k) -> int:
@@ -155,9 +156,13 @@ def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):
 
 
 def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
-    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices)."""
+    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices).
+    Decided on each device's call: its rows are its share of a row (the dims after the rows
+    split over auto mesh axes where they divide, as the kernel call splits them)."""
     k = io.shape[0] // comm.world_size
-    m, row = output.shape[0], _row_bytes(output)
+    m = output.shape[0]
+    row = _row_bytes(_shard.local_shape(comm, operand, tuple(range(1, operand.ndim))),
+                     output.dtype)
     if m == 0 or row == 0:  # nothing can land: the result is output
         return _shard.varying(output, comm.axis_name), tok
     if fits(comm, m, row, k):

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm import varlen
+from jax_nvcomm import ragged, varlen
 from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla,
                                   ragged_all_to_all_reference, rms_norm_reference)
 from ragged_cases import make_call
@@ -608,8 +608,9 @@ def test_partial_manual_decides_on_each_devices_share(rng):
     """Mesh (dp=2 Auto, tp=4), shard_map over tp only: what depends on the message size
     (strategy, whether the call fits the buffers) is decided on each device's share, split
     over dp, not on the unsplit array. Every call here fits per device but not unsplit: each
-    makes its kernel call (an explicit "oneshot" too, above the Lamport slot unsplit), with
-    the lax results; a "oneshot" share above the slot is still refused."""
+    makes its kernel call (an explicit "oneshot" too, above the Lamport slot unsplit, and
+    ragged_all_to_all, which on CPU devices refuses a call that does not fit), with the lax
+    results; a "oneshot" share above the slot is still refused."""
     mesh = _mesh("dp_tp")
     with nvc.Communicator(mesh, "tp", max_message_bytes=8192) as c:
         rows, n = 32, 8                        # 32 x 128 float32: 16 KiB unsplit, 8 KiB each
@@ -620,13 +621,16 @@ def test_partial_manual_decides_on_each_devices_share(rng):
                  (Fused(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
                  (Quant(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
                  (AllGather(), [small()]), (AllGatherV(), [small(), counts]),
-                 (ReduceScatterV(), [_rand(rng, False, (W * W * n, 128)), counts])]
+                 (ReduceScatterV(), [_rand(rng, False, (W * W * n, 128)), counts]),
+                 (Ragged(), [_rand(rng, False, (W * 24, 128)), big()] +
+                  [a.reshape(-1).astype(np.int32) for a in make_call(rng, W, 2, 24, rows)])]
         # unsplit, none of them fits: 16 KiB messages, a 4 KiB one-shot message, gathers of
         # 4 x 4 KiB, varlen rows of 512 bytes
         assert rows * 128 * 4 > c.max_message_bytes and n * 128 * 4 > c.lamport_slot_bytes
         assert W * n * 128 * 4 > c.max_message_bytes and not varlen.fits(c, n, 512)
-        assert varlen.fits(c, n, 256)  # split over dp, each fits
-        rank = {ReduceScatterV: [True, False], AllGatherV: [True, True]}
+        assert not ragged.fits(c, rows, 512, 2)  # 32 output rows of 512 bytes, 2 slices a peer
+        assert varlen.fits(c, n, 256) and ragged.fits(c, rows, 256, 2)  # split over dp: fit
+        rank = {ReduceScatterV: [True, False], AllGatherV: [True, True], Ragged: [True] * 6}
         specs, values, sizes = [], [], []
         for op, args in cases:
             sizes.append(len(args))
@@ -650,7 +654,8 @@ def test_partial_manual_decides_on_each_devices_share(rng):
             got = prog(*values)
         calls = collections.Counter(re.findall(r"custom_call @nvc_(\w+)\(", hlo))
         assert calls == {"all_reduce": 2, "all_reduce_rms": 1, "all_reduce_rms_quant": 1,
-                         "all_gather": 2, "all_gather_v": 1, "reduce_scatter_v": 1}, calls
+                         "all_gather": 2, "all_gather_v": 1, "reduce_scatter_v": 1,
+                         "ragged_all_to_all": 1}, calls
         for (op, _), (ours, ref) in zip(cases, got):
             op.compare(ours, ref)
 

@@ -73,13 +73,7 @@ def main(argv=None):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_nvcomm as nvc
-    try:
-        from jax_nvcomm.models import moe_ragged as mr
-    except ModuleNotFoundError as e:  # not installed: the checkout this file is in
-        if e.name != "jax_nvcomm":
-            raise
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from jax_nvcomm.models import moe_ragged as mr
+    from jax_nvcomm.models import moe_ragged as mr
 
     devs = jax.devices()[:a.devices] if a.devices else jax.devices()
     cpu = devs[0].platform == "cpu"

@@ -55,19 +55,25 @@ def barrier(name: str, timeout_s: float, what: str) -> None:
                            "a process is missing or failed") from e
 
 
+def gather(key: str, value: bytes, timeout_s: float, what: str) -> list[bytes]:
+    """Every process's `value`, in process order: each process puts its own under
+    `key/<process index>` and reads every other's, each read bounded by `timeout_s` (a
+    RuntimeError naming the process and `what` when one never comes). One process: [value]."""
+    if client() is None:
+        return [value]
+    me = jax.process_index()
+    put(f"{key}/{me}", value)
+    return [value if p == me else get(f"{key}/{p}", timeout_s, f"process {p}'s {what}")
+            for p in range(jax.process_count())]
+
+
 def agree(prefix: str, config: dict, timeout_s: float) -> None:
     """Check that every process passed the same configuration (ValueError naming the first
     difference), bounded by `timeout_s`."""
-    c = client()
-    if c is None:
-        return
     text = json.dumps(config, sort_keys=True).encode()
     me = jax.process_index()
-    put(f"{prefix}/cfg/{me}", text)
-    for p in range(jax.process_count()):
-        if p == me:
-            continue
-        other = get(f"{prefix}/cfg/{p}", timeout_s, f"process {p}'s communicator arguments")
+    for p, other in enumerate(gather(f"{prefix}/cfg", text, timeout_s,
+                                     "communicator arguments")):
         if other != text:
             mine = json.loads(text)
             theirs = json.loads(other)

@@ -152,14 +152,7 @@ def gather_facts(prefix: str, mod, groups, timeout_s: float) -> list[RankFacts]:
     mine = local_facts(mod, groups)
     if jax.process_count() == 1:
         return mine
-    me = jax.process_index()
-    _exchange.put(f"{prefix}/mcfacts/{me}", json.dumps([asdict(f) for f in mine]).encode())
-    out = []
-    for p in range(jax.process_count()):
-        if p == me:
-            out.extend(mine)
-            continue
-        raw = _exchange.get(f"{prefix}/mcfacts/{p}", timeout_s,
-                            f"process {p}'s device facts (multicast gate)")
-        out.extend(RankFacts(**d) for d in json.loads(raw))
+    raws = _exchange.gather(f"{prefix}/mcfacts", json.dumps([asdict(f) for f in mine]).encode(),
+                            timeout_s, "device facts (multicast gate)")
+    out = [RankFacts(**d) for raw in raws for d in json.loads(raw)]
     return sorted(out, key=lambda f: (f.group, f.rank))

@@ -2,8 +2,8 @@
 surrounding mesh, the host backend's slot operand, result types that carry the right
 varying-manual-axes (vma) so `check_vma=True` types results like the lax collectives, the
 one place that picks an op's FFI target for the communicator's backend, and the two wrappers
-every op's kernel call goes through: `per_device` (partially manual shard_maps) and `batching`
-(`jax.vmap`)."""
+every op's kernel call goes through: `per_device` (partially manual shard_maps; `local_shape`:
+the share of an argument each device's call gets) and `batching` (`jax.vmap`)."""
 from __future__ import annotations
 
 import os
@@ -211,6 +211,30 @@ def like(y, x):
     return _typed_like(y, _typed_spec(x, x.ndim, explicit), explicit)
 
 
+def _auto_axes(comm):
+    """(the context's abstract mesh, comm's mesh axes not manual here ("auto": left to XLA's
+    partitioner), those of them of type Explicit)."""
+    am = jax.sharding.get_abstract_mesh()
+    auto = tuple(a for a in comm.mesh.axis_names if a not in am.manual_axes)
+    types = dict(zip(am.axis_names, am.axis_types))
+    explicit = frozenset(a for a in auto if types[a] == jax.sharding.AxisType.Explicit)
+    return am, auto, explicit
+
+
+def local_shape(comm, x, dims) -> tuple:
+    """The shape of x's share in each device's kernel call: what `per_device` passes to it
+    when x is the lead argument with candidate dims `dims` (x's own shape where every mesh axis
+    is manual). An op decides what depends on the message size (strategy, whether the call
+    fits the buffers) on this shape, the message each device's call moves."""
+    am, auto, explicit = _auto_axes(comm)
+    if not auto:
+        return tuple(x.shape)
+    shape = list(x.shape)
+    for d, axes in zip(dims, _assign(am, auto, explicit, x, dims)):
+        shape[d] //= int(np.prod([am.shape[a] for a in axes], dtype=np.int64))
+    return tuple(shape)
+
+
 def per_device(comm, fn, args, tok, in_dims, out_dims):
     """Run `fn(*args, tok) -> (*outs, tok)`, an op's kernel call, with every axis of comm's
     mesh manual, so that each device makes its own call.
@@ -245,12 +269,9 @@ def per_device(comm, fn, args, tok, in_dims, out_dims):
     Returns:
       fn's results, (*outs, tok), as arrays of the surrounding (partially manual) program.
     """
-    am = jax.sharding.get_abstract_mesh()
-    auto = tuple(a for a in comm.mesh.axis_names if a not in am.manual_axes)
+    am, auto, explicit = _auto_axes(comm)
     if not auto:
         return fn(*args) if tok is None else fn(*args, tok)
-    types = dict(zip(am.axis_names, am.axis_types))
-    explicit = frozenset(a for a in auto if types[a] == jax.sharding.AxisType.Explicit)
     whole = jax.sharding.PartitionSpec()
     toks = () if tok is None else (tok,)
     tracked = comm.axis_name in vma_of(varying(args[0], comm.axis_name) if tok is None else tok)
@@ -285,8 +306,10 @@ def batching(fn, rule):
     `rule(size, batched, *args, tok) -> (outs, outs_batched, tok)` instead, where `batched`
     says which of args carry the batch (as their leading dim, size `size`) and the rule folds
     it into ONE call (of this or another kernel function). The token is never batched: it
-    goes in and comes out whole. `rule` may also be a string: vmap then raises
-    NotImplementedError with that text (an op whose batch cannot be folded).
+    goes in and comes out whole: when only the token carries the batch (none of the op's own
+    arguments do), the rule is not called and ONE unbatched call is made. `rule` may also be a
+    string: vmap of batched arguments then raises NotImplementedError with that text (an op
+    whose batch cannot be folded).
 
     The op's own `jax.custom_jvp` / `custom_vjp` wraps the result (outside): custom_vmap
     alone has no reverse-mode rule.
@@ -298,14 +321,14 @@ def batching(fn, rule):
 
     @f.def_vmap
     def _rule(size, in_batched, *args):
-        if isinstance(rule, str):
-            raise NotImplementedError(rule)
         *args, tok = args
         if in_batched[-1]:
             tok = tok[0]
         if not any(jax.tree.leaves(in_batched[:-1])):  # only the token was batched
             outs = f(*args, tok)
             return outs, jax.tree.map(lambda _: False, outs)
+        if isinstance(rule, str):  # an op's own arguments are batched and it cannot fold them
+            raise NotImplementedError(rule)
         outs, out_batched, tok = rule(size, tuple(in_batched[:-1]), *args, tok)
         return (*outs, tok), (*out_batched, False)
 

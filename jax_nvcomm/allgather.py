@@ -25,12 +25,18 @@ def _gather0(x, tok, comm):
     return _shard.ffi_call(comm, "all_gather", rt, x, order=tok)
 
 
+def _too_big(comm, shape, dtype) -> bool:
+    """Whether gathering a share of `shape` from every rank exceeds comm.max_message_bytes."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return n * jnp.dtype(dtype).itemsize * comm.world_size > comm.max_message_bytes
+
+
 def _local_gather(v, tok, comm, nb):
     """One device's gather of v [*batch, n, ...] (nb batch dims) along n: [*batch, W * n, ...].
     The batch goes into the one message: [W, *batch, n, ...] comes back, then moves in place.
     Returns (that, the order token)."""
     W = comm.world_size
-    if v.size * v.dtype.itemsize * W > comm.max_message_bytes:  # a vmapped batch outgrew it
+    if _too_big(comm, v.shape, v.dtype):  # a vmapped batch outgrew the buffers
         return lax.all_gather(v, comm.axis_name, axis=nb, tiled=True), tok
     if nb == 0:
         return _gather0(v, tok, comm)
@@ -60,8 +66,9 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     """Gather `x` from every rank of `comm`'s axis (= `lax.all_gather(x, comm.axis_name,
     axis=axis, tiled=tiled)`), through the communicator's buffers.
 
-    Gathered sizes above `comm.max_message_bytes`, groups of one rank and empty arrays use
-    `lax.all_gather`. Gradients: the tangent is `lax.all_gather` of the input tangent.
+    Gathered sizes above `comm.max_message_bytes` (each device's: in a partially manual
+    shard_map its share of x), groups of one rank and empty arrays use `lax.all_gather`.
+    Gradients: the tangent is `lax.all_gather` of the input tangent.
     On a communicator in XLA fallback mode (`comm.xla_fallback`: groups over several hosts)
     it runs `lax.all_gather` instead, with the same results.
     Partially manual shard_map: the non-gathered dims split over the auto mesh axes where they
@@ -97,15 +104,17 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
     axis = int(axis) % (nd + (0 if tiled else 1))
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_gather(x, comm, axis, tiled)
-    nbytes = x.size * x.dtype.itemsize
-    if nbytes == 0:  # nothing to move; XLA refuses to lower an all-gather of a zero-size axis
+    if x.size == 0:  # nothing to move; XLA refuses to lower an all-gather of a zero-size axis
         shape = list(x.shape)
         if tiled:
             shape[axis] *= comm.world_size
         else:
             shape.insert(axis, comm.world_size)
         return jnp.zeros(shape, x.dtype)
-    if comm.world_size == 1 or nbytes * comm.world_size > comm.max_message_bytes:
+    # what each device's call gathers: its share of x (the dims other than the gathered one
+    # split over auto mesh axes where they divide, as gather_call splits them)
+    local = _shard.local_shape(comm, x, tuple(d for d in range(nd) if d != axis or not tiled))
+    if comm.world_size == 1 or _too_big(comm, local, x.dtype):
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
 
     call = gather_call(comm)

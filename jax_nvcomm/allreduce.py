@@ -6,9 +6,11 @@ correctly under both check_vma settings) while the primal runs our kernel.
 
 Inside it, the kernel call is a `custom_vmap` function (`_shard.batching`): under `jax.vmap`
 the batch is folded into ONE call (all_reduce: the batch is more elements; the fused ops: more
-rows, `_fused_rule`). Each call runs through `_shard.per_device` (partially manual shard_maps).
-The strategy is picked again for what one device's call moves (`_pick`): a vmapped batch makes
-the message larger, a split over auto mesh axes smaller.
+rows, `fused_call`). Each call runs through `_shard.per_device` (partially manual shard_maps).
+The strategy is decided on what one device's call moves: by the public function on its share
+of x (`_shard.local_shape`: a split over auto mesh axes makes it smaller), taking XLA's path
+without the kernel call when that says "xla", and again in the call (`_pick`), where a vmapped
+batch folded in makes the message larger.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ def _resolve(comm, strategy, shape, dtype, what):
 
 def _pick(comm, requested, shape, dtype, what):
     """The strategy of one device's call on `shape`: `_resolve` of the requested one, except
-    that a "oneshot" request whose message outgrew the Lamport slot (a vmapped batch folded in)
-    takes what "auto" picks (every strategy gives the same bits)."""
+    that a "oneshot" request whose message outgrew the Lamport slot (a vmapped batch folded in:
+    without one the public function has refused it) takes what "auto" picks (every strategy
+    gives the same bits)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
     if requested == "oneshot" and nbytes > comm.lamport_slot_bytes:
         requested = "auto"
@@ -128,7 +131,8 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
       comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
       strategy: "auto" (`select_strategy`, from the static shape, dtype, world size and the
         communicator's tuning table), "oneshot", "twoshot" or "xla" (`lax.psum`). Messages
-        larger than `comm.max_message_bytes` use "xla".
+        larger than `comm.max_message_bytes` use "xla". Sizes are those of each device's call
+        (in a partially manual shard_map its share of x).
 
     Returns:
       An array of x's shape and dtype, invariant across the axis (typed as after `lax.psum`).
@@ -143,7 +147,9 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     _check_dtype(x, "x", what)
-    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    # decided on each device's share of x (all of x unless auto mesh axes split it)
+    strat = _resolve(comm, strategy, _shard.local_shape(comm, x, tuple(range(x.ndim))), x.dtype,
+                     what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_reduce(x, comm)
     axis = comm.axis_name
@@ -227,7 +233,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     what = "all_reduce_rms_norm"
     _shard.check_context(comm, what)
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
-    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    strat = _resolve(comm, strategy, local_rows(comm, x), x.dtype, what)
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
@@ -236,8 +242,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
         # Mixed dtypes are not fused (documented): psum + XLA's own add + RMSNorm.
         return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
-    call = fused_call(comm, strategy, eps, _kernel_fused, xla_all_reduce_rms_norm,
-                      add_rms_norm, 2, what)
+    call = fused_call(comm, strategy, eps, _kernel_fused, add_rms_norm, 2, what)
 
     @jax.custom_jvp
     def fused(v, res, w, tok):
@@ -258,37 +263,37 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
     return normed, res_out
 
 
-def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, xla, what):
+def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, finish, what):
     """One device's fused call on x, res [..., tokens, hidden] (its own rows): the leading dims
     fold into rows. Returns (*outs, tok), outs shaped [..., tokens, last dim of the kernel's]."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), res.reshape(-1, hidden)
     strat = _pick(comm, strategy, x2.shape, x2.dtype, what)
-    if strat == "xla":
-        outs = xla(x2, r2, w, comm.axis_name, eps)
+    if strat == "xla":  # lax.psum, then XLA's add + norm
+        outs = finish(lax.psum(x2, comm.axis_name), r2, w, eps)
     else:
         *outs, tok = kernel(x2, r2, w, tok, comm, strat, eps)
     return (*[o.reshape(lead + o.shape[1:]) for o in outs], tok)
 
 
-def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs, what):
+def fused_call(comm, strategy, eps, kernel, finish, n_outs, what):
     """The kernel call of a fused op (all_reduce_rms_norm, all_reduce_rms_norm_quant),
     `(x, residual, weight, tok) -> (*outs, tok)`, x and residual [..., tokens, hidden] (rows
     independent: split over auto mesh axes by `_shard.per_device`).
 
     kernel(x2, r2, w, tok, comm, strategy, eps) -> (*outs, tok) makes the FFI call on
-    [rows, hidden]; xla(x2, r2, w, axis, eps) -> outs is the "xla" strategy; finish(s,
-    residual, weight, eps) -> outs is XLA's add + norm (+ quantisation) of an all-reduced sum;
+    [rows, hidden]; finish(s, residual, weight, eps) -> outs is XLA's add + norm
+    (+ quantisation) of an all-reduced sum s (the "xla" strategy: finish of `lax.psum`);
     n_outs: how many outs (each [rows, ...]); what: the op's name (strategy table row, errors).
 
-    Under vmap (`_fused_rule`): an unbatched weight folds the batch into rows, ONE fused call
+    Under vmap (`rule`): an unbatched weight folds the batch into rows, ONE fused call
     (an unbatched residual is broadcast: residual_out is per batch element anyway). A batched
     weight, or an unbatched x with a batched residual: ONE all_reduce of x (batched or not),
     then `finish` in XLA: not fused, same arithmetic as the "xla" strategy."""
     def call(x, res, w, tok):
         rows = tuple(range(x.ndim - 1))
-        local = lambda a, b, c, t: _local_fused(a, b, c, t, comm, strategy, eps, kernel, xla,
-                                                what)
+        local = lambda a, b, c, t: _local_fused(a, b, c, t, comm, strategy, eps, kernel,
+                                                finish, what)
         return _shard.per_device(comm, local, (x, res, w), tok, (rows, rows, ()),
                                  (rows,) * n_outs)
 
@@ -306,6 +311,12 @@ def fused_call(comm, strategy, eps, kernel, xla, finish, n_outs, what):
 
     f = _shard.batching(call, rule)
     return f
+
+
+def local_rows(comm, x):
+    """The shape of each device's share of the fused ops' x [tokens, hidden]: the rows split
+    over auto mesh axes as `fused_call` splits them (all of x unless they do)."""
+    return _shard.local_shape(comm, x, tuple(range(x.ndim - 1)))
 
 
 def fused_result_vmas(x, residual, weight, axis):

@@ -14,7 +14,7 @@ from jax import lax
 
 from . import _order, _shard
 from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_call,
-                        fused_result_vmas)
+                        fused_result_vmas, local_rows)
 from .reference import rms_norm_reference
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -117,7 +117,7 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
     if x.shape[1] == 0:
         raise ValueError(f"jax_nvcomm: {what}: hidden must be > 0, got shape {x.shape}")
-    strat = _resolve(comm, strategy, x.shape, x.dtype, what)
+    strat = _resolve(comm, strategy, local_rows(comm, x), x.dtype, what)
     axis = comm.axis_name
     mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
     if comm.xla_fallback or strat == "xla" or mixed:
@@ -125,8 +125,8 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
         return _no_grad(lambda v, res, w: xla_all_reduce_rms_norm_quant(v, res, w, axis, eps))(
             x, residual, weight)
 
-    fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant,
-                                xla_all_reduce_rms_norm_quant, _add_rms_norm_quant, 3, what))
+    fused = _no_grad(fused_call(comm, strategy, eps, _kernel_fused_quant, _add_rms_norm_quant,
+                                3, what))
     q, scale, res_out, tok = fused(x, residual, weight, _order.token(axis))
     _order.record(tok)
     return q, scale, res_out

@@ -16,7 +16,8 @@ aliases `output` (XLA input_output_aliases): only the rows slices land on are wr
 
 Where it runs (the same results everywhere):
 - the kernel, when the call fits the buffers (`_host.ragged_fits`: M rows of output and the
-  slice headers within one flag half, M * row bytes <= max_message_bytes);
+  slice headers within one flag half, M * row bytes <= max_message_bytes; the row bytes of each
+  device's call, in a partially manual shard_map its share of a row);
 - XLA's `lax.ragged_all_to_all` (emulated on CPU: `reference._ragged_all_to_all`) with
   strategy="xla" and on communicators in XLA fallback mode; calls that do not fit take it on
   GPUs and raise a ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
@@ -29,9 +30,9 @@ Transformations:
   zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
   overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp)
   is not supported.
-- jax.vmap (custom_vmap under the custom_vjp): one call for the whole batch, as lax's batching
-  rule does it: the batch is folded into the slices per peer (k -> k * B, offsets shifted by
-  b * N and b * M).
+- jax.vmap (`_shard.batching` under the custom_vjp): one call for the whole batch, as lax's
+  batching rule does it: the batch is folded into the slices per peer (k -> k * B, offsets
+  shifted by b * N and b * M).
 - partially manual shard_map (`axis_names` leaving mesh axes to the compiler): the kernel call
   runs through `_shard.per_device`, the dims after the rows split over those axes where they
   divide (docs/API.md, "lax parity").
@@ -42,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 
 from . import _ffi, _order, _shard, reference
 from .communicator import Communicator
@@ -59,8 +59,8 @@ def fits(comm, m_rows: int, row_bytes: int, k: int) -> bool:
                                        int(m_rows), int(row_bytes), int(k)))
 
 
-def _row_bytes(x) -> int:
-    return int(np.prod(x.shape[1:], dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+def _row_bytes(shape, dtype) -> int:
+    return int(np.prod(shape[1:], dtype=np.int64)) * jnp.dtype(dtype).itemsize
 
 
 def _enough_bytes(comm, m_rows, row_bytes, k) -> int:
@@ -156,9 +156,13 @@ def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):
 
 
 def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
-    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices)."""
+    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices).
+    Decided on each device's call: its rows are its share of a row (the dims after the rows
+    split over auto mesh axes where they divide, as the kernel call splits them)."""
     k = io.shape[0] // comm.world_size
-    m, row = output.shape[0], _row_bytes(output)
+    m = output.shape[0]
+    row = _row_bytes(_shard.local_shape(comm, operand, tuple(range(1, operand.ndim))),
+                     output.dtype)
     if m == 0 or row == 0:  # nothing can land: the result is output
         return _shard.varying(output, comm.axis_name), tok
     if fits(comm, m, row, k):
@@ -169,9 +173,9 @@ def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
 
 
 def _kernel(comm):
-    """The kernel call as a function with its own batching rule (jax.vmap: one call)."""
-
-    @custom_vmap
+    """The kernel call `(operand, output, io, ss, oo, rs, tok) -> (result, tok)`: per device
+    (`_shard.per_device`) and, under jax.vmap, ONE call for the whole batch (`_shard.batching`:
+    `fold`)."""
     def call(operand, output, io, ss, oo, rs, tok):
         # per device (partially manual shard_maps): rows move, the dims after them are
         # independent (split over auto mesh axes where they divide), the index arrays whole
@@ -180,34 +184,28 @@ def _kernel(comm):
                                  (operand, output, io, ss, oo, rs), tok,
                                  (dims, dims, (), (), (), ()), (dims,))
 
-    @call.def_vmap
-    def fold(axis_size, in_batched, operand, output, io, ss, oo, rs, tok):
-        B = axis_size
-        b_op, b_out, *b_idx, b_tok = in_batched
-
-        def front(a, b):
-            return a if b else jnp.broadcast_to(a, (B,) + a.shape)
-
-        operand, output = front(operand, b_op), front(output, b_out)
+    def fold(B, batched, operand, output, io, ss, oo, rs, tok):
+        """lax's batching: the batch folds into the slices per peer (k -> k * B)."""
+        operand, output = (_shard.batched(B, b, a) for a, b in zip((operand, output), batched))
         N, M = operand.shape[1], output.shape[1]
         if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
             raise ValueError(f"jax_nvcomm: {_WHAT}: a vmap batch of {B} folds to "
                              f"{B * max(N, M)} rows, more than int32 offsets address: pass "
                              "int64 offsets and sizes (x64)")
         shift = jnp.arange(B, dtype=io.dtype)[:, None]
-        io, ss, oo, rs = (front(a, b) for a, b in zip((io, ss, oo, rs), b_idx))   # [B, K]
+        io, ss, oo, rs = (_shard.batched(B, b, a)                                   # [B, K]
+                          for a, b in zip((io, ss, oo, rs), batched[2:]))
         io, oo = io + shift * N, oo + shift * M
         # lax's order: slice i of example b is folded slice i * B + b, so the B * k slices to
         # one peer stay together (k -> k * B)
         io, ss, oo, rs = (a.T.reshape(-1) for a in (io, ss, oo, rs))
-        if b_tok:
-            tok = tok[0]
-        res, tok = _dispatch(comm, call, operand.reshape((B * N,) + operand.shape[2:]),
+        res, tok = _dispatch(comm, f, operand.reshape((B * N,) + operand.shape[2:]),
                              output.reshape((B * M,) + output.shape[2:]), io, ss, oo, rs, tok,
                              batch=B)
-        return (res.reshape((B, M) + res.shape[1:]), tok), (True, False)
+        return (res.reshape((B, M) + res.shape[1:]),), (True,), tok
 
-    return call
+    f = _shard.batching(call, fold)
+    return f
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ file lacks comes from the built-in table). `explain=True` says which one decided
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -52,27 +53,38 @@ class Choice:
         return f"{self.strategy}: {self.reason}"
 
 
+@functools.cache
+def _builtin_table() -> tuning.Table:
+    """The built-in table, for communicators without a table of their own (read once)."""
+    return tuning.Table("built-in", builtin=tuning.builtin_rows())
+
+
 def _table(comm) -> tuning.Table:
     t = getattr(comm, "tuning", None)
-    return t if t is not None else tuning.Table("built-in", builtin=tuning.builtin_rows())
+    return t if t is not None else _builtin_table()
 
 
-def _thresholds(comm, op, dtype_name, keywords):
-    """({field: value}, {field: source}) for the communicator's world, op and dtype."""
+def _thresholds(comm, op, dtype_name, keywords, explain):
+    """({field: value}, {field: source}) for the communicator's world, op and dtype; the
+    sources only with `explain` (else None)."""
     table = _table(comm)
     world = int(comm.world_size)
     row, where = table.lookup(world, op, dtype_name)
-    vals, srcs = {}, {}
-    for f in FIELDS:
-        vals[f] = getattr(row, f) if row is not None else (None if f == "local_min_bytes"
-                                                           else 0)
-        srcs[f] = (f"{where}, row {row.label()}" if row is not None
-                   else f"{where}: no row (defaults)")
+    vals = {f: getattr(row, f) if row is not None else (None if f == "local_min_bytes" else 0)
+            for f in FIELDS}
+    srcs = None
+    if explain:
+        srcs = {f: (f"{where}, row {row.label()}" if row is not None
+                    else f"{where}: no row (defaults)") for f in FIELDS}
     for f, v in table.overrides:
-        vals[f], srcs[f] = v, f"env {tuning.ENV_OVERRIDES[f]} (at setup)"
+        vals[f] = v
+        if explain:
+            srcs[f] = f"env {tuning.ENV_OVERRIDES[f]} (at setup)"
     for f, v in keywords.items():
         if v is not None:
-            vals[f], srcs[f] = int(v), "keyword"
+            vals[f] = int(v)
+            if explain:
+                srcs[f] = "keyword"
     return vals, srcs
 
 
@@ -113,33 +125,34 @@ def select_strategy(comm, shape, dtype, *, op: str = "all_reduce",
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     vals, srcs = _thresholds(comm, op, dt.name, dict(
         oneshot_max_bytes=oneshot_max_bytes, twoshot_max_bytes=twoshot_max_bytes,
-        local_min_bytes=local_min_bytes))
+        local_min_bytes=local_min_bytes), explain)
     one, two, local = (vals[f] for f in FIELDS)
-    size = f"{nbytes} B"
+    # why: a template, filled in only for explain=True
     if nbytes == 0:
         strat, field, why = "xla", None, "an empty message"
     elif nbytes > comm.max_message_bytes:
-        strat, field, why = "xla", None, (f"{size} > max_message_bytes "
-                                          f"{comm.max_message_bytes}")
+        strat, field, why = "xla", None, "{size} > max_message_bytes {limit}"
     elif comm.world_size == 1:
         field = "local_min_bytes"
         if local is not None and nbytes >= local:
-            strat, why = "twoshot", f"world 1: {size} >= local_min_bytes {local} (our kernel)"
+            strat, why = "twoshot", "world 1: {size} >= local_min_bytes {local} (our kernel)"
         else:
             strat = "xla"
             why = ("world 1: no local_min_bytes (XLA's ops)" if local is None else
-                   f"world 1: {size} < local_min_bytes {local} (XLA's ops)")
+                   "world 1: {size} < local_min_bytes {local} (XLA's ops)")
     elif nbytes <= min(one, comm.lamport_slot_bytes):
-        strat, field, why = "oneshot", "oneshot_max_bytes", f"{size} <= oneshot_max_bytes {one}"
+        strat, field, why = "oneshot", "oneshot_max_bytes", "{size} <= oneshot_max_bytes {one}"
     elif nbytes <= two:
         field = "twoshot_max_bytes"
-        strat, why = "twoshot", f"{size} <= twoshot_max_bytes {two}" + (
-            f" (above lamport_slot_bytes {comm.lamport_slot_bytes})" if nbytes <= one else
-            f", > oneshot_max_bytes {one}")
+        strat, why = "twoshot", "{size} <= twoshot_max_bytes {two}" + (
+            " (above lamport_slot_bytes {slot})" if nbytes <= one else
+            ", > oneshot_max_bytes {one}")
     else:
-        strat, field, why = "xla", "twoshot_max_bytes", f"{size} > twoshot_max_bytes {two}"
+        strat, field, why = "xla", "twoshot_max_bytes", "{size} > twoshot_max_bytes {two}"
     if not explain:
         return strat
+    why = why.format(size=f"{nbytes} B", limit=comm.max_message_bytes, local=local, one=one,
+                     two=two, slot=comm.lamport_slot_bytes)
     source = srcs[field] if field else "limit"
     return Choice(strat, nbytes, vals, srcs, source, f"{op} {tuple(shape)} {dt.name}: {why}; "
                   f"from {source}")

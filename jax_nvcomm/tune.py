@@ -103,6 +103,7 @@ def sharing(env) -> str | None:
     if env.platform == "cpu":
         return None
     from . import _exchange, topology
+    from .communicator import DEFAULT_SETUP_TIMEOUT_S
     import jax
     try:
         mine = [topology.query_device(int(d.local_hardware_id)).uuid
@@ -110,14 +111,8 @@ def sharing(env) -> str | None:
     except Exception as e:  # noqa: BLE001 - no cuda-python: cannot tell
         env.log(f"# NOTE: cannot check for ranks sharing a GPU ({type(e).__name__}: {e})")
         return None
-    by = {jax.process_index(): mine}
-    if env.nprocs > 1:
-        me = jax.process_index()
-        _exchange.put(f"jax_nvcomm/tune/devices/{me}", json.dumps(mine).encode())
-        for p in range(env.nprocs):
-            if p != me:
-                by[p] = json.loads(_exchange.get(f"jax_nvcomm/tune/devices/{p}", 120,
-                                                 f"process {p}'s GPUs"))
+    by = dict(enumerate(json.loads(raw) for raw in _exchange.gather(
+        "jax_nvcomm/tune/devices", json.dumps(mine).encode(), DEFAULT_SETUP_TIMEOUT_S, "GPUs")))
     dup = duplicated(by)
     if len(set(mine)) < len(mine):
         dup.append("one process's devices repeat a GPU")

@@ -70,8 +70,17 @@ def _check_count(num_rows, max_rows, what):
     return jnp.asarray(num_rows).astype(jnp.int32)
 
 
-def _row_bytes(x) -> int:
-    return int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
+def _row_bytes(x, shape=None) -> int:
+    """Bytes of one row of x (of `shape` when given: each device's share of x)."""
+    shape = x.shape if shape is None else shape
+    return int(np.prod(shape[1:], dtype=np.int64)) * x.dtype.itemsize
+
+
+def _local_row_bytes(comm, x) -> int:
+    """Bytes of one row of each device's share of x [rows, ...]: the dims after the rows split
+    over auto mesh axes where they divide, as the kernel calls split them (all of a row unless
+    they do)."""
+    return _row_bytes(x, _shard.local_shape(comm, x, tuple(range(1, x.ndim))))
 
 
 def _vma_tracked(x, axis) -> bool:
@@ -237,7 +246,8 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     Call inside `jax.shard_map` over `comm`'s mesh. Each rank moves only its own rows (no
     padding to max_rows) through the communicator's buffers. On a communicator in XLA fallback
     mode, for groups of one, and when `world_size * max_rows * row bytes` exceeds what the
-    buffers hold (`max_message_bytes`), it runs `lax.all_gather` of the padded rows and
+    buffers hold (`max_message_bytes`; the row bytes of each device's call: in a partially
+    manual shard_map its share of a row), it runs `lax.all_gather` of the padded rows and
     compacts them instead, with the same results.
 
     Args:
@@ -277,7 +287,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     max_rows = x.shape[0]
     nr = _check_count(num_rows, max_rows, what)
     axis, W = comm.axis_name, comm.world_size
-    row = _row_bytes(x)
+    row = _local_row_bytes(comm, x)  # each device's call's
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0
             or not fits(comm, max_rows, row)):
         dims = tuple(range(1, x.ndim))
@@ -321,8 +331,9 @@ def reduce_scatter_v(y, offsets, comm):
     rows at offsets[r] .. offsets[r+1] - 1); rank r gets, for its rows, the float32 sum over
     ranks in rank order, cast to y.dtype, and zeros past its count. Each rank sends only the
     rows of the other ranks' segments. On a communicator in XLA fallback mode, for groups of
-    one, for calls larger than the buffers hold, or rows that are not a multiple of 16 bytes,
-    it pads the segments and runs `lax.psum_scatter` in float32 instead.
+    one, for calls larger than the buffers hold, or rows that are not a multiple of 16 bytes
+    (each device's call's: in a partially manual shard_map its share of a row), it pads the
+    segments and runs `lax.psum_scatter` in float32 instead.
 
     Args:
       y: [world_size * max_rows, ...], bfloat16, float16 or float32.
@@ -356,7 +367,7 @@ def reduce_scatter_v(y, offsets, comm):
         raise ValueError(f"jax_nvcomm: {what}: offsets must be int32 of shape ({W + 1},) "
                          f"(world_size + 1), got {offsets.dtype}{list(offsets.shape)}")
     max_rows = y.shape[0] // W
-    row = _row_bytes(y)
+    row = _local_row_bytes(comm, y)  # each device's call's
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0 or row % 16
             or not fits(comm, max_rows, row)):
         dims = tuple(range(1, y.ndim))

@@ -9,20 +9,14 @@ import pytest
 
 from jax_nvcomm.bench import cli
 from jax_nvcomm.bench import ragged as br
+from ragged_cases import np_ragged_all_to_all
 
 
 def _simulate(operands, outputs, plan, pre):
-    """lax.ragged_all_to_all's contract (one slice per peer) on numpy arrays, every rank."""
-    W = len(operands)
-    res = [o.copy() for o in outputs]
-    for s in range(W):
-        for d in range(W):
-            n = plan[f"{pre}_send"][s, d]
-            assert plan[f"{pre}_recv"][d, s] == n
-            src = operands[s][plan[f"{pre}_in"][s, d]:plan[f"{pre}_in"][s, d] + n]
-            o = plan[f"{pre}_out"][s, d]
-            res[d][o:o + n] = src
-    return res
+    """lax.ragged_all_to_all's contract (one slice per peer) on numpy arrays, every rank
+    (ragged_cases.np_ragged_all_to_all; it also checks that the receivers' recv sizes agree)."""
+    return list(np_ragged_all_to_all(np.stack(operands), np.stack(outputs),
+                                     *(plan[f"{pre}_{k}"] for k in ("in", "send", "out", "recv"))))
 
 
 @pytest.mark.parametrize("world,experts,top_k,routing", [(4, 16, 4, "balanced"),
@@ -68,9 +62,16 @@ def test_bench_ragged_quick_on_cpu(tmp_path, capsys):
                    "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "ragged.json").read_text())
-    rows = [r for r in data["rows"] if "median_us" in r]
+    # measured rows; the "<XLA method> best" rows are copies of XLA's default on CPU devices
+    rows = [r for r in data["rows"] if "median_us" in r and "xla_variants" not in r]
     want = {(op, m) for op in ("dispatch", "combine") for m in br.METHODS}
     assert {(r["op"], r["method"]) for r in rows} == want
+    best = {(r["op"], r["method"]): r for r in data["rows"] if "xla_variants" in r}
+    assert set(best) == {(op, f"{m} best") for op, m in want if m.startswith("xla")}
+    for (op, m), b in best.items():
+        base = next(r for r in rows if r["op"] == op and r["method"] == m[:-len(" best")])
+        assert b["median_us"] == base["median_us"] and b["xla_flags"] == "default"
+        assert "CPU devices" in b["xla_best_note"]
     for r in rows:
         assert r["median_us"] > 0 and r["tokens"] == 8 and r["routing"] == "skewed"
         if r["method"] != "xla":

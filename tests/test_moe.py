@@ -1,6 +1,8 @@
 """moe_dispatch / moe_combine against a float64 numpy reference on 8 CPU devices (host
 backend): exact counts and row order, scales, num_tokens, -1 ids, degenerate routings, top_k 1
 and 8, fp8 payloads, many rounds, two dispatches in flight, gradients, validation."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -419,3 +421,51 @@ def test_on_one_axis_of_a_2d_mesh(rng):
             yref = oracle_combine(ey.reshape(D, W, L, W * T, H)[g], w[sl].reshape(W, T, K),
                                   ids3, nt[g * W:(g + 1) * W], E)
             np.testing.assert_allclose(y[g], yref, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_with_only_the_order_token_batched_makes_one_call(rng):
+    """custom_vmap runs an op's batching rule when any operand carries the batch, the order
+    token included. With only the token batched nothing of the call is: ONE unbatched kernel
+    call per op (its results broadcast by vmap), even for the MoE ops, which refuse batched
+    arguments by name. A user's jax.vmap does not batch our tokens (each op makes its own in
+    its trace: even a lax.cond with a batched predicate, which batches every operand, batches
+    the MoE arguments with it), so this batches the token of the MoE ops' kernel calls
+    directly; a batched x still gets the named error."""
+    import jax_nvcomm._order as order
+    import jax_nvcomm.moe as moe_mod
+    world, E, K, T, H, B = 4, 8, 2, 6, 16, 3
+    moe = get_moe(world, E, K, T, H)
+    disp = moe_mod.moe_call(moe, "moe_dispatch",
+                            lambda *a: moe_mod._dispatch_kernel(*a, moe=moe))
+    comb = moe_mod.moe_call(moe, "moe_combine", lambda *a: moe_mod._combine_kernel(*a, moe=moe))
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world * T, E, K)
+    w = rng.random((world * T, K)).astype(np.float32)
+    nt = rng.integers(0, T + 1, size=world).astype(np.int32)
+
+    def f(x, ids, w, nt):
+        def one(t_disp, t_comb):  # only the tokens carry the batch
+            ex, cnt, _, td, es, _ = disp(x, ids, nt[0], t_disp)
+            y, _ = comb(ex * 2.0, w, td, es, cnt, t_comb)
+            return ex[None], cnt[None], y
+        tok = order.token(moe.axis_name)
+        toks = jnp.broadcast_to(tok, (B,) + tok.shape)
+        return jax.vmap(one)(toks, toks)
+
+    spec = P(None, "x")
+    prog = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(P("x"),) * 4,
+                                 out_specs=(spec,) * 3))
+    hlo = prog.lower(x, ids, w, nt).as_text()
+    assert len(re.findall(r"custom_call @nvc_moe_dispatch", hlo)) == 1, hlo
+    assert len(re.findall(r"custom_call @nvc_moe_combine", hlo)) == 1, hlo
+    ex, cnt, y = prog(x, ids, w, nt)
+    assert ex.shape[0] == cnt.shape[0] == y.shape[0] == B
+    for b in range(B):
+        check(moe, x, ids, w, nt, (ex[b], cnt[b], y[b]))
+
+    def batched_x(xb, ids, nt):
+        return jax.vmap(lambda v: disp(v, ids, nt[0], order.token(moe.axis_name))[0])(xb)
+
+    with pytest.raises(NotImplementedError, match="moe_dispatch: jax.vmap is not supported"):
+        jax.jit(jax.shard_map(batched_x, mesh=moe.mesh, in_specs=(P(None, "x"), P("x"), P("x")),
+                              out_specs=P(None, "x"))).lower(np.stack([x] * B), ids, nt)

@@ -11,12 +11,14 @@ everywhere, False where typing differs most.
 
 References (written here, from lax): psum; psum + add + RMSNorm; all_gather; a padded
 all_gather + compaction (all_gather_v) and padded psum_scatter in float32 (reduce_scatter_v);
-reference.moe_dispatch_xla / moe_combine_xla; lax.ragged_all_to_all (on CPU devices its
-emulation from lax.all_to_all, reference.ragged_all_to_all_xla). Gathers and dispatched rows are
+reference.moe_dispatch_xla / moe_combine_xla; reference.ragged_all_to_all_reference
+(lax.ragged_all_to_all's semantics from lax.all_gather and a scatter, independent of the
+emulation that the op's strategy="xla" runs on CPU devices). Gathers and dispatched rows are
 compared bit for bit; sums within float32 tolerance (another summation order); FP8 outputs
 within one FP8 step. The MoE ops cannot fold a batch into one call: vmap forms check the
 named error. Each program also counts its kernel calls: ONE per op call in the plain, partial
 and vmap forms."""
+import collections
 import dataclasses
 import re
 
@@ -29,8 +31,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla, ragged_all_to_all_xla,
-                                  rms_norm_reference)
+from jax_nvcomm import ragged, varlen
+from jax_nvcomm.reference import (moe_combine_xla, moe_dispatch_xla,
+                                  ragged_all_to_all_reference, rms_norm_reference)
 from ragged_cases import make_call
 
 W, DP, B, L = 4, 2, 2, 2          # tp size, dp size, micro-batches, scanned layers
@@ -300,7 +303,6 @@ class MoE:
 class Ragged:
     name, calls, grads, vmap_error = "ragged_all_to_all", 1, True, None
     no_explicit_grad = MoE.no_explicit_grad
-    ref_loop = True  # lax.ragged_all_to_all's batching rule takes 1-D operands only
 
     def args(self, rng, odd, nb):
         n, m = (5, 7) if odd else (6, 8)
@@ -313,8 +315,9 @@ class Ragged:
         return (nvc.ragged_all_to_all(operand, output, *index, c),)
 
     def ref(self, operand, output, *index):
-        """lax.ragged_all_to_all (its emulation from lax.all_to_all on CPU devices)."""
-        return (ragged_all_to_all_xla(operand, output, *index, axis_name="tp"),)
+        """lax.ragged_all_to_all's semantics from lax.all_gather and a scatter (the independent
+        reference: not the emulation that strategy="xla" runs on CPU devices)."""
+        return (ragged_all_to_all_reference(operand, output, *index, axis_name="tp"),)
 
     def compare(self, a, b):
         _same(a[0], b[0])
@@ -371,24 +374,14 @@ def _grads(f, args, diff):
     return jax.grad(loss, argnums=tuple(range(len(idx))))(*[args[i] for i in idx])
 
 
-def _vmap_loop(f, in_axes):
-    """jax.vmap(f, in_axes) as a loop over the B micro-batches (for a lax reference that
-    cannot be vmapped)."""
-    def run(*a):
-        outs = [f(*[v[b] if ax == 0 else v for v, ax in zip(a, in_axes)]) for b in range(B)]
-        return jax.tree.map(lambda *o: jnp.stack(o), *outs)
-    return run
-
-
 def _body(form, op, c, m, args):
     """(our outputs, the lax reference's) of the op in `form`, on the local shards."""
     ours = lambda *a: tuple(op.ours(c, m, *a))
     ref = lambda *a: tuple(op.ref(*[_whole(v) for v in a]))
     in_axes = [0 if a.batched else None for a in args]
     diff = [a.diff for a in args]
-    vmap_ref = _vmap_loop if getattr(op, "ref_loop", False) else jax.vmap
     if form in ("vmap", "vmap_partial"):
-        return jax.vmap(ours, in_axes=in_axes), vmap_ref(ref, in_axes=in_axes)
+        return jax.vmap(ours, in_axes=in_axes), jax.vmap(ref, in_axes=in_axes)
     if form == "scan":
         def layers(f):
             def run(*a):
@@ -402,10 +395,10 @@ def _body(form, op, c, m, args):
                 lambda *a: _grads(ref, a, diff))
     if form == "grad_vmap":
         return (lambda *a: _grads(jax.vmap(ours, in_axes=in_axes), a, diff),
-                lambda *a: _grads(vmap_ref(ref, in_axes=in_axes), a, diff))
+                lambda *a: _grads(jax.vmap(ref, in_axes=in_axes), a, diff))
     if form == "vmap_grad":
         return (jax.vmap(lambda *a: _grads(ours, a, diff), in_axes=in_axes),
-                vmap_ref(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
+                jax.vmap(lambda *a: _grads(ref, a, diff), in_axes=in_axes))
     return ours, ref
 
 
@@ -602,6 +595,77 @@ def test_plain_call_adds_nothing(comms):
         names = [e.primitive.name for e in _eqns(jax.make_jaxpr(smap)(x))]
         assert names.count("shard_map") == 1 and names.count("ffi_call") == 1, names
         assert not {"reshape", "transpose"} & set(names), names
+
+
+class OneShot(AllReduce):
+    name = "all_reduce[oneshot]"
+
+    def ours(self, c, m, x):
+        return (nvc.all_reduce(x, c, strategy="oneshot"),)
+
+
+def test_partial_manual_decides_on_each_devices_share(rng):
+    """Mesh (dp=2 Auto, tp=4), shard_map over tp only: what depends on the message size
+    (strategy, whether the call fits the buffers) is decided on each device's share, split
+    over dp, not on the unsplit array. Every call here fits per device but not unsplit: each
+    makes its kernel call (an explicit "oneshot" too, above the Lamport slot unsplit, and
+    ragged_all_to_all, which on CPU devices refuses a call that does not fit), with the lax
+    results; a "oneshot" share above the slot is still refused."""
+    mesh = _mesh("dp_tp")
+    with nvc.Communicator(mesh, "tp", max_message_bytes=8192) as c:
+        rows, n = 32, 8                        # 32 x 128 float32: 16 KiB unsplit, 8 KiB each
+        big = lambda: _rand(rng, False, (W * rows, 128))          # noqa: E731
+        small = lambda: _rand(rng, False, (W * n, 128))           # noqa: E731
+        counts = rng.integers(0, n + 1, W).astype(np.int32)
+        cases = [(AllReduce(), [big()]), (OneShot(), [small()]),
+                 (Fused(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
+                 (Quant(), [big(), big(), 1 + 0.1 * _rand(rng, False, (128,))]),
+                 (AllGather(), [small()]), (AllGatherV(), [small(), counts]),
+                 (ReduceScatterV(), [_rand(rng, False, (W * W * n, 128)), counts]),
+                 (Ragged(), [_rand(rng, False, (W * 24, 128)), big()] +
+                  [a.reshape(-1).astype(np.int32) for a in make_call(rng, W, 2, 24, rows)])]
+        # unsplit, none of them fits: 16 KiB messages, a 4 KiB one-shot message, gathers of
+        # 4 x 4 KiB, varlen rows of 512 bytes
+        assert rows * 128 * 4 > c.max_message_bytes and n * 128 * 4 > c.lamport_slot_bytes
+        assert W * n * 128 * 4 > c.max_message_bytes and not varlen.fits(c, n, 512)
+        assert not ragged.fits(c, rows, 512, 2)  # 32 output rows of 512 bytes, 2 slices a peer
+        assert varlen.fits(c, n, 256) and ragged.fits(c, rows, 256, 2)  # split over dp: fit
+        rank = {ReduceScatterV: [True, False], AllGatherV: [True, True], Ragged: [True] * 6}
+        specs, values, sizes = [], [], []
+        for op, args in cases:
+            sizes.append(len(args))
+            for k, a in enumerate(args):
+                split = rank.get(type(op), [True, True, False])[k]
+                specs.append(P("tp") if split else P())
+                values.append(jnp.asarray(a))
+
+        def body(*local):
+            outs, i = [], 0
+            for (op, _), k in zip(cases, sizes):
+                a = local[i:i + k]
+                i += k
+                outs.append((tuple(op.ours(c, None, *a)), tuple(op.ref(*a))))
+            return jax.tree.map(lambda o: o[None], outs)
+
+        prog = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=P("tp"),
+                                     axis_names={"tp"}))
+        with jax.set_mesh(mesh):
+            hlo = prog.lower(*values).as_text()
+            got = prog(*values)
+        calls = collections.Counter(re.findall(r"custom_call @nvc_(\w+)\(", hlo))
+        assert calls == {"all_reduce": 2, "all_reduce_rms": 1, "all_reduce_rms_quant": 1,
+                         "all_gather": 2, "all_gather_v": 1, "reduce_scatter_v": 1,
+                         "ragged_all_to_all": 1}, calls
+        for (op, _), (ours, ref) in zip(cases, got):
+            op.compare(ours, ref)
+
+        def too_big(v):  # 16 x 128 float32: 4 KiB a device, above the 2560-byte slot
+            return nvc.all_reduce(v, c, strategy="oneshot")[None]
+        with pytest.raises(ValueError, match="strategy='oneshot' takes messages up to 2560 "
+                                             "bytes on this communicator, got 4096"):
+            with jax.set_mesh(mesh):
+                jax.jit(jax.shard_map(too_big, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                                      axis_names={"tp"})).lower(jnp.zeros((W * 16, 128)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,8 @@ def _ar_point(env, comm, mesh, hidden, tokens, a, methods=None, fused_too=True,
                 if not quiet:
                     env.log(f"#   {tokens}x{hidden} ({_human(nbytes)}) {name}: {_cell(row)}")
             rows.append(row)
-            if name in BEST and getattr(a, "xla_best", "off") != "off" and "skipped" not in row:
+            if (name in BEST and xla_best.wanted(getattr(a, "xla_best", "off"))
+                    and "skipped" not in row):
                 b = xla_best.best(env, BEST[name], lambda opts, body=body, args=args,
                                   specs=specs, carry_n=carry_n: _measure(
                                       env, name, mesh, body, args, specs, carry_n, a,
@@ -157,8 +158,6 @@ def crossover(by, one_m, two_m, base_m):
             two = s
         else:
             break
-    if sizes and two == sizes[-1]:
-        two = max(two, 64 << 20) if sizes[-1] >= 64 << 20 else two
     return one, two
 
 

@@ -287,10 +287,15 @@ def _device_time(env, fn, args, calls, runs=2):
     return out
 
 
+def switch(mode: str, auto: bool) -> bool:
+    """A benchmark's on / off / auto option (--device-time, --xla-best): "on" is on, "auto" is
+    on where `auto` holds, anything else is off."""
+    return mode == "on" or (mode == "auto" and auto)
+
+
 def _device_time_on(env, a) -> bool:
     """--device-time: on, off, or auto (on for GPUs)."""
-    mode = getattr(a, "device_time", "off") or "off"
-    return mode == "on" or (mode == "auto" and env.platform == "gpu")
+    return switch(getattr(a, "device_time", "off") or "off", env.platform == "gpu")
 
 
 def add_loop_arguments(s, quick: str):

@@ -106,15 +106,11 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
         return rows
     x, sc, ey, ids, wts = _moe_inputs(env, mesh, W, T, H, K, E, dtype)
     moe, note = None, None
-    if not (hasattr(env.nvc, "MoECommunicator") and hasattr(env.nvc, "moe_dispatch")):
-        note = "nvc.moe_dispatch not available in this build"
-    else:
-        try:
-            moe = env.nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T,
-                                          hidden=H, dtype=dtype,
-                                          scale_cols=(H // 128) if fp8 else 0)
-        except Exception as e:  # noqa: BLE001
-            note = f"MoECommunicator failed: {type(e).__name__}: {str(e)[:120]}"
+    try:
+        moe = env.nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                                      dtype=dtype, scale_cols=(H // 128) if fp8 else 0)
+    except Exception as e:  # noqa: BLE001
+        note = f"MoECommunicator failed: {type(e).__name__}: {str(e)[:120]}"
     if note:
         rows.append(dict(base, method="nvc", op="*", skipped=note))
     try:
@@ -175,7 +171,7 @@ def _moe_point(env, mesh, cfg, T, dtype_name, a):
                     row["GBps"] = moved[op] / (row["median_us"] * 1e-6) / 1e9
                 rows.append(row)
                 env.log(f"#   T={T} {dtype_name} {name} {op}: {_cell(row)}")
-                if name.startswith("xla") and getattr(a, "xla_best", "off") != "off":
+                if name.startswith("xla") and xla_best.wanted(getattr(a, "xla_best", "off")):
                     b = xla_best.best(env, f"{name} best", lambda o: run(o, False),
                                       default=row, mode=a.xla_best)
                     rows.append(b)
@@ -199,8 +195,6 @@ def run_moe(a):
             f"({cfg['experts'] // env.world} per rank), top-{cfg['top_k']}, hidden "
             f"{cfg['hidden']}, tokens/rank {cfg['tokens']}; dispatch bf16 and fp8 "
             f"(float8_e4m3fn + float32 scales, hidden/128 cols), combine bf16")
-    if not hasattr(env.nvc, "moe_dispatch"):
-        env.log("# NOTE: nvc.moe_dispatch is not in this build yet: its rows are skipped")
     mesh = env.mesh()
     rows = []
     for dtype_name in getattr(a, "dtypes", None) or ("bf16", "fp8"):

@@ -15,9 +15,9 @@ group-size exchange in the timed call). Methods:
   xla         lax.ragged_all_to_all (on CPU devices jax_nvcomm.reference's emulation)
   xla pieces  the same with each slice split into ~512/W consecutive updates (reference.py:
               XLA's GPU kernel runs one thread block per update and peer)
-  <xla method> best  (--xla-best, on for GPUs) the fastest of that method compiled with XLA's
+  <xla method> best  (unless --xla-best off) the fastest of that method compiled with XLA's
               defaults and with each ragged-all-to-all fast-path flag of this XLA
-              (bench/xla_best.py)
+              (bench/xla_best.py; on CPU devices XLA's default: the flags do not apply)
 Times: loop us per call and device time (bench/__init__.py). Writes OUT/ragged.json, the tables
 and OUT/ragged.png.
 """
@@ -102,11 +102,7 @@ def _point(env, mesh, hidden, experts, T, K, routing, a):
         return [dict(base, method="*", op="*", skipped=f"needs ~{B._human(need)} per device")]
     comm = None
     if "nvc" in (a.methods or METHODS):
-        if not hasattr(env.nvc, "ragged_all_to_all"):
-            rows.append(dict(base, method="nvc", op="*",
-                             skipped="nvc.ragged_all_to_all not in this build"))
-        else:
-            comm = B._open_comm(env, mesh, max(N, M) * row)
+        comm = B._open_comm(env, mesh, max(N, M) * row)
     try:
         for op in ("dispatch", "combine"):
             n_in, n_out = (N, M) if op == "dispatch" else (M, N)
@@ -147,12 +143,13 @@ def _point(env, mesh, hidden, experts, T, K, routing, a):
                 r.update(run())
                 rows.append(r)
                 env.log(f"#   H={hidden} T={T} {routing} {op} {name}: {B._cell(r)}")
-                if name.startswith("xla") and xla_best.enabled(a.xla_best, env.platform):
+                if name.startswith("xla") and xla_best.wanted(getattr(a, "xla_best", "off")):
                     b = xla_best.best(env, f"{name} best", lambda o, run=run: run(o, False),
                                       default=r, mode=a.xla_best)
                     rows.append(b)
-                    env.log(f"#   H={hidden} T={T} {routing} {op} {name} best: {B._cell(b)} "
-                            f"[{b['xla_flags']}; {b['xla_variants']}]")
+                    if len(b["xla_variants"]) > 1:
+                        env.log(f"#   H={hidden} T={T} {routing} {op} {name} best: "
+                                f"{B._cell(b)} [{b['xla_flags']}; {b['xla_variants']}]")
             for r in rows:
                 if r.get("op") == op and r["method"] in first and r["method"] != "xla" \
                         and "xla" in first:

@@ -39,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .common import switch
+
 COLLECTIVES = frozenset(("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                          "ragged-all-to-all", "collective-permute"))
 HELPED = 0.97  # a variant "helped" where its median is below 97% of the default's
@@ -144,8 +146,14 @@ def variants(ops, platform: str | None = None) -> list[tuple[str, dict]]:
 
 def enabled(mode: str | None, platform: str) -> bool:
     """--xla-best: "on", "off", or "auto" (on where the flags can apply: not CPU)."""
-    mode = mode or "auto"
-    return mode == "on" or (mode == "auto" and platform != "cpu")
+    return switch(mode or "auto", platform != "cpu")
+
+
+def wanted(mode: str | None) -> bool:
+    """Whether a benchmark adds the "<XLA method> best" row of each measured XLA method: unless
+    --xla-best is off. Where no flag is tried (CPU devices, nothing that concerns the program's
+    collectives) the row is XLA's default with a note (`best`)."""
+    return (mode or "auto") != "off"
 
 
 def best(env, name: str, measure, default: dict | None = None, mode: str | None = "auto"

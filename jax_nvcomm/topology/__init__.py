@@ -249,14 +249,12 @@ def gather(prefix: str, groups, backend: str, timeout_s: float):
     from .. import _exchange
     me = jax.process_index()
     facts, links = local_facts(groups, backend, me, host_id())
-    if jax.process_count() > 1:
-        _exchange.put(f"{prefix}/topo/{me}", _encode(facts, links))
-        for p in range(jax.process_count()):
-            if p != me:
-                f, l = _decode(_exchange.get(f"{prefix}/topo/{p}", timeout_s,
-                                             f"process {p}'s topology facts"))
-                facts += f
-                links.update(l)
+    for p, raw in enumerate(_exchange.gather(f"{prefix}/topo", _encode(facts, links),
+                                             timeout_s, "topology facts")):
+        if p != me:
+            f, l = _decode(raw)
+            facts += f
+            links.update(l)
     return sorted(facts, key=lambda f: (f.group, f.rank)), links
 
 

@@ -43,10 +43,15 @@ std::string describe_error(const ErrorInfo& e) {
                     op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
       break;
     case kErrMismatch:
-      if (flag_desc(e.observed) == 0xFFFFFFu) {
-        std::snprintf(buf, sizeof buf,
-                      "jax_nvcomm: %s call #%llu: rank %d: rank %d failed this call (bad input "
-                      "found there)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
+      if (flag_desc(e.observed) == kPoisonDesc) {
+        // all-reduce: a two-shot block that failed its phase-0 wait (allreduce_twoshot.cuh);
+        // every other op: bad input of that rank
+        const uint32_t op = e.op & 0xFu;
+        std::snprintf(buf, sizeof buf, "jax_nvcomm: %s call #%llu: rank %d: rank %d failed this "
+                      "call (%s)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
+                      op == kOpAllReduce || op == kOpAllReduceRms
+                          ? "it stopped waiting for a peer: its own error names why"
+                          : "bad input found there");
       } else {
         std::snprintf(buf, sizeof buf,
                       "jax_nvcomm: %s call #%llu: rank %d received a %s call from rank %d with "

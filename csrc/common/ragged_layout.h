@@ -68,8 +68,8 @@
 
 namespace nvc {
 
-// Poison descriptor (the same value as the other protocols').
-constexpr uint32_t kRaggedPoisonDesc = 0xFFFFFFu;
+// Poison descriptor (layout.h kPoisonDesc, as every protocol's).
+constexpr uint32_t kRaggedPoisonDesc = kPoisonDesc;
 
 // One header entry: where slice j of rank r lands in the receiver's output, and its row count.
 struct RaggedSlice {

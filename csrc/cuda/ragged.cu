@@ -70,6 +70,10 @@ int ragged_blocks(const CommView& v, const RaggedArgs& a) {
 
 cudaError_t ragged_all_to_all(const CommView& v, const RaggedArgs& a, cudaStream_t s) {
   if (ragged_check(v, a) != nullptr) return cudaErrorInvalidValue;
+  return ragged_launch(v, a, s);
+}
+
+cudaError_t ragged_launch(const CommView& v, const RaggedArgs& a, cudaStream_t s) {
   const dev::RaggedKernelArgs ka{static_cast<const char*>(a.operand),
                                  static_cast<char*>(a.out),
                                  a.input_offsets,

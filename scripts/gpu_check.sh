@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU verification runs (device machine). Logs under $OUT (or ./gpu_out): summary.txt, all.log,
-# bench/*.json|png. Each part fits one 10-minute call.
+# bench/*.json|png. Each part runs in under 10 minutes.
 #   bash scripts/gpu_check.sh quick    2-GPU and shared-GPU smoke run + quick all-reduce bench (~90 s)
 #   bash scripts/gpu_check.sh shared   package build timing, kernel harnesses (+ compute-sanitizer),
 #                                      2/4/8 processes sharing GPU 0: collectives (1,000 calls),
@@ -54,7 +54,7 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
-# The 2-GPU run (2 x H200), one 10-minute part each, in this order:
+# The 2-GPU run (2 x H200), each part under 10 minutes, in this order:
 #   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
 #                                      times), the cluster A/B
 #   bash scripts/gpu_check.sh twogpu2  bench step, both presets, every layout (ep-ragged included) with
@@ -312,7 +312,7 @@ diag)  # the multi-process split-MoE and varlen scripts run directly, each with 
     [ $rc -ne 0 ] && grep -E "Error|error|FAIL|assert|Traceback" "$OUT/diag_$name.log" | head -8 | cut -c1-300 | tee -a "$OUT/summary.txt"
   done
   ;;
-newbench)  # the v2 ops' benchmarks: varlen gather/scatter, and the FP8 output next to the fused op
+newbench)  # the varlen and FP8 benchmarks: varlen gather/scatter, and the FP8 output next to the fused op
   step bench_varlen 170 $PY -m jax_nvcomm.bench varlen --out "$OUT/varlen" --reps 5
   grep -v "^\[" "$OUT/all.log" | grep -A30 "=== bench_varlen" | tail -28 | tee -a "$OUT/summary.txt"
   step bench_arq 170 $PY -m jax_nvcomm.bench allreduce --quick --out "$OUT/arq" --reps 5
@@ -334,16 +334,16 @@ kernlat)  # the kernel-latency work: (1) the all-reduce harness's graph timing (
   AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
   [ -x build/ar_h ] || $NV -o build/ar_h $AR
   [ -x build/ar_probe ] || $NV -DNVC_PROBE -o build/ar_probe $AR
-  step ar13_graph 120 build/ar_h --gpus "$NG" --bench
-  step ar13_probe 120 build/ar_probe --gpus "$NG" --probe
-  step ar13 300 $PY -m jax_nvcomm.bench allreduce --hidden 4096 7168 --tokens 1 8 64 128 \
+  step ar_lat_graph 120 build/ar_h --gpus "$NG" --bench
+  step ar_lat_probe 120 build/ar_probe --gpus "$NG" --probe
+  step ar_lat 300 $PY -m jax_nvcomm.bench allreduce --hidden 4096 7168 --tokens 1 8 64 128 \
     --methods "nvc oneshot" "nvc fused oneshot" "nvc quant oneshot" "nvc twoshot" "nvc fused twoshot" \
-    --device-time on --out /tmp/ar13
-  step moe13x 150 $PY -m jax_nvcomm.bench moe --tokens 4 --moe-hidden 2048 --experts 128 \
-    --methods nvc --dtypes bf16 --device-time on --out /tmp/moe13x
-  step moe13 200 $PY -m jax_nvcomm.bench moe --tokens 4 128 --methods nvc --dtypes bf16 \
-    --device-time on --out /tmp/moe13
-  for d in ar13 moe13 moe13x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
+    --device-time on --out /tmp/ar_lat
+  step moe_lat_x 150 $PY -m jax_nvcomm.bench moe --tokens 4 --moe-hidden 2048 --experts 128 \
+    --methods nvc --dtypes bf16 --device-time on --out /tmp/moe_lat_x
+  step moe_lat 200 $PY -m jax_nvcomm.bench moe --tokens 4 128 --methods nvc --dtypes bf16 \
+    --device-time on --out /tmp/moe_lat
+  for d in ar_lat moe_lat moe_lat_x; do cp /tmp/$d/*.json "$OUT/$d.json" 2>/dev/null; done
   grep -h "^#\|speedup\|^[0-9]\|^shape\|^graph\|oneshot\|twoshot" "$OUT/all.log" | grep -v "^\[" | tail -120 > "$OUT/kernlat.txt"
   ;;
 onegpulat)  # kernel-latency A/B timings that one GPU can give (virtual ranks share it: kernel variants

@@ -36,6 +36,9 @@
 #                                      op in every form next to lax, world = local GPUs; ~5 min)
 #                            paritymp  tests/mp/parity_mp.py: 2 and 4 processes sharing GPU 0
 #                                      (and one per GPU on 2+), forward forms against numpy
+#   bash scripts/gpu_check.sh mend     the failure-path fixes of csrc on GPU 0 (virtual ranks; no
+#                                      package build): harnesses rebuilt, their new fault cases,
+#                                      every case, memcheck, a 2-rank all-reduce table (~7 min)
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
@@ -114,7 +117,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-[ "${MODES[*]}" = raggedk ] || ensure_built  # the kernel harness alone needs no package
+case "${MODES[*]}" in raggedk | mend) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -146,6 +149,31 @@ harness)
   step ragged_harness 240 build/ragged_h
   step memcheck_ragged 240 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
     --no-fork --only "misaligned|many blocks|k=70"
+  ;;
+mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, ragged first bad
+  # slice and k > 256 records, cached occupancy): the three harnesses rebuilt from this tree, the
+  # all-reduce fault cases (a third rank absent, a two-shot rank leaving after phase 0), every
+  # all-reduce / ragged / MoE case (virtual ranks: ragged_blocks and fused_fits take the cached
+  # queries), memcheck of the new ragged error cases, then the all-reduce timing table of 2
+  # virtual ranks (ptxas rescheduled the two-shot kernels; compare with an earlier table)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  local H=tests/cuda_harness
+  step mend_build 300 bash -c "$NV -o build/ar_h $H/allreduce_harness.cu csrc/cuda/allreduce.cu &
+    $NV -o build/moe_h $H/moe_harness.cu csrc/cuda/moe.cu &
+    $NV -o build/ragged_h $H/ragged_harness.cu csrc/cuda/ragged.cu & wait"
+  step ar_error 120 build/ar_h --error
+  grep -A60 "=== ar_error" "$OUT/all.log" | grep -E "absent|poison|RESULT" |
+    tee -a "$OUT/summary.txt"
+  step ar_harness 150 build/ar_h --quick
+  step ragged_harness 240 build/ragged_h
+  grep -A90 "=== ragged_harness" "$OUT/all.log" | grep -E "k=300|FAIL|failure" |
+    tee -a "$OUT/summary.txt"
+  step memcheck_ragged_err 120 compute-sanitizer --tool memcheck --error-exitcode 1 build/ragged_h \
+    --no-fork --only "k=300"
+  step moe_harness 120 build/moe_h
+  step ar_bench2 120 build/ar_h --bench --ranks 2
+  grep -A40 "=== ar_bench2" "$OUT/all.log" | grep -vE "^===" | tail -30 >> "$OUT/summary.txt"
   ;;
 raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
   # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
@@ -443,7 +471,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

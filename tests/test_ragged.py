@@ -412,6 +412,34 @@ def test_bad_input_fails_named(rng, case):
                 run_once(c, x, out, io, ss, oo, rs)
 
 
+@pytest.mark.parametrize("k", [3, 300])
+def test_recv_error_names_the_slice(rng, k):
+    """A recv_sizes entry that disagrees with what its sender sends: the record names the
+    sender's slice j (of its k slices to the receiver) and both counts, for k > 1 and for
+    k > 256 (j past 8 bits), from a peer's slice (rank 0 expects more from rank 1's slice j0)
+    and from the rank's own (rank 1 expects more from its own slice j1)."""
+    Wc, N, M = 2, 4 * k, 4 * k
+    io, ss, oo, rs = (a.astype(np.int32) for a in make_call(rng, Wc, k, N, M, max_size=2))
+    j0, j1 = (int(rng.integers(max(1, k - 40), k)) for _ in range(2))  # > 256 when k = 300
+    sent0 = int(ss[1, 0 * k + j0])             # rank 1's slice j0 to rank 0
+    sent1 = int(ss[1, 1 * k + j1])             # rank 1's slice j1 to itself
+    rs[0, 1 * k + j0] = sent0 + 2
+    rs[1, 1 * k + j1] = sent1 + 1
+    x = rng.standard_normal((Wc, N, 2)).astype(np.float32)
+    out = rng.standard_normal((Wc, M, 2)).astype(np.float32)
+    with nvc.Communicator(mesh1d(Wc), "x", max_message_bytes=1 << 16, timeout_s=5) as c:
+        with pytest.raises(Exception, match="ragged_all_to_all call #1: rank"):
+            run_once(c, x, out, io, ss, oo, rs)
+        errs = c.errors()
+    assert len(errs) == 2, errs
+    want0 = (f"rank 0: rank 1 sends {sent0} rows in its slice j={j0} to rank 0, but rank 0's "
+             f"recv_sizes expects {sent0 + 2}:")
+    want1 = (f"rank 1: rank 1 sends {sent1} rows in its slice j={j1} to rank 1, but rank 1's "
+             f"recv_sizes expects {sent1 + 1}:")
+    assert any(want0 in e for e in errs), (want0, errs)
+    assert any(want1 in e for e in errs), (want1, errs)
+
+
 def test_bad_slice_error_gives_the_numbers(rng):
     """The failing rank's own error adds the slice's numbers to the record's text (one rank, so
     the error raised is that rank's)."""

@@ -115,6 +115,10 @@ NVC_HD uint32_t make_desc(uint32_t op, uint64_t a, uint64_t b = 0) {
 NVC_HD uint64_t make_flag(uint64_t seq, uint32_t desc) { return (seq << 24) | (desc & 0xFFFFFFu); }
 NVC_HD uint64_t flag_seq(uint64_t flag) { return flag >> 24; }
 NVC_HD uint32_t flag_desc(uint64_t flag) { return uint32_t(flag & 0xFFFFFFu); }
+// The POISON descriptor: a rank that leaves a call raises make_flag(s, kPoisonDesc) where its
+// peers would wait for its flags, so they fail at once (kErrMismatch naming it) instead of at
+// their deadline. No call's descriptor equals it (op kind 0xF does not exist).
+constexpr uint32_t kPoisonDesc = 0xFFFFFFu;
 
 // The control block at offset 0 of every rank's buffer.
 struct Ctrl {

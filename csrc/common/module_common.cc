@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ffi_targets.h"
+#include "ragged_layout.h"
 #include "registry.h"
 
 namespace nvc {
@@ -43,10 +44,15 @@ std::string describe_error(const ErrorInfo& e) {
                     op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
       break;
     case kErrMismatch:
-      if (flag_desc(e.observed) == 0xFFFFFFu) {
-        std::snprintf(buf, sizeof buf,
-                      "jax_nvcomm: %s call #%llu: rank %d: rank %d failed this call (bad input "
-                      "found there)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer);
+      if (flag_desc(e.observed) == kPoisonDesc) {
+        // all-reduce: a two-shot block that failed its phase-0 wait (allreduce_twoshot.cuh);
+        // every other op: bad input of that rank
+        const uint32_t op = e.op & 0xFu;
+        std::snprintf(buf, sizeof buf, "jax_nvcomm: %s call #%llu: rank %d: rank %d failed this "
+                      "call (%s)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
+                      op == kOpAllReduce || op == kOpAllReduceRms
+                          ? "it stopped waiting for a peer: its own error names why"
+                          : "bad input found there");
       } else {
         std::snprintf(buf, sizeof buf,
                       "jax_nvcomm: %s call #%llu: rank %d received a %s call from rank %d with "
@@ -126,15 +132,18 @@ std::string describe_error(const ErrorInfo& e) {
       break;
     }
     case kErrRaggedRecv: {
-      // ragged_recv_detail: sent rows in bits 0..27, expected in 28..55, slice j in 56..63
-      const uint64_t lim = (uint64_t(1) << 28) - 1;
-      const unsigned long long sent = e.observed & lim, want = (e.observed >> 28) & lim;
+      // ragged_recv_detail: sent rows in bits 0..23, expected in 24..47, slice j in 48..63,
+      // each clamped to its field ("+": at least that much)
+      const uint64_t lim = kRaggedRecvSizeMax;
+      const unsigned long long sent = e.observed & lim, want = (e.observed >> 24) & lim;
+      const unsigned j = unsigned(e.observed >> 48);
       std::snprintf(buf, sizeof buf,
                     "jax_nvcomm: %s call #%llu: rank %d: rank %d sends %llu%s rows in its slice "
-                    "j=%u to rank %d, but rank %d's recv_sizes expects %llu%s: ranks disagree on "
-                    "the sizes (send_sizes must equal all_to_all(recv_sizes))", op_name(e.op),
-                    (unsigned long long)e.seq, e.rank, e.peer, sent, sent == lim ? "+" : "",
-                    unsigned(e.observed >> 56), e.rank, e.rank, want, want == lim ? "+" : "");
+                    "j=%u%s to rank %d, but rank %d's recv_sizes expects %llu%s: ranks disagree "
+                    "on the sizes (send_sizes must equal all_to_all(recv_sizes))", op_name(e.op),
+                    (unsigned long long)e.seq, e.rank, e.peer, sent, sent == lim ? "+" : "", j,
+                    j == kRaggedRecvSliceMax ? "+" : "", e.rank, e.rank, want,
+                    want == lim ? "+" : "");
       break;
     }
     default:

@@ -99,7 +99,7 @@ constexpr int kMoeMaxBlocks = 24;      // blocks per kernel (<= kMaxBlocks)
 constexpr int kMoeMaxTopK = 32;        // one warp holds a token's top_k slots
 constexpr int kMoeMaxExperts = 4096;   // shared-memory counters
 constexpr int kMoeSubTokens = 128;     // tokens routed per step in the dispatch send kernel
-constexpr uint32_t kMoePoisonDesc = 0xFFFFFFu;
+constexpr uint32_t kMoePoisonDesc = kPoisonDesc;  // layout.h
 constexpr int kMoeMaxInFlight = 4;     // N = 8 flag slots of kMaxWorld x kMoeMaxBlocks in Ctrl::flags
 static_assert(kMoeMaxBlocks <= kMaxBlocks, "flag slots");
 static_assert(size_t(2) * kMoeMaxInFlight * kMaxWorld * kMoeMaxBlocks <=

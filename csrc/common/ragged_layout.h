@@ -50,7 +50,8 @@
 //      b's share of the slice (the same ragged_cut ranges, from the header's offset and size)
 //      from my frame to the same byte offsets of the result. A header offset outside
 //      [0, M - size] cannot come from a sender that passed step 1 (memory corruption:
-//      kErrRaggedSlice, peer = src, observed = ragged_slice_detail(src * k + j, 4)).
+//      kErrRaggedSlice, peer = src, observed = ragged_slice_detail(me * k + j, 4): the index of
+//      the slice in src's call).
 //   4. finish_call: the last block advances Ctrl::seq (the kernel itself, so CUDA-graph
 //      replays need no host code).
 // The result buffer aliases `output` (XLA input_output_aliases), so rows nothing lands on keep
@@ -68,8 +69,8 @@
 
 namespace nvc {
 
-// Poison descriptor (the same value as the other protocols').
-constexpr uint32_t kRaggedPoisonDesc = 0xFFFFFFu;
+// Poison descriptor (layout.h kPoisonDesc, as every protocol's).
+constexpr uint32_t kRaggedPoisonDesc = kPoisonDesc;
 
 // One header entry: where slice j of rank r lands in the receiver's output, and its row count.
 struct RaggedSlice {
@@ -130,13 +131,19 @@ NVC_HD int ragged_slice_field(int64_t in, int64_t size, int64_t out, int64_t n, 
 NVC_HD uint64_t ragged_slice_detail(int64_t slice, uint32_t field) {
   return uint64_t(uint32_t(slice)) | (uint64_t(field & 0xFFu) << 32);
 }
-// kErrRaggedRecv detail: the sender's size in bits 0..27, the receiver's recv_sizes entry in
-// bits 28..55, the slice j in bits 56..63 (sizes above 2^28 - 1 rows are clamped in the report).
+// kErrRaggedRecv detail: the sender's size in bits 0..23, the receiver's recv_sizes entry in
+// bits 24..47, the slice j (of the sender's k slices to this receiver) in bits 48..63. Each is
+// clamped to its field's largest value (sizes 2^24 - 1 rows, j 65535; a negative size too),
+// which describe_error prints with a "+" (at least that much).
+constexpr uint64_t kRaggedRecvSizeMax = (uint64_t(1) << 24) - 1;
+constexpr uint64_t kRaggedRecvSliceMax = 0xFFFF;
+NVC_HD uint64_t ragged_detail_clamp(int64_t x, uint64_t lim) {
+  return x < 0 ? lim : (uint64_t(x) > lim ? lim : uint64_t(x));
+}
 NVC_HD uint64_t ragged_recv_detail(int64_t j, int64_t sent, int64_t expected) {
-  const uint64_t lim = (uint64_t(1) << 28) - 1;
-  const uint64_t a = sent < 0 ? lim : (uint64_t(sent) > lim ? lim : uint64_t(sent));
-  const uint64_t e = expected < 0 ? lim : (uint64_t(expected) > lim ? lim : uint64_t(expected));
-  return a | (e << 28) | (uint64_t(j & 0xFF) << 56);
+  return ragged_detail_clamp(sent, kRaggedRecvSizeMax) |
+         (ragged_detail_clamp(expected, kRaggedRecvSizeMax) << 24) |
+         (ragged_detail_clamp(j, kRaggedRecvSliceMax) << 48);
 }
 
 }  // namespace nvc

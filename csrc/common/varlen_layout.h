@@ -22,8 +22,8 @@ constexpr size_t kVarlenHeaderBytes = 256;
 static_assert(kVarlenHeaderBytes >= sizeof(int32_t) * kMaxWorld, "header too small");
 
 // Poison descriptor: a rank that found bad input raises flags with it, so its peers report
-// "rank X failed this call" at once instead of timing out (the same value as the MoE kernels').
-constexpr uint32_t kVarlenPoisonDesc = 0xFFFFFFu;
+// "rank X failed this call" at once instead of timing out (layout.h kPoisonDesc).
+constexpr uint32_t kVarlenPoisonDesc = kPoisonDesc;
 
 NVC_HD size_t varlen_slot_bytes(int64_t max_rows, size_t row_bytes) {
   return align_up(size_t(max_rows) * row_bytes, 256);

@@ -49,11 +49,7 @@ constexpr int64_t kLocalBlocksPerSm = 4;
 int elems_per_vec(int dtype) { return dtype == kF32 ? 4 : 8; }
 
 int current_sm_count() {
-  static std::atomic<int> cache[64];
-  const int n = ar_detail::once_per_device(cache, [](int dev) {
-    int c = 0;
-    return cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? c : 0;
-  });
+  const int n = device_sm_count();
   return n > 0 ? n : 1;
 }
 
@@ -91,7 +87,7 @@ bool local_rows_enabled() {
 template <typename T, bool kQuant>
 int local_rows_per_sm() {
   static std::atomic<int> cache[64];
-  return ar_detail::once_per_device(cache, [](int) {
+  return once_per_device(cache, [](int) {
     int n = 0;
     if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,

@@ -1,10 +1,13 @@
 // Loading the all-reduce kernels and setting their attributes, once per (kernel, device): shared
-// by the launch code of allreduce.cu and allreduce_cluster.h. Internal to csrc/cuda.
+// by the launch code of allreduce.cu and allreduce_cluster.h (which also cache per-device
+// queries: device_cache.h). Internal to csrc/cuda.
 #pragma once
 #include <atomic>
 #include <cstdint>
 
 #include <cuda_runtime.h>
+
+#include "device_cache.h"
 
 namespace nvc {
 namespace cuda {
@@ -39,20 +42,6 @@ cudaError_t prepare_kernel() {
     return e;
   done.fetch_or(bit, std::memory_order_relaxed);
   return cudaSuccess;
-}
-
-// Once per device: query(dev) (a count, > 0 when it worked), cached in cache[dev]; 0 when the
-// query failed (also cached: it is not retried). Host only, no stream work.
-template <class Query>
-int once_per_device(std::atomic<int> (&cache)[64], Query&& query) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  const int c = cache[dev].load(std::memory_order_relaxed);
-  if (c != 0) return c < 0 ? 0 : c;
-  const int n = query(dev);
-  cudaGetLastError();  // a failed query's error is reported as 0, not left for the next check
-  cache[dev].store(n > 0 ? n : -1, std::memory_order_relaxed);
-  return n > 0 ? n : 0;
 }
 
 }  // namespace ar_detail

@@ -7,6 +7,7 @@
 
 #include "../kernels/moe_combine.cuh"
 #include "../kernels/moe_dispatch.cuh"
+#include "device_cache.h"
 
 namespace nvc {
 namespace cuda {
@@ -25,14 +26,10 @@ template <class SendArgs, class RecvArgs>
 bool fused_fits(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t smem,
                 const CommView& v, const MoeConfig& c) {
   if (v.context_ranks <= 1) return true;
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMoeThreads, smem) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return int64_t(v.context_ranks) * moe_blocks(c) <= int64_t(sms) * per_sm;
+  // the SM count cached per device; the occupancy asked each time (smem follows the config)
+  const int resident = resident_blocks(reinterpret_cast<const void*>(kernel), kMoeThreads, smem);
+  if (resident <= 0) return false;  // a query failed
+  return int64_t(v.context_ranks) * moe_blocks(c) <= int64_t(resident);
 }
 template <class SendArgs, class RecvArgs>
 cudaError_t launch_fused(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t smem,

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../kernels/ragged.cuh"
+#include "device_cache.h"
 
 namespace nvc {
 namespace cuda {
@@ -55,21 +56,21 @@ const char* ragged_check(const CommView& v, const RaggedArgs& a) {
 int ragged_blocks(const CommView& v, const RaggedArgs& a) {
   int g = ragged_grid(a.n_rows, a.m_rows, a.row_bytes, a.k, v.world);
   if (v.context_ranks <= 1) return g;
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_of(a.offsets_64),
-                                                    dev::kRaggedThreads, 0) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;  // every virtual rank gets the same answer
-  }
-  const int cap = sms * per_sm / v.context_ranks;
+  const int resident =
+      a.offsets_64 ? resident_blocks_cached<dev::ragged_kernel<long long>, dev::kRaggedThreads>()
+                   : resident_blocks_cached<dev::ragged_kernel<int>, dev::kRaggedThreads>();
+  if (resident <= 0) return 1;  // a query failed: every virtual rank gets the same answer
+  const int cap = resident / v.context_ranks;
   if (g > cap) g = cap;
   return g < 1 ? 1 : g;
 }
 
 cudaError_t ragged_all_to_all(const CommView& v, const RaggedArgs& a, cudaStream_t s) {
   if (ragged_check(v, a) != nullptr) return cudaErrorInvalidValue;
+  return ragged_launch(v, a, s);
+}
+
+cudaError_t ragged_launch(const CommView& v, const RaggedArgs& a, cudaStream_t s) {
   const dev::RaggedKernelArgs ka{static_cast<const char*>(a.operand),
                                  static_cast<char*>(a.out),
                                  a.input_offsets,

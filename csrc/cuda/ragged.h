@@ -35,6 +35,9 @@ struct RaggedArgs {
 cudaError_t ragged_all_to_all(const CommView& v, const RaggedArgs& a, cudaStream_t s);
 // nullptr when valid, else why not (static text).
 const char* ragged_check(const CommView& v, const RaggedArgs& a);
+// ragged_all_to_all for a caller that has just run ragged_check(v, a) == nullptr itself (the
+// FFI handler, which reports why not): the launch without checking again.
+cudaError_t ragged_launch(const CommView& v, const RaggedArgs& a, cudaStream_t s);
 // Blocks per launch (pure function of the static sizes).
 int ragged_grid(int64_t n_rows, int64_t m_rows, size_t row_bytes, int64_t k, int world);
 // Blocks ragged_all_to_all launches for this call: ragged_grid, and with v.context_ranks > 1

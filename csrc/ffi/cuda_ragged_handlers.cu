@@ -31,14 +31,13 @@ ffi::Error RaggedCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer op
                      input_offsets.untyped_data(), send_sizes.untyped_data(),
                      output_offsets.untyped_data(), recv_sizes.untyped_data(),
                      r.offsets_64, r.n_rows, r.m_rows, r.row_bytes, r.k};
-  if (const char* why = cuda::ragged_check(ctx->view, a))
-    return precondition(std::string("jax_nvcomm: ragged_all_to_all: ") + why);
+  if (const char* why = cuda::ragged_check(ctx->view, a)) return ragged_error(why);
   if (out->untyped_data() != output.untyped_data()) {
     cudaError_t e = cudaMemcpyAsync(out->untyped_data(), output.untyped_data(),
                                     output.size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (e != cudaSuccess) return launch_result(e, "ragged_all_to_all copy of output");
   }
-  return launch_result(cuda::ragged_all_to_all(ctx->view, a, stream), "ragged_all_to_all launch");
+  return launch_result(cuda::ragged_launch(ctx->view, a, stream), "ragged_all_to_all launch");
 }
 
 }  // namespace

@@ -112,7 +112,8 @@ std::string ragged_all_to_all(const CommView& v, const RaggedHostArgs& a) {
         return record_error(v, kErrRaggedRecv, desc, src, seq,
                             ragged_recv_detail(j, size, want)) + recv_numbers(e, size, want, k);
       if (off < 0 || off > a.m_rows - size)  // the sender validated it: memory corruption
-        return record_error(v, kErrRaggedSlice, desc, src, seq, ragged_slice_detail(e, 4));
+        return record_error(v, kErrRaggedSlice, desc, src, seq,
+                            ragged_slice_detail(int64_t(me) * k + j, 4));  // src's slice index
       std::memcpy(row(a.out, off, rb), row(frame, off, rb), size_t(size) * rb);
     }
   }

@@ -39,8 +39,9 @@
 // recording) once another thread of the rank failed, e.g. on a tag of another call (step 4):
 // data of that call would never complete this one. Below that wait the poll reads nothing but
 // its slots and the timer (the fast path costs nothing; a check inlined into every round cost
-// the fused epilogue registers). Results of a failed call: NaN where data was missing, else
-// unspecified.
+// the fused epilogue registers). The tag wait of step 4 checks Ctrl::failed with its deadline
+// every 256 rounds while the tag is missing and gives up the same way. Results of a failed
+// call: NaN where data was missing, else unspecified.
 //
 // Why three buffers suffice: a peer writes buffer (k+1) % 3 of my region only in its call k+1,
 // i.e. after it consumed my call-k push, which I issued after finishing call k-1, whose step 2
@@ -269,8 +270,10 @@ __device__ __forceinline__ OneShotCall oneshot_exchange(const CommView& v, const
 // Step 4 (threads 0..W-1 of the grid, thread `src` for source src): wait for src's tag of this
 // call in the own control block and compare it with this rank's; another op, dtype or size is
 // kErrMismatch, another call number kErrAhead (observed: make_flag(its k, its descriptor));
-// the data polls then give up (Ctrl::failed). Bounded like the data polls. Returns at once in
-// other threads.
+// the data polls then give up (Ctrl::failed). Bounded like the data polls; while the tag is
+// missing, every 256th round also checks Ctrl::failed and gives up without recording once
+// another thread of the rank failed (e.g. on another peer's tag), so one failure ends the
+// grid at once (common.cuh), not at this thread's deadline. Returns at once in other threads.
 template <int kThreads>
 __device__ __forceinline__ void oneshot_check_tag(const CommView& v, const OneShotCall& call,
                                                   uint32_t desc) {
@@ -279,10 +282,14 @@ __device__ __forceinline__ void oneshot_check_tag(const CommView& v, const OneSh
   const char* p = reinterpret_cast<const char*>(lamport_tag_at(v, v.rank, call.cur, int(src)));
   const uint4 want = lamport_tag_v4(call.k, desc);
   uint4 got = ld_volatile_v4(p);
+  uint32_t spins = 0;
   while ((got.x == 0u) | (got.y == 0u) | (got.z == 0u) | (got.w == 0u)) {
-    if (globaltimer() > call.deadline) {
-      fail(v, kErrTimeout, desc, int(src), call.k, 0);
-      return;
+    if ((++spins & 255u) == 0u) {
+      if (comm_failed(v)) return;  // recorded by the thread that failed
+      if (globaltimer() > call.deadline) {
+        fail(v, kErrTimeout, desc, int(src), call.k, 0);
+        return;
+      }
     }
     got = ld_volatile_v4(p);
   }

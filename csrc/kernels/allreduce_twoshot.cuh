@@ -40,9 +40,12 @@
 // as every block does for a message above max_message_bytes (kErrCapacity). A flag wait that
 // fails (timeout, disagreement, peer ahead: recorded; or Ctrl::failed set elsewhere) makes its
 // block leave at the __syncthreads_or that follows the wait, before it reads data that did not
-// arrive: phase 1 (after phase 0's wait) or the copy / epilogue (after phase 2's). Flags already
-// raised stay raised, so peers of a block that left after phase 0 time out at phase 2 (bounded)
-// unless they failed themselves. Outputs of a failed call are unspecified (partly written).
+// arrive: phase 1 (after phase 0's wait) or the copy / epilogue (after phase 2's). A block that
+// leaves after phase 0 has its phase-0 flags up but will never raise flags[p][1][me][b]: every
+// thread whose phase-0 wait failed raises the POISON flag make_flag(s, kPoisonDesc) there at
+// every peer instead (twoshot_leave_phase0; relaxed: it publishes no data), so peers waiting
+// for it in phase 2 fail at once naming this rank (kErrMismatch) instead of at their deadline.
+// Outputs of a failed call are unspecified (partly written).
 //
 // Safety of data reuse (two halves): rank j writes half p of my region for call s+2 only after
 // passing phase 0 of call s+1, which needs my phase-0 flag of call s+1, raised after my call s
@@ -153,6 +156,29 @@ struct TwoShotUnicast {
   }
 };
 
+// A phase-0 wait that failed (its block leaves): raise the POISON flag of call seq as this
+// block's phase-1 flag at every peer (see the header), then record the error (fail). Out of line,
+// everything computed inside from the kernel's __grid_constant__ v (a reference copies nothing).
+static __device__ __noinline__ void twoshot_leave_phase0(const CommView& v, uint32_t code,
+                                                         uint32_t desc, int peer, uint64_t seq,
+                                                         uint64_t seen) {
+  const uint64_t f = make_flag(seq, kPoisonDesc);
+  for (int r = 0; r < v.world; ++r)
+    if (r != v.rank) st_relaxed_sys(&v.peer_ctrl(r)->flags[seq & 1][1][v.rank][blockIdx.x], f);
+  record_failure_inline(&v.ctrl()->failed, v.err, v.rank, code, desc, peer, seq, seen);
+}
+
+// wait_flag for phase 0: on failure, twoshot_leave_phase0 instead of fail (the same call site).
+__device__ __forceinline__ bool twoshot_wait_phase0(const uint64_t* flag, uint64_t seq,
+                                                    uint32_t desc, const CommView& v, int peer,
+                                                    uint64_t deadline) {
+  uint64_t seen = 0;
+  const uint32_t code = poll_flag(v, flag, seq, desc, deadline, &seen);
+  if (code == kErrNone) return true;
+  twoshot_leave_phase0(v, code, desc, peer, seq, seen);
+  return false;
+}
+
 template <typename T, bool kFused, class Policy, bool kQuant = false>
 __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
@@ -197,7 +223,8 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
   bool ok = true;
   if (threadIdx.x < W && int(threadIdx.x) != me) {
     publish_flag(&v.peer_ctrl(threadIdx.x)->flags[p][0][me][b], flag);
-    ok = wait_flag(&ctrl->flags[p][0][threadIdx.x][b], seq, desc, v, threadIdx.x, deadline);
+    ok = twoshot_wait_phase0(&ctrl->flags[p][0][threadIdx.x][b], seq, desc, v, threadIdx.x,
+                             deadline);
   }
   if (__syncthreads_or(!ok)) return;
 

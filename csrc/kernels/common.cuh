@@ -222,17 +222,22 @@ __device__ __forceinline__ void publish_flag(uint64_t* flag, uint64_t value) {
 }
 
 // Raise the poison flag make_flag(s, poison_desc) of every block < nblocks of this rank at every
-// peer (flag-protocol phase 0), then record the error (fail; returns: the caller's block then
-// leaves). One thread. A peer waiting for any of these flags then reports kErrMismatch naming
-// this rank at once instead of timing out. No release: a poison flag publishes no data.
-__device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int nblocks,
-                                            uint32_t poison_desc, uint32_t code, uint32_t desc,
-                                            int peer, uint64_t observed) {
+// peer (flag-protocol phase 0). One thread. A peer waiting for any of these flags then reports
+// kErrMismatch naming this rank at once instead of timing out. No release: a poison flag
+// publishes no data.
+__device__ __forceinline__ void poison_flags(const CommView& v, uint64_t s, int nblocks,
+                                             uint32_t poison_desc) {
   const uint64_t f = make_flag(s, poison_desc);
   for (int r = 0; r < v.world; ++r)
     if (r != v.rank)
       for (int b = 0; b < nblocks; ++b)
         st_relaxed_sys(&v.peer_ctrl(r)->flags[s & 1][0][v.rank][b], f);
+}
+// poison_flags, then record the error (fail; returns: the caller's block then leaves).
+__device__ __forceinline__ void poison_fail(const CommView& v, uint64_t s, int nblocks,
+                                            uint32_t poison_desc, uint32_t code, uint32_t desc,
+                                            int peer, uint64_t observed) {
+  poison_flags(v, s, nblocks, poison_desc);
   fail(v, code, desc, peer, s, observed);
 }
 

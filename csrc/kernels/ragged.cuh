@@ -9,10 +9,12 @@
 //   0. a block of a failed communicator (Ctrl::failed, read with s) leaves at once, before
 //      anything is read or written (kernels/common.cuh "Failure"), found with step 1's vote.
 //   1. validate: the threads stride over all K = k * W slices (int32 or int64 offsets, widened
-//      to int64; ragged_slice_field, the host protocol's test too). Any bad slice:
-//      thread 0 finds the first (index, field), raises the poison flag of every block at every
-//      peer (poison_fail), records kErrRaggedSlice; the whole block returns. Every block reads
-//      the same inputs, so every block fails alike and none has written anything.
+//      to int64; ragged_slice_field, the host protocol's test too). Any bad slice: thread 0
+//      raises the poison flag of every block at every peer first (poison_flags), then the
+//      threads find the first bad index together (each its first in its stride, the smallest
+//      through a shared atomicMin: ragged_first_bad) and thread 0 records kErrRaggedSlice (that
+//      index and field); the whole block returns. Every block reads the same inputs, so every
+//      block fails alike and none has written anything.
 //   2. push: for every peer d (me+1, me+2, ... so the ranks write to a permutation of the peers
 //      at each step), in chunks of kRaggedChunk slices: threads j < chunk read slice d*k+j's
 //      (offset, size, output offset) into shared memory and store its header entry
@@ -26,16 +28,17 @@
 //      barrier before it.
 //   self: the block copies its share of my own k slices operand -> out (no frame, no flag),
 //      while the peers' pushes are in flight; a size that differs from my recv_sizes entry ->
-//      kErrRaggedRecv naming me (the staging threads check, __syncthreads_or, thread 0 reports;
-//      my flags are already up, so no peer is left waiting).
+//      kErrRaggedRecv naming me (the staging threads check, __syncthreads_or, ragged_first_bad
+//      picks the first, thread 0 reports; my flags are already up, so no peer is left waiting).
 //   3. receive: for every src != me (me-1, me-2, ...): thread 0 waits for flags[p][0][src][b]
 //      (bounded, names src; gives up when another block of the rank failed, poll_flag);
 //      __syncthreads_or broadcasts a failure (the block returns). Per
 //      chunk: threads j < chunk read header entry src*k+j (ld.cg, L2: written by src over NVLink)
 //      and recv_sizes[src*k+j]; a size that differs -> kErrRaggedRecv naming src, an entry
 //      outside [0, M) rows (impossible after src's step 1: memory corruption) ->
-//      kErrRaggedSlice naming src (ragged_slice_detail(src*k+j, 4), as the host protocol);
-//      both found with __syncthreads_or, reported by thread 0, the block returns. Else the
+//      kErrRaggedSlice naming src (ragged_slice_detail(me*k+j, 4): slice me*k+j of src's call,
+//      as the host protocol); both found with __syncthreads_or, the first by ragged_first_bad,
+//      reported by thread 0, the block returns. Else the
 //      block copies its ragged_cut share of each slice my frame -> out (ld.cg loads; the same
 //      byte offsets, as the frame mirrors out).
 //   4. finish_call: the last block advances Ctrl::seq.
@@ -88,7 +91,20 @@ struct RaggedStage {
   int64_t lo[kRaggedChunk];
   int64_t hi[kRaggedChunk];
   int64_t shift[kRaggedChunk];
+  long long first;  // error paths only: the first bad index (ragged_first_bad)
 };
+
+// Error paths (the whole block, after the __syncthreads_or that found `bad` somewhere): the
+// smallest `index` of the threads with bad set, or `none` when none has. Two barriers, one
+// shared atomic per bad thread: no thread re-scans serially.
+__device__ __forceinline__ long long ragged_first_bad(RaggedStage& st, bool bad, long long index,
+                                                      long long none) {
+  if (threadIdx.x == 0) st.first = none;
+  __syncthreads();
+  if (bad) atomicMin(&st.first, index);
+  __syncthreads();
+  return st.first;
+}
 
 // Thread t stages a slice whose frame bytes are [at, at + bytes) and source bytes start at
 // at + shift.
@@ -161,12 +177,12 @@ __device__ __forceinline__ bool ragged_send_slices(const CommView& v, uint64_t s
     const bool wrong =
         ragged_stage_send<I>(st, a, i0, nj, hdr != nullptr ? hdr + j0 : nullptr);
     if (__syncthreads_or(wrong)) {
-      for (int j = 0; threadIdx.x == 0 && j < nj; ++j) {  // the first wrong one
+      const long long j = ragged_first_bad(st, wrong, threadIdx.x, nj);  // the first wrong one
+      if (threadIdx.x == 0 && j < nj) {
         const int64_t sent = ragged_index<I>(a.send, i0 + j);
         const int64_t want = ragged_index<I>(a.recv, i0 + j);
-        if (sent == want) continue;
-        fail(v, kErrRaggedRecv, a.desc, v.rank, seq, ragged_recv_detail(j0 + j, sent, want));
-        break;
+        if (sent != want)  // it does not: thread j found it so, from the same values
+          fail(v, kErrRaggedRecv, a.desc, v.rank, seq, ragged_recv_detail(j0 + j, sent, want));
       }
       return false;
     }
@@ -190,12 +206,21 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
   bool bad = false;
   for (int64_t i = t; !dead && i < K; i += blockDim.x) bad |= ragged_bad_field<I>(a, i) >= 0;
   if (__syncthreads_or(bad || dead)) {
-    if (t == 0 && !comm_failed(v)) {  // a bad slice (dead: another kernel reported it)
-      int64_t i = 0;
-      int field = ragged_bad_field<I>(a, 0);
-      while (field < 0 && i + 1 < K) field = ragged_bad_field<I>(a, ++i);
-      poison_fail(v, seq, G, kRaggedPoisonDesc, kErrRaggedSlice, a.desc, me,
-                  ragged_slice_detail(i, uint32_t(field)));
+    // A bad slice (unless another kernel or block of this rank already reported one): the
+    // poison first, so peers fail at once; then every thread its first bad slice, the smallest
+    // recorded (dead: nothing to do).
+    bool report = false;
+    if (t == 0 && !comm_failed(v)) {
+      poison_flags(v, seq, G, kRaggedPoisonDesc);
+      report = true;
+    }
+    if (__syncthreads_or(report)) {
+      int64_t i = t;
+      while (i < K && ragged_bad_field<I>(a, i) < 0) i += blockDim.x;
+      const long long first = ragged_first_bad(st, i < K, i, K);
+      if (t == 0 && first < K)
+        fail(v, kErrRaggedSlice, a.desc, me, seq,
+             ragged_slice_detail(first, uint32_t(ragged_bad_field<I>(a, first))));
     }
     return;
   }
@@ -241,15 +266,16 @@ __global__ void __launch_bounds__(kRaggedThreads, 1) ragged_kernel(CommView v, R
         if (!wrong) ragged_stage(st, t, e.x * a.row_bytes, e.y * a.row_bytes, 0);
       }
       if (__syncthreads_or(wrong)) {
-        for (int64_t j = j0; t == 0 && j < j0 + nj; ++j) {  // the first wrong entry
+        const long long f = ragged_first_bad(st, wrong, t, nj);  // the first wrong entry
+        if (t == 0 && f < nj) {
+          const int64_t j = j0 + f;  // src's slice j to me: slice me * k + j of its call
           const longlong2 e = __ldcg(hdr + src * k + j);
           const int64_t want = ragged_index<I>(a.recv, src * k + j);
           const uint32_t code = ragged_recv_error(e, want, a.m_rows);
-          if (code == kErrNone) continue;
-          fail(v, code, a.desc, src, seq,
-               code == kErrRaggedRecv ? ragged_recv_detail(j, e.y, want)
-                                      : ragged_slice_detail(src * k + j, 4));
-          break;
+          if (code != kErrNone)  // it is not: thread f found it so, from the same values
+            fail(v, code, a.desc, src, seq,
+                 code == kErrRaggedRecv ? ragged_recv_detail(j, e.y, want)
+                                        : ragged_slice_detail(int64_t(me) * k + j, 4));
         }
         return;
       }

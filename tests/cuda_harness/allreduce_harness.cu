@@ -994,7 +994,12 @@ bool validation_ok(World& w) {
 //                record unchanged)
 //   sizes        both ranks call, rank 1 with twice the tokens (one-shot plain, fused on the
 //                cluster kernel, two-shot): both record a disagreement (kErrMismatch, the other
-//                rank) well before the deadline (the one-shot tag, layout.h lamport_tag)
+//                rank) well before the deadline (the one-shot tag, layout.h lamport_tag); the
+//                same in a 3-rank world whose rank 2 never calls (one-shot: the tag wait for
+//                rank 2 gives up on Ctrl::failed)
+//   poison       two-shot: rank 1 with a 1 us deadline leaves after phase 0; rank 0, calling
+//                after it, records a mismatch with the poison descriptor naming rank 1 at
+//                once (allreduce_twoshot.cuh), rank 1 a timeout naming rank 0
 //   healthy      a fresh 2-rank world runs a random case after all of the above, checked as in
 //                the full run
 double now_s() {
@@ -1074,6 +1079,61 @@ bool fault_case(const char* name, int sms, Strategy s, bool fused, int64_t T, in
   return ok;
 }
 
+// What one rank of fault_world must record: code naming peer (poison: a mismatch whose
+// observed descriptor is layout.h kPoisonDesc).
+struct Expect {
+  int rank;
+  uint32_t code;
+  int peer;
+  bool poison;
+};
+
+// One fault in a fresh W-rank world: the ranks of `order` call, in that order (rank r with T *
+// (1 + r * grow) tokens); rank `hasty` (if >= 0) gets a 1 us deadline and its stream is
+// synchronised before the next rank launches. Every expectation must hold, call #1, within
+// max_s of the first launch; every launch ends with cudaSuccess.
+bool fault_world(const char* name, int sms, Strategy s, bool fused, int W, int64_t T, int64_t H,
+                 int grow, const std::vector<int>& order, int hasty,
+                 const std::vector<Expect>& expect, double max_s) {
+  World w = make_world(W, 1 << 20, 2ull * 1000 * 1000 * 1000, sms);
+  g_world = &w;
+  if (hasty >= 0) w.r[hasty].v.timeout_ns = 1000;
+  std::vector<Case> cs(W);
+  for (int r = 0; r < W; ++r) {
+    cs[r].sh = {1, T * (1 + r * grow), H, fused, false, false};
+    cs[r].W = W;
+    gen_inputs(cs[r], 11 + r);
+    upload(cs[r]);
+  }
+  bool ok = true;
+  const double t0 = now_s();
+  for (int r : order) {
+    set_dev(r);
+    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, nullptr, w.r[r].st, w.sms));
+    if (r == hasty) ok &= cudaStreamSynchronize(w.r[r].st) == cudaSuccess;
+  }
+  for (const Expect& x : expect) {
+    set_dev(x.rank);
+    const cudaError_t e = cudaStreamSynchronize(w.r[x.rank].st);
+    const double dt = now_s() - t0;
+    const ErrorInfo* info = w.r[x.rank].err;
+    const uint32_t failed = ctrl_failed(w, x.rank);
+    const bool poisoned = nvc::flag_desc(info->observed) == nvc::kPoisonDesc;
+    const bool good = e == cudaSuccess && info->code == x.code && info->rank == x.rank &&
+                      info->peer == x.peer && info->seq == 1 && failed == x.code &&
+                      (!x.poison || poisoned) && dt < max_s;
+    std::printf("  %-34s rank %d: sync %s after %.2f s, ErrorInfo code=%u rank=%d peer=%d "
+                "seq=%llu%s, Ctrl::failed=%u %s\n", name, x.rank, cudaGetErrorName(e), dt,
+                info->code, info->rank, info->peer, (unsigned long long)info->seq,
+                poisoned ? " (poison)" : "", failed, good ? "ok" : "FAIL");
+    ok &= good;
+  }
+  for (auto& c : cs) release(c);
+  free_world(w);
+  g_world = nullptr;
+  return ok;
+}
+
 int error_test(int sms) {
   bool ok = true;
   std::printf("fault checks (2 ranks, deadline 2 s; no kernel traps):\n");
@@ -1091,6 +1151,20 @@ int error_test(int sms) {
   ok &= fault_case("sizes fused one-shot (rows)", sms, Strategy::kOneShot, true, 8, 1024, 2, 1,
                    mis, 1.0);
   ok &= fault_case("sizes two-shot", sms, Strategy::kTwoShot, false, 2, 4096, 2, 1, mis, 1.0);
+  // Sizes with a third rank absent: the tag waits for it give up once the mismatch is
+  // recorded (Ctrl::failed), not at the 2 s deadline.
+  const std::vector<Expect> both_mis = {{0, mis, 1, false}, {1, mis, 0, false}};
+  ok &= fault_world("sizes one-shot, rank 2 absent", sms, Strategy::kOneShot, false, 3, 2, 4096,
+                    1, {0, 1}, -1, both_mis, 1.0);
+  ok &= fault_world("sizes fused 1-shot (cl), 2 absent", sms, Strategy::kOneShot, true, 3, 1,
+                    4096, 1, {0, 1}, -1, both_mis, 1.0);
+  // Rank 1 (1 us deadline) runs alone and leaves after its phase-0 wait, its phase-0 flags up;
+  // then rank 0 passes phase 0 and finds rank 1's poisoned phase-1 flags (not a 2 s timeout).
+  const std::vector<Expect> poisoned = {{1, tmo, 0, false}, {0, mis, 1, true}};
+  ok &= fault_world("two-shot phase 0 left (poison)", sms, Strategy::kTwoShot, false, 2, 2, 4096,
+                    0, {1, 0}, 1, poisoned, 1.0);
+  ok &= fault_world("fused two-shot phase 0 left (poison)", sms, Strategy::kTwoShot, true, 2, 4,
+                    1024, 0, {1, 0}, 1, poisoned, 1.0);
   {  // the context is healthy: a normal case on a fresh world, checked as in the full run
     World w = make_world(2, 1 << 20, 2ull * 1000 * 1000 * 1000, sms);
     g_world = &w;

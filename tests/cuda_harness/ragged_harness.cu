@@ -562,6 +562,22 @@ bool same_record(const ErrorInfo& e, uint32_t code, int rank, int peer, uint64_t
          e.observed == observed;
 }
 
+// Every rank but `bad` recorded bad's poison (kErrMismatch naming it, call 2, the poison
+// descriptor) and the launch ended with cudaSuccess; *peers lists what each one recorded.
+bool peers_poisoned(const World& w, const ErrRun& run, int bad, uint32_t desc,
+                    std::string* peers) {
+  bool ok = true;
+  for (int r = 0; r < w.W; ++r) {
+    if (r == bad) continue;
+    const ErrorInfo& e = *w.err_h[r];
+    const bool poisoned = same_record(e, kErrMismatch, r, bad, 2, desc, e.observed) &&
+                          flag_seq(e.observed) == 2 && flag_desc(e.observed) == kRaggedPoisonDesc;
+    ok = ok && poisoned && run.status == cudaSuccess;
+    *peers += " " + std::to_string(r) + (poisoned ? ":poisoned" : e.code == 0 ? ":none" : ":OTHER");
+  }
+  return ok;
+}
+
 // A rank with a bad slice: kErrRaggedSlice on it; the peers see its poison (kErrMismatch naming
 // it, poison descriptor), and every launch ends with cudaSuccess (no trap).
 int error_bad_slice(int field) {
@@ -585,14 +601,7 @@ int error_bad_slice(int field) {
   bool ok = run.first.empty() && same_record(*w.err_h[bad], kErrRaggedSlice, bad, bad, 2, desc,
                                              ragged_slice_detail(i, uint32_t(field)));
   std::string peers;
-  for (int r = 0; r < W; ++r) {
-    if (r == bad) continue;
-    const ErrorInfo& e = *w.err_h[r];
-    const bool poisoned = same_record(e, kErrMismatch, r, bad, 2, desc, e.observed) &&
-                          flag_seq(e.observed) == 2 && flag_desc(e.observed) == kRaggedPoisonDesc;
-    ok = ok && poisoned && run.status == cudaSuccess;
-    peers += " " + std::to_string(r) + (poisoned ? ":poisoned" : e.code == 0 ? ":none" : ":OTHER");
-  }
+  ok = peers_poisoned(w, run, bad, desc, &peers) && ok;
   std::printf("  bad slice (%s) on rank %d: launch -> %s;%s; peers' records:%s\n",
               kFieldName[field], bad, cudaGetErrorString(run.status), w.errors().c_str(),
               peers.c_str());
@@ -600,22 +609,48 @@ int error_bad_slice(int field) {
   return ok ? 0 : 1;
 }
 
-// recv_sizes of rank 1 expect one more row from rank src's slice 1 (src = 3, or 1: its own
-// slice to itself): kErrRaggedRecv on rank 1 naming src and (slice, sent, expected); nobody
-// else records anything.
-int error_recv(int src) {
-  const Shape s{64, 96, 48, 2, src == 1};
+// Three bad slices on rank 2, k = 300 (K = 1200 > the block's 512 threads): thread 88 finds
+// slice 600 (send_sizes < 0) in its second stride, threads 6 and 76 find 1030 and 1100 in their
+// third; the record names the first, 600, and the peers see the poison.
+int error_bad_slices_first() {
+  const Shape s{64, 96, 48, 300, false};
+  const int W = 4, bad = 2;
+  World w(W, msg_bytes_for({s}, W));
+  ErrRun run = two_calls(w, s, [&](CallIn& c) {
+    c.out_off[bad][1100] = -1;
+    c.in_off[bad][1030] = -1;
+    c.send[bad][600] = -3;
+  });
+  const uint32_t desc = ragged_desc(s.N, s.M, s.rb, s.k);
+  bool ok = run.first.empty() && same_record(*w.err_h[bad], kErrRaggedSlice, bad, bad, 2, desc,
+                                             ragged_slice_detail(600, 1));
+  std::string peers;
+  ok = peers_poisoned(w, run, bad, desc, &peers) && ok;
+  std::printf("  bad slices 600, 1030, 1100 on rank %d: launch -> %s;%s; peers' records:%s\n",
+              bad, cudaGetErrorString(run.status), w.errors().c_str(), peers.c_str());
+  if (!run.first.empty()) std::printf("  %s\n", run.first.c_str());
+  return ok ? 0 : 1;
+}
+
+// recv_sizes of rank 1 expect one more row from rank src's slice j (src = 3, or 1: its own
+// slice to itself) and, where j + 5 < k, from its slice j + 5 (same chunk of 64 when j % 64 <
+// 59): kErrRaggedRecv on rank 1 naming src and (the first slice j, sent, expected), j read back
+// from the record's bits 48..63; nobody else records anything.
+int error_recv(int src, int64_t k = 2, int64_t j = 1) {
+  const Shape s{64, 96, 48, k, src == 1};
   const int W = 4, me = 1;
-  const int64_t j = 1;
   int64_t sent = 0;
   World w(W, msg_bytes_for({s}, W));
   ErrRun run = two_calls(w, s, [&](CallIn& c) {
     sent = c.recv[me][src * s.k + j];
     c.recv[me][src * s.k + j] = sent + 1;
+    if (j + 5 < k) c.recv[me][src * s.k + j + 5] += 2;
   });
+  const uint64_t observed = w.err_h[me]->observed;
   bool ok = run.first.empty() && run.status == cudaSuccess &&
             same_record(*w.err_h[me], kErrRaggedRecv, me, src, 2, ragged_desc(s.N, s.M, s.rb, s.k),
-                        ragged_recv_detail(j, sent, sent + 1));
+                        ragged_recv_detail(j, sent, sent + 1)) &&
+            (observed >> 48) == uint64_t(j);
   for (int r = 0; r < W; ++r) ok = ok && (r == me || w.err_h[r]->code == 0);
   std::printf("  recv_sizes of rank %d: %lld rows from rank %d's slice %lld, sent %lld: launch -> "
               "%s;%s\n",
@@ -816,6 +851,17 @@ int main(int argc, char** argv) {
                      CK(cuda::ragged_load_kernels());
                      return error_recv(src);
                    }});
+  for (int src : {3, 1})
+    all.push_back({src == 1 ? "error: recv_sizes disagree (own slices, k=300)"
+                            : "error: recv_sizes disagree (a peer's slices, k=300)",
+                   [src] {
+                     CK(cuda::ragged_load_kernels());
+                     return error_recv(src, 300, 270);
+                   }});
+  all.push_back({"error: bad slices, the first of three (k=300)", [] {
+                   CK(cuda::ragged_load_kernels());
+                   return error_bad_slices_first();
+                 }});
   all.push_back({"error: a peer never calls", [] {
                    CK(cuda::ragged_load_kernels());
                    return error_timeout();

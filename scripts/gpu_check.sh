@@ -39,6 +39,14 @@
 #   bash scripts/gpu_check.sh mend     the failure-path fixes of csrc on GPU 0 (virtual ranks; no
 #                                      package build): harnesses rebuilt, their new fault cases,
 #                                      every case, memcheck, a 2-rank all-reduce table (~7 min)
+#   bash scripts/gpu_check.sh mcemu    the multicast all-reduce kernels EMULATED on GPU 0 (virtual ranks,
+#                                      no package build, no multicast object, no multimem
+#                                      instruction: the SASS is checked first): every case at
+#                                      W = 2/4/8 against the references and the unicast kernels,
+#                                      graph replays, --error, memcheck + racecheck (~2.5 min)
+#   bash scripts/gpu_check.sh multicast_real  ONLY by hand on a machine with NVLink SHARP that may
+#                                      use it: refuses unless JAX_NVCOMM_MULTICAST_REAL_OK=1 (what
+#                                      the emulation cannot show; allreduce_multicast.cuh)
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
@@ -66,7 +74,8 @@
 # build/ar_h and build/moe_h (nvcc -arch=sm_90a, see the harness step) skip the harness build.
 # With NVC_BUILD_BG=1 the package build that is timed runs in the background (into
 # /tmp/nvc_site, not used) while the steps use the jax_nvcomm importable from here.
-# Never sets JAX_NVCOMM_MULTICAST or NCCL variables (multicast stays off on shared machines).
+# Never sets JAX_NVCOMM_MULTICAST or NCCL variables (multicast stays off on shared machines),
+# except part multicast_real, which refuses to start without JAX_NVCOMM_MULTICAST_REAL_OK=1.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests/mp:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -113,11 +122,19 @@ ensure_built() {
     2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 }
 
-NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
+for m in "${MODES[@]}"; do  # before anything runs: real multicast only where a human allowed it
+  if [ "$m" = multicast_real ] && [ "${JAX_NVCOMM_MULTICAST_REAL_OK:-0}" != 1 ]; then
+    echo "multicast_real: refused. It creates NVLink multicast objects and runs multimem" \
+      "instructions; set JAX_NVCOMM_MULTICAST_REAL_OK=1 only on a machine with NVLink SHARP" \
+      "whose administrators allow multicast (never on shared or lent machines)." >&2
+    exit 2
+  fi
+done
+NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | mcemu) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -174,6 +191,96 @@ mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, rag
   step moe_harness 120 build/moe_h
   step ar_bench2 120 build/ar_h --bench --ranks 2
   grep -A40 "=== ar_bench2" "$OUT/all.log" | grep -vE "^===" | tail -30 >> "$OUT/summary.txt"
+  ;;
+mcemu)  # the multicast all-reduce kernels under emulation (allreduce_multicast.cuh "Emulation
+  # build": every multimem instruction replaced by unicast loads/stores through the peer table,
+  # each rank's own buffer as its "multicast" base; no multicast object, no driver multicast
+  # call). The build's SASS must hold no multimem instruction, else nothing runs. Then every
+  # case at W = 2, 4, 8 (one-/two-shot, plain/fused/FP8, unicast and multicast, graph replays,
+  # queued calls mixing them), the failure paths on the multicast kernels, memcheck and
+  # racecheck on a few shapes; logs in $OUT/mcemu/, a PASS/FAIL table last
+  mkdir -p build "$OUT/mcemu"
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
+  local MR=() rows="" n_mm=-1 n_fn=0
+  mc_row() {  # mc_row NAME PATTERN...: PASS when the step's rc is 0 and its log has every pattern
+    local rc log="$OUT/mcemu/$1.log" name=$1 verdict=PASS; shift
+    awk -v h="=== $name:" 'index($0, h) == 1 {on = 1; next} /^=== / {on = 0} on' "$OUT/all.log" >"$log"
+    rc=$(grep -E "^$name +rc=" "$OUT/summary.txt" | tail -1 | sed -E 's/.*rc=([0-9]+).*/\1/')
+    [ "$rc" = 0 ] || verdict="FAIL(rc=$rc)"
+    for pat in "$@"; do grep -qE "$pat" "$log" || verdict="FAIL(no '$pat')"; done
+    MR+=("$name $verdict")
+  }
+  # PTX embedded too (code=compute_90a): the harness reads both back before it runs anything.
+  # The two TUs compile side by side, then link.
+  rm -f build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o
+  local NVE="$NV -gencode=arch=compute_90a,code=compute_90a -DNVC_MULTICAST_EMULATE"
+  step mcemu_build 200 bash -c "$NVE -c -o build/ar_mcemu_h.o tests/cuda_harness/allreduce_harness.cu &
+    $NVE -c -o build/ar_mcemu_k.o csrc/cuda/allreduce.cu & wait
+    $NV -o build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o"
+  mc_row mcemu_build "."
+  # In SASS multimem.ld_reduce is LDGMC and multimem.st.relaxed.sys.v4 is STG.E.128.STRONG.SYS
+  # (the package build's multicast kernels hold both; no unicast kernel does): none may remain
+  local n_ptx=-1 n_sass=-1
+  if [ -x build/ar_mcemu ]; then
+    cuobjdump --dump-sass build/ar_mcemu >/tmp/ar_mcemu.sass 2>&1
+    cuobjdump --dump-ptx build/ar_mcemu >/tmp/ar_mcemu.ptx 2>&1
+    n_mm=$(grep -ci multimem /tmp/ar_mcemu.sass)
+    n_sass=$(grep -ciE "multimem|LDGMC|STG\.E\.128\.STRONG\.SYS" /tmp/ar_mcemu.sass)
+    n_ptx=$(grep -ci multimem /tmp/ar_mcemu.ptx)
+    n_fn=$(grep -cE "Function : .*_mc_kernel" /tmp/ar_mcemu.sass)
+  fi
+  say "mcemu binary: $n_fn multicast kernel functions in SASS; lines with multimem: SASS $n_mm," \
+    "with multimem|LDGMC|STG.E.128.STRONG.SYS: SASS $n_sass, with multimem: PTX $n_ptx (all must be 0)"
+  if [ "$n_mm" = 0 ] && [ "$n_sass" = 0 ] && [ "$n_ptx" = 0 ] && [ "$n_fn" -gt 0 ]; then
+    MR+=("sass_no_multimem PASS")
+    step mcemu_cases 120 build/ar_mcemu --multicast
+    mc_row mcemu_cases "RESULT: PASS"
+    grep -E "^ ?[0-9] |^W=|FAIL|SASS" "$OUT/mcemu/mcemu_cases.log" | tee -a "$OUT/summary.txt"
+    step mcemu_error 60 build/ar_mcemu --multicast --error
+    mc_row mcemu_error "RESULT: PASS"
+    grep -E " ok$| FAIL$|RESULT" "$OUT/mcemu/mcemu_error.log" | cut -c1-150 | tee -a "$OUT/summary.txt"
+    step mcemu_memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      build/ar_mcemu --multicast --tiny
+    mc_row mcemu_memcheck "ERROR SUMMARY: 0 errors" "RESULT: PASS"
+    step mcemu_racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 \
+      build/ar_mcemu --multicast --tiny
+    mc_row mcemu_racecheck "(RACECHECK|ERROR) SUMMARY: 0 (hazards|errors)" "RESULT: PASS"
+    grep -hE "SUMMARY|RESULT" "$OUT/mcemu/mcemu_memcheck.log" "$OUT/mcemu/mcemu_racecheck.log" |
+      tee -a "$OUT/summary.txt"
+  else
+    MR+=("sass_no_multimem FAIL(nothing run)")
+  fi
+  say "== mcemu results"
+  for r in "${MR[@]}"; do say "$(printf '  %-18s %s' "${r%% *}" "${r#* }")"; done
+  ;;
+multicast_real)  # REAL NVLink SHARP: what the emulation (part mcemu) cannot show. Only by hand,
+  # on a machine with NVSwitch + fabric manager whose administrators allow multicast; the top of
+  # this script refuses the part unless JAX_NVCOMM_MULTICAST_REAL_OK=1. Every GPU, one rank each:
+  # (1) the harness built with -DNVC_MULTICAST_REAL (one multicast object over every rank's VMM
+  #     buffer, csrc/transport/cuda_multicast.h): every case with small-integer inputs, whose
+  #     sums are exact in any order, so the multicast kernels must equal the unicast ones
+  #     bitwise (real multimem ordering, indexing, flags, graph replays, queued calls); then
+  #     float inputs for the switch's own reduction order (two-shot: within the float64
+  #     tolerance, identical on every rank, the differences from unicast counted); --error;
+  # (2) the package: the multicast gate must turn on (comm.multicast), then the collectives
+  #     against float64 with one process over all GPUs and one process per GPU. Its one-shot ==
+  #     two-shot bitwise assertion may fail by the documented last bit (DESIGN.md) on multicast.
+  export JAX_NVCOMM_MULTICAST=1
+  mkdir -p build "$OUT/multicast_real"
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
+  step mcreal_build 300 $NV -DNVC_MULTICAST_REAL -o build/ar_mcreal \
+    tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/transport/cuda_multicast.cu \
+    csrc/transport/cuda_vmm.cu
+  step mcreal_cases 580 build/ar_mcreal --gpus "$NG" --multicast-real
+  step mcreal_error 300 build/ar_mcreal --gpus "$NG" --multicast-real --error
+  step mcreal_gate 120 $PY -c "import jax, jax_nvcomm as n
+c = n.Communicator(jax.make_mesh((len(jax.devices()),), ('x',)), 'x')
+print('multicast', c.multicast, '|', c.multicast_reason); assert c.multicast; print('PASS gate'); c.close()"
+  step mcreal_coll 300 $PY tests/mp/collectives_mp.py --calls=300
+  [ "$NG" -ge 2 ] && step mcreal_collN 300 $L -n "$NG" --timeout 295 tests/mp/collectives_mp.py --calls=300
+  grep -E "^ ?[0-9]+ |^W=|FAIL|RESULT|rounding|PASS gate|multicast (True|False)" "$OUT/all.log" | \
+    tee "$OUT/multicast_real/results.txt" | tee -a "$OUT/summary.txt"
+  unset JAX_NVCOMM_MULTICAST
   ;;
 raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
   # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
@@ -471,7 +578,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|mcemu|multicast_real]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -33,6 +33,63 @@ def test_multicast_variants_hold_multimem(tmp_path):
     assert "multimem.ld_reduce" in text
 
 
+# The emulation build of the multicast kernels (-DNVC_MULTICAST_EMULATE,
+# csrc/kernels/allreduce_multicast.cuh): what the GPU runs them as, with virtual ranks
+# (tests/cuda_harness/allreduce_harness.cu --multicast, scripts/gpu_check.sh part mcemu).
+EMULATE = "NVC_MULTICAST_EMULATE"
+MC_KERNELS = 18  # {one-shot, two-shot} x {f32, bf16, f16} x {plain, fused, FP8}
+# In SASS, multimem.ld_reduce is LDGMC.* and multimem.st.relaxed.sys.v4 is STG.E.128.STRONG.SYS
+# (sm_90a, nvcc 13: the package build's multicast kernels hold both, no unicast kernel holds
+# either); "multimem" itself never appears there, so a SASS check must look for these.
+SASS_MULTIMEM = re.compile(r"multimem|LDGMC|STG\.E\.128\.STRONG\.SYS", re.IGNORECASE)
+
+
+@needs_nvcc
+def test_multicast_emulation_build_holds_no_multimem(tmp_path):
+    """The emulation build compiles (one TU, the front end only: PTX), keeps every multicast
+    kernel and names no multimem instruction; where cuobjdump exists, its SASS holds none of the
+    spellings multimem has there either."""
+    ptx = tmp_path / "allreduce_emulated.ptx"
+    nvcc("-ptx", "-arch=compute_90a", "-D" + EMULATE, "-diag-suppress", "128,177",
+         os.path.join(ROOT, "csrc/cuda/allreduce.cu"), "-o", str(ptx))
+    text = ptx.read_text()
+    assert "multimem" not in text
+    kernels = set(re.findall(r"\.entry\s+(\w+_mc_kernel\w*)", text))
+    assert len(kernels) == MC_KERNELS, sorted(kernels)
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        return
+    cubin = tmp_path / "allreduce_emulated.cubin"
+    ptxas = shutil.which("ptxas") or os.path.join(os.path.dirname(os.path.realpath(NVCC)), "ptxas")
+    p = subprocess.run([ptxas, "-arch=sm_90a", str(ptx), "-o", str(cubin)],
+                       capture_output=True, text=True, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True,
+                          text=True, timeout=300, check=True).stdout
+    assert len(re.findall(r"Function : \w+_mc_kernel", sass)) == MC_KERNELS
+    hits = [l.strip() for l in sass.splitlines() if SASS_MULTIMEM.search(l)]
+    assert not hits, hits[:5]
+
+
+def test_multicast_emulation_stays_out_of_the_package():
+    """Only the multicast kernels' header and the harness read the switch; the multicast
+    transport refuses to compile under it; no build file or Python module sets it."""
+    users = sorted(path for path, text in _sources() if EMULATE in text)
+    assert users == ["csrc/kernels/allreduce_multicast.cuh", "csrc/transport/cuda_multicast.h"], users
+    with open(os.path.join(ROOT, "csrc/transport/cuda_multicast.h")) as f:
+        head = f.read()
+    guard = head[head.index("#ifdef " + EMULATE):]
+    assert guard.splitlines()[1].startswith("#error"), guard[:200]
+    for build_file in ("CMakeLists.txt", "pyproject.toml"):
+        with open(os.path.join(ROOT, build_file)) as f:
+            assert EMULATE not in f.read(), build_file
+    # the emulated kernels' host side and harness touch no driver multicast API
+    for path in ("csrc/cuda/allreduce.cu", "csrc/kernels/allreduce_multicast.cuh",
+                 "tests/cuda_harness/allreduce_harness.cu"):
+        with open(os.path.join(ROOT, path)) as f:
+            assert "cuMulticast" not in f.read(), path
+
+
 # The one measured exception: the world-1 fused epilogue (local_kernel<T, fused, not quant>)
 # runs two blocks per SM at 64 registers and spills 16-20 bytes (36 loaded) doing so, faster than
 # one block per SM without a spill (70-72% against 59-63% of the copy bandwidth, 2 x H200,

@@ -26,6 +26,39 @@
 // The switch reduces in an unspecified order, so multicast two-shot results are identical on
 // every rank (each rank reads the owner's result) but may differ in the last bit from the
 // unicast kernels, which sum in rank order.
+//
+// Emulation build (-DNVC_MULTICAST_EMULATE; a test build only: never the default, never the
+// package's, and the multicast transport refuses to compile in it): the two multimem helpers
+// below are the only code that differs between the builds (the policies hand them the peer
+// table, McPeers, which the real instructions ignore). multimem.st becomes one plain 16-byte store per rank,
+// in rank order, at that rank's copy of the address; multimem.ld_reduce becomes an L2 load
+// (ld.cg) of every rank's copy, summed in float32 in rank order 0..W-1 and rounded to T. The
+// multicast address is read as an address in the caller's own buffer: `mc` must be the own
+// unicast buffer start, bufs[rank], and McPeers gives every rank's copy of it (the unicast
+// peer table; no multicast object exists). Slots, flags, phases, epilogues and failure paths
+// are the kernels' own source. tests/cuda_harness/allreduce_harness.cu runs this build (its
+// multicast cases, scripts/gpu_check.sh part mcemu) and first checks that the binary holds no
+// multimem instruction: none in its PTX, and in its SASS none of the spellings multimem has
+// there on sm_90a (LDGMC for multimem.ld_reduce, STG.E.128.STRONG.SYS for this multimem.st;
+// "multimem" itself never appears in SASS). Its two-shot sums in rank order, so it is bitwise
+// equal to the unicast two-shot, which the real switch need not be.
+//
+// What the emulation cannot show (run `scripts/gpu_check.sh multicast_real` on a machine with
+// NVLink SHARP, by hand; it refuses to start unless JAX_NVCOMM_MULTICAST_REAL_OK=1):
+//   - memory ordering of the real instructions: that a multimem.st (relaxed, system scope)
+//     reaches every rank's memory before the flag that follows it is seen there (the release
+//     of publish_flag), that each 32-bit word of it lands whole (the one-shot's sentinel polls
+//     read words, not vectors), and that a
+//     multimem.ld_reduce issued after the phase-0 flags were acquired reads every rank's copy
+//     written before that rank's fence.acq_rel.sys; in the emulation both are ordinary
+//     loads/stores of one GPU, ordered by the same fences and flags;
+//   - the switch's reduction order and rounding for bf16/f16 with .acc::f32 (the last-bit
+//     freedom above), and that every rank still reads the owner's one result;
+//   - multicast object setup: granularity, binding every rank's buffer at offset 0, the mapped
+//     address (csrc/transport/cuda_multicast.h), and the multicast address arithmetic
+//     mc + (p - bufs[rank]) against a real mapping;
+//   - the traffic and timing of the in-switch path (none of the emulation's numbers mean
+//     anything: it issues W stores or loads where the hardware issues one).
 #pragma once
 #include "allreduce_oneshot.cuh"
 #include "allreduce_twoshot.cuh"
@@ -33,8 +66,25 @@
 namespace nvc {
 namespace dev {
 
-__device__ __forceinline__ void multimem_st_v4(void* mc, const uint4& v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Every rank's copy of a multicast address range, for the emulation build: rank r's copy of
+// the multicast address a is at[r] + (a - mc). The real instructions do not read it (and the
+// compiler drops it); the emulation reads and writes these unicast addresses instead.
+struct McPeers {
+  char* const* at;  // at[r]: the range's start in rank r's buffer
+  const char* mc;   // the range's start as the kernel addresses it (emulation: at[rank])
+  int world;
+};
+// The whole buffer: at = bufs, so `mc` (the emulation: bufs[rank]) is the buffer's start.
+__device__ __forceinline__ McPeers mc_peers(const CommView& v) {
+  return McPeers{v.bufs, v.bufs[v.rank], v.world};
+}
+
+// Stores v at mc in every rank's buffer.
+__device__ __forceinline__ void multimem_st_v4(void* mc, const uint4& v, const McPeers& p) {
+#if defined(NVC_MULTICAST_EMULATE)
+  const size_t off = static_cast<const char*>(mc) - p.mc;
+  for (int r = 0; r < p.world; ++r) st_v4(p.at[r] + off, v);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(mc),
                "f"(__uint_as_float(v.x)), "f"(__uint_as_float(v.y)), "f"(__uint_as_float(v.z)),
                "f"(__uint_as_float(v.w))
@@ -46,9 +96,14 @@ __device__ __forceinline__ void multimem_st_v4(void* mc, const uint4& v) {
 
 // Sum over every rank of the 16-byte vector of T at mc, rounded to T.
 template <typename T>
-__device__ __forceinline__ uint4 multimem_ld_reduce_v4(const void* mc) {
+__device__ __forceinline__ uint4 multimem_ld_reduce_v4(const void* mc, const McPeers& p) {
   uint4 v = make_uint4(0, 0, 0, 0);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(NVC_MULTICAST_EMULATE)
+  const size_t off = static_cast<const char*>(mc) - p.mc;
+  float acc[Vec<T>::kElems];
+  for (int r = 0; r < p.world; ++r) accumulate<T>(acc, ld_cg_v4(p.at[r] + off), r == 0);
+  v = pack<T>(acc);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (std::is_same_v<T, float>) {
     float a, b, c, d;
     asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -79,15 +134,15 @@ struct OneShotMulticast {
   __device__ static void setup(const CommView& v, char* mc, int cur, char** s_dst) {
     if (threadIdx.x == 0) s_dst[0] = mc + (v.lamport(v.rank, cur, v.rank) - v.bufs[v.rank]);
   }
-  __device__ static void push(const CommView&, char* const* s_dst, size_t i, const uint4& d) {
-    multimem_st_v4(s_dst[0] + i * 16, d);
+  __device__ static void push(const CommView& v, char* const* s_dst, size_t i, const uint4& d) {
+    multimem_st_v4(s_dst[0] + i * 16, d, mc_peers(v));
   }
   // One multimem.st of the tag reaches every rank (thread r == 0 issues it).
   __device__ static void push_tag(const CommView& v, char* mc, int cur, int r, const uint4& tag) {
     if (r == 0)
       multimem_st_v4(
           mc + (reinterpret_cast<char*>(lamport_tag_at(v, v.rank, cur, v.rank)) - v.bufs[v.rank]),
-          tag);
+          tag, mc_peers(v));
   }
 };
 
@@ -107,13 +162,13 @@ struct TwoShotMulticast {
   }
 
   template <typename T, int kChunk>
-  __device__ static uint4 reduce(const TwoShotCtx& c, size_t i) {
-    return multimem_ld_reduce_v4<T>(c.mc_half + i * 16);
+  __device__ static uint4 reduce(const TwoShotCtx& c, char* const* s_half, size_t i) {
+    return multimem_ld_reduce_v4<T>(c.mc_half + i * 16, McPeers{s_half, c.mc_half, c.world});
   }
 
-  __device__ static void gather(const TwoShotCtx& c, char* const*, size_t i, const uint4& s,
-                                bool) {
-    multimem_st_v4(c.mc_half + c.ag + i * 16, s);
+  __device__ static void gather(const TwoShotCtx& c, char* const* s_half, size_t i,
+                                const uint4& s, bool) {
+    multimem_st_v4(c.mc_half + c.ag + i * 16, s, McPeers{s_half, c.mc_half, c.world});
   }
 };
 

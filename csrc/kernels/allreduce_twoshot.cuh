@@ -124,7 +124,7 @@ struct TwoShotUnicast {
   }
 
   template <typename T, int kChunk>
-  __device__ static uint4 reduce(const TwoShotCtx& c, size_t i) {
+  __device__ static uint4 reduce(const TwoShotCtx& c, char* const* /*s_half*/, size_t i) {
     float acc[Vec<T>::kElems];
     const char* p0 = c.my_half + (i - share_begin(c.nv, c.world, c.me)) * 16;
     for (int s0 = 0; s0 < c.world; s0 += kChunk) {
@@ -234,7 +234,7 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
     size_t a, e;
     chunk_bounds(nv, W, gridDim.x, me, b, &a, &e);
     for (size_t i = a + threadIdx.x; i < e; i += kArThreads)
-      Policy::gather(c, s_half, i, Policy::template reduce<T, kChunk>(c, i), !kFused);
+      Policy::gather(c, s_half, i, Policy::template reduce<T, kChunk>(c, s_half, i), !kFused);
   }
   __syncthreads();
   if (threadIdx.x < W) publish_flag(&v.peer_ctrl(threadIdx.x)->flags[p][1][me][b], flag);

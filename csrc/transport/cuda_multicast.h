@@ -25,6 +25,11 @@
 // Invariants: one object per (communicator, group); the bound size is the object's size, which
 // every rank's allocation covers; offsets are 0, so buffer offsets and multicast offsets agree.
 #pragma once
+// The emulation build of the multicast kernels (allreduce_multicast.cuh) is a test build that
+// must never hold code creating a multicast object.
+#ifdef NVC_MULTICAST_EMULATE
+#error "NVC_MULTICAST_EMULATE (the multicast kernels' test emulation) excludes the multicast transport"
+#endif
 #include <cuda.h>
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // Standalone protocol test of the CUDA all-reduce kernels: W virtual ranks in one process on one
-// GPU (no JAX, no NCCL, no multicast).
+// GPU (no JAX, no NCCL, no multicast object).
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc -o build/allreduce_harness
@@ -20,6 +20,30 @@
 //                                           in the same process (error_test below)
 // Do not build with --use_fast_math: the exact checks assume IEEE float32 without flush-to-zero.
 //
+// Multicast kernels, emulated (allreduce_multicast.cuh "Emulation build"; never on real
+// multicast here):
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
+//        -gencode=arch=compute_90a,code=compute_90a -I csrc -DNVC_MULTICAST_EMULATE
+//        -o build/ar_mcemu tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
+//   (the PTX is embedded for the self-check below)
+//   build/ar_mcemu --multicast            W = 2, 4, 8: every case of one-shot and two-shot, plain,
+//                                         fused and FP8, unicast AND multicast (each rank's
+//                                         multicast base is its own unicast buffer: no multicast
+//                                         object, no driver multicast call), each against the
+//                                         references, the multicast ones bitwise against the
+//                                         unicast ones (the emulation sums in rank order);
+//                                         queued calls mixing the four variants, CUDA-graph
+//                                         replays (FP8 too); first checks that its own PTX and
+//                                         SASS (cuobjdump) hold no multimem instruction
+//   build/ar_mcemu --multicast --error    the failure paths above on the multicast kernels
+//   build/ar_mcemu --multicast --tiny     a few shapes at W = 2, 4 (for compute-sanitizer)
+// --multicast is refused by a build without -DNVC_MULTICAST_EMULATE.
+// Real multicast, ONLY where NVLink SHARP may be used (scripts/gpu_check.sh multicast_real; never
+// on shared or lent machines): a build with -DNVC_MULTICAST_REAL, linked with
+// csrc/transport/cuda_multicast.cu and cuda_vmm.cu, run as `--gpus N --multicast-real [--error]`
+// with JAX_NVCOMM_MULTICAST=1 (the transport's interlock) and JAX_NVCOMM_MULTICAST_REAL_OK=1
+// (this harness refuses otherwise): one rank per GPU, one multicast object over the buffers.
+//
 // Each rank gets its own symmetric buffer (comm_buffer_bytes), its own stream and its own
 // host-mapped ErrorInfo; every rank's CommView lists all buffers. The grid of each rank is capped
 // at SMs / W (the launch API's sm_count argument), so all ranks' blocks are co-resident.
@@ -27,10 +51,13 @@
 // Checks, per case: plain sum and residual_out bit-exact against a CPU float32 rank-order
 // emulation (with the documented rounding of the sum to T before the residual add); sum,
 // residual_out and normed within tolerance of a float64 reference; NaN/inf classes; outputs
-// bitwise identical across ranks and across one-shot / two-shot. Plus: 240 queued calls with
+// bitwise identical across ranks and across one-shot / two-shot. FP8 output: q * scale and the
+// row scales within e4m3 / float32 rounding of the float64 reference, residual_out bit-exact,
+// every variant the same bytes (quant_case). Plus: 240 queued calls with
 // changing sizes and alternating strategies, per-rank CUDA graphs replayed with new inputs, the
 // device counters (Ctrl::seq, Ctrl::lamport_seq) against the number of calls, host validation.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -46,6 +73,16 @@
 
 #include "common/layout.h"
 #include "cuda/allreduce.h"
+#ifdef NVC_MULTICAST_REAL
+#include <memory>
+#include <stdexcept>
+
+#include "transport/cuda_multicast.h"
+#include "transport/cuda_vmm.h"
+#endif
+#if defined(NVC_MULTICAST_REAL) && defined(NVC_MULTICAST_EMULATE)
+#error "NVC_MULTICAST_REAL and NVC_MULTICAST_EMULATE exclude each other"
+#endif
 
 using nvc::CommView;
 using nvc::ErrorInfo;
@@ -63,6 +100,28 @@ void dump_errors();
 int g_ngpu = 1;                                  // --gpus N: rank r lives on GPU r % N
 int g_ranks = 0;                                 // --ranks N: --bench / --probe world (default: --gpus)
 int dev_of(int r) { return r % g_ngpu; }
+// The multicast variants (--multicast, only in a build with -DNVC_MULTICAST_EMULATE, see the
+// file comment): every case also runs oneshot_mc_kernel / twoshot_mc_kernel, whose multimem
+// instructions that build turns into unicast loads and stores (allreduce_multicast.cuh).
+#ifdef NVC_MULTICAST_EMULATE
+constexpr bool kMcEmulated = true;
+#else
+constexpr bool kMcEmulated = false;
+#endif
+#ifdef NVC_MULTICAST_REAL
+constexpr bool kMcReal = true;
+#else
+constexpr bool kMcReal = false;
+#endif
+int g_nvar = 2;     // variants per case: 0 one-shot, 1 two-shot (unicast); 2, 3 the same multicast
+bool g_mc = false;  // --multicast --error: the fault cases on the multicast kernels
+// --multicast-real (a build with -DNVC_MULTICAST_REAL, only on a machine that allows multicast:
+// scripts/gpu_check.sh multicast_real): one rank per GPU, buffers bound to a real multicast
+// object. Inputs are small integers (sums exact in any order: every variant bitwise equal)
+// except in the rounding pass, where the real switch's reduction order may change the last bit
+// of the multicast two-shot (allreduce_multicast.cuh).
+bool g_mc_real = false;
+bool g_int_inputs = false;
 void set_dev(int r);
 
 #define CK(call)                                                                        \
@@ -179,6 +238,11 @@ struct World {
   int sms = 1;
   std::vector<RankState> r;
   uint64_t twoshot_calls = 0, oneshot_calls = 0;  // expected device counters
+  std::vector<char*> mc_va;  // --multicast-real: each rank's multicast address of its buffer
+#ifdef NVC_MULTICAST_REAL
+  std::vector<std::unique_ptr<nvc::cuda::vmm::Allocation>> alloc;
+  std::unique_ptr<nvc::cuda::mc::Multicast> mcobj;
+#endif
 };
 
 void dump_errors() {
@@ -198,6 +262,33 @@ __global__ void fill_u32(uint32_t* p, size_t n, uint32_t value) {
     p[i] = value;
 }
 
+#ifdef NVC_MULTICAST_REAL
+// --multicast-real: every rank's buffer a VMM allocation on its GPU (mapped for every other GPU
+// too: the unicast kernels' peer access), all bound to one multicast object, mapped once per
+// rank (csrc/transport/cuda_multicast.h, the package's own transport and interlock).
+void real_multicast_buffers(World& w, size_t total) {
+  namespace vmm = nvc::cuda::vmm;
+  namespace mcn = nvc::cuda::mc;
+  try {
+    const size_t gran = mcn::granularity(dev_of(0), total, w.W, false);
+    for (int r = 0; r < w.W; ++r) {
+      w.alloc.emplace_back(new vmm::Allocation(dev_of(r), total, gran, false));
+      for (int d = 0; d < g_ngpu; ++d)
+        if (d != dev_of(r)) w.alloc[r]->grant_access(d);
+    }
+    w.mcobj = mcn::Multicast::create(dev_of(0), w.alloc[0]->size(), w.W, false);
+    for (int r = 0; r < w.W; ++r) w.mcobj->add_device(dev_of(r));
+    for (int r = 0; r < w.W; ++r) {
+      w.r[r].buf = reinterpret_cast<char*>(w.alloc[r]->ptr());
+      w.mc_va[r] = reinterpret_cast<char*>(w.mcobj->bind_and_map(*w.alloc[r]));
+    }
+  } catch (const std::exception& e) {
+    std::printf("multicast setup failed: %s\nRESULT: FAIL\n", e.what());
+    std::exit(2);
+  }
+}
+#endif
+
 World make_world(int W, size_t M, uint64_t timeout_ns, int device_sms) {
   World w;
   w.W = W;
@@ -205,12 +296,22 @@ World make_world(int W, size_t M, uint64_t timeout_ns, int device_sms) {
   const int per_gpu = (W + g_ngpu - 1) / g_ngpu;  // ranks sharing one GPU
   w.sms = device_sms / per_gpu > 0 ? device_sms / per_gpu : 1;
   w.r.resize(W);
+  w.mc_va.assign(W, nullptr);
   const size_t total = nvc::comm_buffer_bytes(M, W);
   const size_t loff = nvc::lamport_offset(M, W);
+  if (g_mc_real) {
+    if (W > g_ngpu) {
+      std::printf("--multicast-real: %d ranks need %d GPUs (one each)\nRESULT: FAIL\n", W, W);
+      std::exit(2);
+    }
+#ifdef NVC_MULTICAST_REAL
+    real_multicast_buffers(w, total);
+#endif
+  }
   for (int i = 0; i < W; ++i) {
     RankState& s = w.r[i];
     set_dev(i);
-    CK(cudaMalloc(&s.buf, total));
+    if (!g_mc_real) CK(cudaMalloc(&s.buf, total));
     CK(cudaMemset(s.buf, 0, loff));
     fill_u32<<<256, 256>>>(reinterpret_cast<uint32_t*>(s.buf + loff), (total - loff) / 4,
                            nvc::kLamportEmpty);
@@ -239,10 +340,17 @@ World make_world(int W, size_t M, uint64_t timeout_ns, int device_sms) {
 }
 
 void free_world(World& w) {
+#ifdef NVC_MULTICAST_REAL
+  if (g_mc_real) {
+    sync_devices();
+    w.mcobj->release();  // unmap and unbind every rank, then the allocations
+    for (auto& a : w.alloc) a->release();
+  }
+#endif
   for (int i = 0; i < w.W; ++i) {
     RankState& s = w.r[i];
     set_dev(i);
-    CK(cudaFree(s.buf));
+    if (!g_mc_real) CK(cudaFree(s.buf));
     CK(cudaStreamDestroy(s.st));
     CK(cudaFreeHost(s.err));
   }
@@ -251,6 +359,25 @@ void free_world(World& w) {
 
 void sync_world(World& w) {
   for (auto& s : w.r) CK(cudaStreamSynchronize(s.st));
+}
+
+// The multicast base rank r passes (nullptr: the unicast kernels). Emulation build: the rank's
+// own unicast buffer, the "multicast view" allreduce_multicast.cuh reads as its peer table;
+// no multicast object exists. Any other build never selects the multicast kernels here.
+const void* mc_base(const World& w, int r, bool mc) {
+  if (!mc) return nullptr;
+  if (g_mc_real) return w.mc_va[r];
+  if (!kMcEmulated) {
+    std::printf("multicast kernels requested in a build without -DNVC_MULTICAST_EMULATE\n"
+                "RESULT: FAIL\n");
+    std::exit(2);
+  }
+  return w.r[r].buf;
+}
+Strategy strat_of(int vi) { return (vi & 1) ? Strategy::kTwoShot : Strategy::kOneShot; }
+bool mc_of(int vi) { return vi >= 2; }
+const char* vname(Strategy s, bool mc) {
+  return s == Strategy::kOneShot ? (mc ? "mc-oneshot" : "oneshot") : (mc ? "mc-twoshot" : "twoshot");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,6 +408,7 @@ struct Case {
 };
 
 uint32_t rand_val(int dt, Rng& g) {
+  if (g_int_inputs) return from_f(dt, float(g.below(9) - 4));  // sums exact in any order
   return from_f(dt, float(g.uni() * 4.0 - 2.0));
 }
 
@@ -470,10 +598,10 @@ AllReduceArgs args_of(const Case& c, int r) {
 }
 
 // Launch one call on every rank (no sync).
-void launch(World& w, const Case& c, Strategy s) {
+void launch(World& w, const Case& c, Strategy s, bool mc = false) {
   for (int r = 0; r < w.W; ++r) {
     set_dev(r);
-    const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args_of(c, r), s, nullptr,
+    const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args_of(c, r), s, mc_base(w, r, mc),
                                                 w.r[r].st, w.sms);
     if (e != cudaSuccess) {
       std::printf("all_reduce launch failed: %s (%s)\n", cudaGetErrorName(e),
@@ -509,11 +637,11 @@ Outputs download(const Case& c) {
 
 int g_fail_lines = 0;
 
-void note_fail(const char* what, const Case& c, Strategy s, int rank, size_t i, uint32_t got,
-               double ref) {
+void note_fail(const char* what, const Case& c, Strategy s, bool mc, int rank, size_t i,
+               uint32_t got, double ref) {
   if (g_fail_lines++ >= 12) return;
   std::printf("  FAIL %s W=%d %s %s %s T=%lld H=%lld rank=%d idx=%zu got=0x%x (%g) ref=%g\n", what,
-              c.W, s == Strategy::kOneShot ? "oneshot" : "twoshot", dtype_name(c.sh.dt),
+              c.W, vname(s, mc), dtype_name(c.sh.dt),
               c.sh.fused ? "fused" : "plain", (long long)c.sh.T, (long long)c.sh.H, rank, i, got,
               double(to_f(c.sh.dt, got)), ref);
 }
@@ -521,9 +649,16 @@ void note_fail(const char* what, const Case& c, Strategy s, int rank, size_t i, 
 bool same_bits(const uint32_t a, const uint32_t b) { return a == b; }
 
 // Check one strategy's outputs against the references.
-bool check(const Case& c, Strategy s, const Outputs& o) {
+// The real switch sums in its own order (allreduce_multicast.cuh): the multicast two-shot's bits
+// on float inputs are held to the float64 tolerance, not to the rank-order float32 emulation.
+bool order_free(Strategy s, bool mc) {
+  return g_mc_real && !g_int_inputs && mc && s == Strategy::kTwoShot;
+}
+
+bool check(const Case& c, Strategy s, const Outputs& o, bool mc = false) {
   const int dt = c.sh.dt;
   const size_t n = size_t(c.sh.T) * c.sh.H;
+  const bool exact_order = !order_free(s, mc);
   bool ok = true;
   for (int r = 0; r < c.W; ++r) {
     const int q = c.sh.distinct_residual ? r : 0;
@@ -533,19 +668,20 @@ bool check(const Case& c, Strategy s, const Outputs& o) {
       const double gf = to_f(dt, g);
       if (!c.sh.fused) {
         const uint32_t e = c.exp_out[q].v[i];
-        const bool exact = std::isnan(to_f(dt, e)) ? std::isnan(gf) : same_bits(g, e);
-        if (!exact) { note_fail("sum!=f32-emulation", c, s, r, i, g, to_f(dt, e)); ok = false; ++bad; }
+        const bool exact = !exact_order || (std::isnan(to_f(dt, e)) ? std::isnan(gf) : same_bits(g, e));
+        if (!exact) { note_fail("sum!=f32-emulation", c, s, mc, r, i, g, to_f(dt, e)); ok = false; ++bad; }
       } else {
         const uint32_t g2 = o.rout[r].v[i];
         const uint32_t e2 = c.exp_rout[q].v[i];
-        const bool exact = std::isnan(to_f(dt, e2)) ? std::isnan(to_f(dt, g2)) : same_bits(g2, e2);
-        if (!exact) { note_fail("residual_out!=f32-emulation", c, s, r, i, g2, to_f(dt, e2)); ok = false; ++bad; }
+        const bool exact = !exact_order ||
+                           (std::isnan(to_f(dt, e2)) ? std::isnan(to_f(dt, g2)) : same_bits(g2, e2));
+        if (!exact) { note_fail("residual_out!=f32-emulation", c, s, mc, r, i, g2, to_f(dt, e2)); ok = false; ++bad; }
         if (!close_enough(to_f(dt, g2), c.ref_rout[q][i], c.tol_rout[q][i])) {
-          note_fail("residual_out!~f64", c, s, r, i, g2, c.ref_rout[q][i]); ok = false; ++bad;
+          note_fail("residual_out!~f64", c, s, mc, r, i, g2, c.ref_rout[q][i]); ok = false; ++bad;
         }
       }
       if (!close_enough(gf, c.ref_out[q][i], c.tol_out[q][i])) {
-        note_fail(c.sh.fused ? "normed!~f64" : "sum!~f64", c, s, r, i, g, c.ref_out[q][i]);
+        note_fail(c.sh.fused ? "normed!~f64" : "sum!~f64", c, s, mc, r, i, g, c.ref_out[q][i]);
         ok = false;
         ++bad;
       }
@@ -554,8 +690,8 @@ bool check(const Case& c, Strategy s, const Outputs& o) {
     if (!c.sh.distinct_residual && r > 0) {
       if (o.out[r].v != o.out[0].v || (c.sh.fused && o.rout[r].v != o.rout[0].v)) {
         if (g_fail_lines++ < 12)
-          std::printf("  FAIL ranks differ W=%d %s %s T=%lld H=%lld rank=%d\n", c.W,
-                      dtype_name(dt), c.sh.fused ? "fused" : "plain", (long long)c.sh.T,
+          std::printf("  FAIL ranks differ W=%d %s %s %s T=%lld H=%lld rank=%d\n", c.W,
+                      vname(s, mc), dtype_name(dt), c.sh.fused ? "fused" : "plain", (long long)c.sh.T,
                       (long long)c.sh.H, r);
         ok = false;
       }
@@ -578,10 +714,36 @@ bool same_outputs(const Outputs& a, const Outputs& b) {
 struct Tally {
   int pass = 0, total = 0;
 };
-// [W index][strategy][dtype][fused]
-Tally g_tab[4][2][3][2];
+// [W index][variant: one-shot, two-shot, multicast one-shot, multicast two-shot][dtype][fused]
+Tally g_tab[4][4][3][2];
 Tally g_cross[4];  // one-shot vs two-shot bitwise
+// --multicast: multicast one-shot vs unicast one-shot, multicast two-shot vs unicast two-shot,
+// bitwise (the emulation sums in rank order, allreduce_multicast.cuh)
+Tally g_mc_cross[4][2];
 int widx(int W) { return W == 1 ? 0 : W == 2 ? 1 : W == 4 ? 2 : 3; }
+
+// --multicast-real, float inputs: the multicast two-shot against the unicast one. Plain bf16/f16:
+// every element within one ulp of T (the float32 sums of two orders, rounded once); f32 and the
+// fused outputs: the float64 tolerance (check) alone. Prints how many elements differ.
+bool rounding_close(const Case& c, const Outputs& uni, const Outputs& mc) {
+  const int dt = c.sh.dt;
+  size_t differ = 0, n = 0;
+  uint32_t worst = 0;
+  for (size_t r = 0; r < uni.out.size(); ++r)
+    for (size_t i = 0; i < uni.out[r].v.size(); ++i, ++n) {
+      const uint32_t a = uni.out[r].v[i], b = mc.out[r].v[i];
+      if (a == b || (std::isnan(to_f(dt, a)) && std::isnan(to_f(dt, b)))) continue;
+      ++differ;
+      const bool same_sign = ((a ^ b) >> (dt == 0 ? 31 : 15)) == 0;
+      worst = std::max(worst, same_sign ? (a > b ? a - b : b - a) : 0xFFFFFFFFu);
+    }
+  const bool ok = c.sh.fused || dt == 0 || worst <= 1;
+  std::printf("  rounding W=%d %s %s T=%lld H=%lld: multicast two-shot differs from unicast in "
+              "%zu of %zu elements (max %u ulp%s) %s\n", c.W, dtype_name(dt),
+              c.sh.fused ? "fused" : "plain", (long long)c.sh.T, (long long)c.sh.H, differ, n,
+              worst, worst == 0xFFFFFFFFu ? ", a sign" : "", ok ? "ok" : "FAIL");
+  return ok;
+}
 
 bool run_case(World& w, const Shape& sh, uint64_t seed) {
   Case c;
@@ -591,26 +753,27 @@ bool run_case(World& w, const Shape& sh, uint64_t seed) {
   compute_expected(c);
   upload(c);
   const size_t bytes = size_t(sh.T) * sh.H * esize(sh.dt);
-  Outputs res[2];
-  bool ran[2] = {false, false};
+  Outputs res[4];
+  bool ran[4] = {false, false, false, false};
   bool ok = true;
-  for (int si = 0; si < 2; ++si) {
-    const Strategy s = si == 0 ? Strategy::kOneShot : Strategy::kTwoShot;
-    const size_t cap = si == 0 ? nvc::cuda::oneshot_max_bytes(w.r[0].v)
-                               : nvc::cuda::twoshot_max_bytes(w.r[0].v);
+  for (int vi = 0; vi < g_nvar; ++vi) {
+    const Strategy s = strat_of(vi);
+    const bool mc = mc_of(vi);
+    const size_t cap = s == Strategy::kOneShot ? nvc::cuda::oneshot_max_bytes(w.r[0].v)
+                                               : nvc::cuda::twoshot_max_bytes(w.r[0].v);
     if (bytes > cap) continue;
-    for (int r = 0; r < w.W; ++r) {  // poison outputs between strategies
+    for (int r = 0; r < w.W; ++r) {  // poison outputs between variants
       set_dev(r);
       CK(cudaMemset(c.d_out[r], 0xFF, bytes));
       if (sh.fused) CK(cudaMemset(c.d_rout[r], 0xFF, bytes));
     }
     sync_devices();
-    launch(w, c, s);
+    launch(w, c, s, mc);
     sync_world(w);
-    res[si] = download(c);
-    ran[si] = true;
-    const bool good = check(c, s, res[si]);
-    Tally& t = g_tab[widx(w.W)][si][sh.dt][sh.fused];
+    res[vi] = download(c);
+    ran[vi] = true;
+    const bool good = check(c, s, res[vi], mc);
+    Tally& t = g_tab[widx(w.W)][vi][sh.dt][sh.fused];
     t.total++;
     t.pass += good;
     ok &= good;
@@ -625,78 +788,233 @@ bool run_case(World& w, const Shape& sh, uint64_t seed) {
                   (long long)sh.H);
     ok &= same;
   }
+  for (int si = 0; si < 2; ++si) {  // a multicast variant against its unicast twin
+    if (!ran[si] || !ran[si + 2]) continue;
+    const bool same = order_free(strat_of(si), true) ? rounding_close(c, res[si], res[si + 2])
+                                                     : same_outputs(res[si], res[si + 2]);
+    Tally& t = g_mc_cross[widx(w.W)][si];
+    t.total++;
+    t.pass += same;
+    if (!same && g_fail_lines++ < 12)
+      std::printf("  FAIL %s!=%s bits W=%d %s %s T=%lld H=%lld\n", vname(strat_of(si), true),
+                  vname(strat_of(si), false), w.W, dtype_name(sh.dt),
+                  sh.fused ? "fused" : "plain", (long long)sh.T, (long long)sh.H);
+    ok &= same;
+  }
   release(c);
   return ok;
 }
 
 // ---------------------------------------------------------------------------------------------
-// FP8 output (all_reduce_rms_norm_quant): one-shot (the cluster-split kernel where it applies,
-// allreduce_oneshot_cluster.cuh) and two-shot (the one-block epilogue) give the same q, scale
-// and residual_out bytes on every rank, and every rank the same (one residual). The float64
-// reference of the FP8 epilogue is the pytest suite's (tests/gpu/test_gpu_quant.py).
-Tally g_quant[4];
+// FP8 output (all_reduce_rms_norm_quant): every variant (one-shot: the cluster-split kernel where
+// it applies, allreduce_oneshot_cluster.cuh; two-shot: the one-block epilogue; with --multicast
+// the multicast kernels too) gives the same q, scale and residual_out bytes on every rank (one
+// residual). Against references: residual_out bit-exact against the CPU float32 emulation; per
+// row, scale within float32 rounding of max(amax, floor) / 448 of the float64 normed (fp8.h), and
+// q * scale within the e4m3fn rounding (half an ulp: 2^-4 relative, 2^-10 scale below the
+// normal range) of the float64 normed. replays > 0: per rank one CUDA graph of every variant's
+// call (each variant its own outputs), replayed with two input sets in turn, every replay
+// against the eager bytes of its set.
+Tally g_quant[4], g_quant_ref[4], g_quant_graph[4];
 
-bool quant_cross(World& w, int dt, int64_t T, int64_t H, uint64_t seed) {
+double e4m3_to_d(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double v = e == 0 ? m * std::ldexp(1.0, -9) : (8 + m) * std::ldexp(1.0, e - 10);
+  return (b & 0x80) ? -v : v;
+}
+
+// q | scale | residual_out of one rank against the references of c (computed for its x).
+bool quant_ref_ok(const Case& c, const std::vector<uint8_t>& b, Strategy s, bool mc, int rank) {
+  const int dt = c.sh.dt;
+  const int64_t T = c.sh.T, H = c.sh.H;
+  const size_t n = size_t(T) * H;
+  int bad = 0;
+  for (int64_t row = 0; row < T && bad < 3; ++row) {
+    double amax = 0;
+    for (int64_t j = 0; j < H; ++j) amax = std::max(amax, std::fabs(c.ref_out[0][row * H + j]));
+    const double sref = std::max(amax, 448.0 * std::ldexp(1.0, -126)) / 448.0;
+    float sc;
+    std::memcpy(&sc, b.data() + n + row * 4, 4);
+    if (!(std::fabs(double(sc) - sref) <= sref * 3e-5)) {
+      if (g_fail_lines++ < 12)
+        std::printf("  FAIL fp8 scale!~f64 W=%d %s %s T=%lld H=%lld rank=%d row=%lld got=%g ref=%g\n",
+                    c.W, vname(s, mc), dtype_name(dt), (long long)T, (long long)H, rank,
+                    (long long)row, double(sc), sref);
+      ++bad;
+      continue;
+    }
+    for (int64_t j = 0; j < H && bad < 3; ++j) {
+      const size_t i = size_t(row) * H + j;
+      const double ref = c.ref_out[0][i];
+      const double got = e4m3_to_d(b[i]) * double(sc);
+      const double tol = std::fabs(ref) * (0.0625 + 3e-5) + sref * std::ldexp(1.01, -10);
+      if (!(std::fabs(got - ref) <= tol)) {
+        if (g_fail_lines++ < 12)
+          std::printf("  FAIL fp8 q*scale!~f64 W=%d %s %s T=%lld H=%lld rank=%d idx=%zu q=0x%02x got=%g ref=%g\n",
+                      c.W, vname(s, mc), dtype_name(dt), (long long)T, (long long)H, rank, i,
+                      b[i], got, ref);
+        ++bad;
+      }
+    }
+  }
+  const size_t rb = n * esize(dt);
+  std::vector<char> rbytes(b.begin() + n + T * 4, b.begin() + n + T * 4 + rb);
+  HostT rout{dt, std::vector<uint32_t>(n)};
+  rout.unpack(rbytes);
+  for (size_t i = 0; i < n && bad < 3; ++i)
+    if (rout.v[i] != c.exp_rout[0].v[i]) {
+      if (g_fail_lines++ < 12)
+        std::printf("  FAIL fp8 residual_out!=f32-emulation W=%d %s %s rank=%d idx=%zu\n", c.W,
+                    vname(s, mc), dtype_name(dt), rank, i);
+      ++bad;
+    }
+  return bad == 0;
+}
+
+bool quant_case(World& w, int dt, int64_t T, int64_t H, uint64_t seed, int replays) {
   Case c;
   c.sh = Shape{dt, T, H, true, false, false};
   c.W = w.W;
   gen_inputs(c, seed);
   upload(c);
-  const size_t n = size_t(T) * H, rbytes = n * esize(dt);
-  std::vector<float*> d_scale(w.W);
-  for (int r = 0; r < w.W; ++r) {
-    set_dev(r);
-    CK(cudaMalloc(&d_scale[r], size_t(T) * sizeof(float)));
-  }
-  std::vector<std::vector<uint8_t>> got[2];  // [strategy][rank]: q | scale | residual_out
-  for (int si = 0; si < 2; ++si) {
-    const Strategy st = si == 0 ? Strategy::kOneShot : Strategy::kTwoShot;
-    for (int r = 0; r < w.W; ++r) {
+  const int W = w.W, nv = g_nvar;
+  const size_t n = size_t(T) * H, rbytes = n * esize(dt), total = n + size_t(T) * 4 + rbytes;
+  // per variant and rank: out (q), residual_out, scale
+  std::vector<std::vector<char*>> d_q(nv, std::vector<char*>(W)), d_r(nv, std::vector<char*>(W));
+  std::vector<std::vector<float*>> d_s(nv, std::vector<float*>(W));
+  for (int vi = 0; vi < nv; ++vi)
+    for (int r = 0; r < W; ++r) {
       set_dev(r);
-      CK(cudaMemset(c.d_out[r], 0xFF, n));
-      CK(cudaMemset(c.d_rout[r], 0xFF, rbytes));
-      CK(cudaMemset(d_scale[r], 0xFF, size_t(T) * sizeof(float)));
+      CK(cudaMalloc(&d_q[vi][r], n));
+      CK(cudaMalloc(&d_r[vi][r], rbytes));
+      CK(cudaMalloc(&d_s[vi][r], size_t(T) * sizeof(float)));
     }
-    sync_devices();
-    for (int r = 0; r < w.W; ++r) {
-      set_dev(r);
-      AllReduceArgs a = args_of(c, r);
-      a.scale = d_scale[r];
-      const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, a, st, nullptr, w.r[r].st, w.sms);
-      if (e != cudaSuccess) {
-        std::printf("quant all_reduce launch failed: %s\nRESULT: FAIL\n", cudaGetErrorName(e));
-        std::exit(2);
+  auto args = [&](int vi, int r) {
+    AllReduceArgs a = args_of(c, r);
+    a.out = d_q[vi][r];
+    a.residual_out = d_r[vi][r];
+    a.scale = d_s[vi][r];
+    return a;
+  };
+  auto count = [&](int vi) {
+    if (W > 1) (strat_of(vi) == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;
+  };
+  auto poison = [&]() {
+    for (int vi = 0; vi < nv; ++vi)
+      for (int r = 0; r < W; ++r) {
+        set_dev(r);
+        CK(cudaMemset(d_q[vi][r], 0xFF, n));
+        CK(cudaMemset(d_r[vi][r], 0xFF, rbytes));
+        CK(cudaMemset(d_s[vi][r], 0xFF, size_t(T) * sizeof(float)));
       }
-    }
-    if (w.W > 1) (si ? w.twoshot_calls : w.oneshot_calls) += 1;
-    sync_world(w);
-    got[si].resize(w.W);
-    for (int r = 0; r < w.W; ++r) {
-      set_dev(r);
-      std::vector<uint8_t>& b = got[si][r];
-      b.resize(n + size_t(T) * 4 + rbytes);
-      CK(cudaMemcpy(b.data(), c.d_out[r], n, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(b.data() + n, d_scale[r], size_t(T) * 4, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(b.data() + n + T * 4, c.d_rout[r], rbytes, cudaMemcpyDeviceToHost));
-    }
-  }
-  bool ok = true;
-  for (int r = 0; r < w.W; ++r) ok &= got[0][r] == got[1][r] && got[0][r] == got[0][0];
-  // the scale of a finite row is finite and > 0 (not the 0xFF poison)
-  float sc0;
-  std::memcpy(&sc0, got[0][0].data() + n, 4);
-  ok &= std::isfinite(sc0) && sc0 > 0.f;
-  g_quant[widx(w.W)].total++;
-  g_quant[widx(w.W)].pass += ok;
-  if (!ok && g_fail_lines++ < 12)
-    std::printf("  FAIL quant oneshot!=twoshot bytes W=%d %s T=%lld H=%lld\n", w.W,
-                dtype_name(dt), (long long)T, (long long)H);
-  for (int r = 0; r < w.W; ++r) {
+    sync_devices();
+  };
+  auto fetch = [&](int vi, int r) {
+    std::vector<uint8_t> b(total);
     set_dev(r);
-    CK(cudaFree(d_scale[r]));
+    CK(cudaMemcpy(b.data(), d_q[vi][r], n, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data() + n, d_s[vi][r], size_t(T) * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data() + n + T * 4, d_r[vi][r], rbytes, cudaMemcpyDeviceToHost));
+    return b;
+  };
+  // two input sets: eager runs of every variant, checked
+  const int kSets = replays > 0 ? 2 : 1;
+  std::vector<std::vector<char*>> pinned(kSets, std::vector<char*>(W, nullptr));
+  std::vector<std::vector<std::vector<uint8_t>>> expect(kSets);  // [set][vi * W + r]
+  bool same_ok = true, ref_ok = true;
+  for (int set = 0; set < kSets; ++set) {
+    if (set > 0) gen_x(c, seed * 31 + set);
+    compute_expected(c);
+    for (int r = 0; r < W; ++r) {
+      const std::vector<char> hx = c.x[r].pack();
+      CK(cudaMallocHost(&pinned[set][r], hx.size()));
+      std::memcpy(pinned[set][r], hx.data(), hx.size());
+      set_dev(r);
+      CK(cudaMemcpy(c.d_x[r], pinned[set][r], hx.size(), cudaMemcpyHostToDevice));
+    }
+    poison();
+    for (int vi = 0; vi < nv; ++vi) {
+      for (int r = 0; r < W; ++r) {
+        set_dev(r);
+        const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args(vi, r), strat_of(vi),
+                                                    mc_base(w, r, mc_of(vi)), w.r[r].st, w.sms);
+        if (e != cudaSuccess) {
+          std::printf("quant all_reduce launch failed: %s\nRESULT: FAIL\n", cudaGetErrorName(e));
+          std::exit(2);
+        }
+      }
+      count(vi);
+      sync_world(w);  // one variant at a time (each call a protocol round of all ranks)
+    }
+    for (int vi = 0; vi < nv; ++vi)
+      for (int r = 0; r < W; ++r) {
+        expect[set].push_back(fetch(vi, r));
+        const std::vector<uint8_t>& b = expect[set].back();
+        same_ok &= b == expect[set][0];
+        if (r == 0) ref_ok &= quant_ref_ok(c, b, strat_of(vi), mc_of(vi), r);
+      }
   }
+  g_quant[widx(W)].total++;
+  g_quant[widx(W)].pass += same_ok;
+  g_quant_ref[widx(W)].total++;
+  g_quant_ref[widx(W)].pass += ref_ok;
+  if (!same_ok && g_fail_lines++ < 12)
+    std::printf("  FAIL quant variants or ranks differ in bytes W=%d %s T=%lld H=%lld\n", W,
+                dtype_name(dt), (long long)T, (long long)H);
+  bool graph_ok = true;
+  if (replays > 0) {
+    std::vector<cudaGraphExec_t> exec(W);
+    for (int r = 0; r < W; ++r) {
+      cudaGraph_t graph;
+      set_dev(r);
+      CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
+      for (int vi = 0; vi < nv; ++vi)
+        CK(nvc::cuda::all_reduce(w.r[r].v, args(vi, r), strat_of(vi), mc_base(w, r, mc_of(vi)),
+                                 w.r[r].st, w.sms));
+      CK(cudaStreamEndCapture(w.r[r].st, &graph));
+      CK(cudaGraphInstantiate(&exec[r], graph, 0));
+      CK(cudaGraphDestroy(graph));
+    }
+    for (int rep = 0; rep < replays && graph_ok; ++rep) {
+      const int set = rep % kSets;  // set 0 first: the eager runs ended with set 1
+      poison();
+      for (int r = 0; r < W; ++r) {
+        set_dev(r);
+        CK(cudaMemcpyAsync(c.d_x[r], pinned[set][r], c.x[r].bytes(), cudaMemcpyHostToDevice,
+                           w.r[r].st));
+        CK(cudaGraphLaunch(exec[r], w.r[r].st));
+      }
+      for (int vi = 0; vi < nv; ++vi) count(vi);
+      sync_world(w);
+      for (int vi = 0; vi < nv; ++vi)
+        for (int r = 0; r < W; ++r)
+          if (fetch(vi, r) != expect[set][vi * W + r]) {
+            if (g_fail_lines++ < 12)
+              std::printf("  FAIL quant graph replay %d %s W=%d %s T=%lld H=%lld rank %d differs "
+                          "from the eager bytes\n", rep, vname(strat_of(vi), mc_of(vi)), W,
+                          dtype_name(dt), (long long)T, (long long)H, r);
+            graph_ok = false;
+          }
+    }
+    for (int r = 0; r < W; ++r) {
+      set_dev(r);
+      CK(cudaGraphExecDestroy(exec[r]));
+    }
+    g_quant_graph[widx(W)].total++;
+    g_quant_graph[widx(W)].pass += graph_ok;
+  }
+  for (auto& ps : pinned)
+    for (char* p : ps) CK(cudaFreeHost(p));
+  for (int vi = 0; vi < nv; ++vi)
+    for (int r = 0; r < W; ++r) {
+      set_dev(r);
+      CK(cudaFree(d_q[vi][r]));
+      CK(cudaFree(d_r[vi][r]));
+      CK(cudaFree(d_s[vi][r]));
+    }
   release(c);
-  return ok;
+  return same_ok && ref_ok && graph_ok;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -747,12 +1065,14 @@ bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64
 }
 
 // ---------------------------------------------------------------------------------------------
-// Many queued calls with changing sizes and alternating strategies (no sync in between).
+// Many queued calls with changing sizes and alternating strategies (no sync in between); with
+// --multicast the four variants in turn (one protocol state: the same counters and buffers).
 
 bool stress(World& w, int ncalls, uint64_t seed) {
   Rng g(seed);
   std::vector<Case> cs(ncalls);
   std::vector<Strategy> st(ncalls);
+  std::vector<char> mcs(ncalls, 0);
   static const int64_t Hs[] = {64, 128, 256, 520, 1024, 2048, 4096, 8192};
   for (int k = 0; k < ncalls; ++k) {
     Shape sh;
@@ -765,17 +1085,18 @@ bool stress(World& w, int ncalls, uint64_t seed) {
     sh.distinct_residual = false;
     cs[k].sh = sh;
     cs[k].W = w.W;
-    st[k] = (k % 2 == 0) ? Strategy::kOneShot : Strategy::kTwoShot;
+    st[k] = strat_of(k % g_nvar);
+    mcs[k] = mc_of(k % g_nvar);
     gen_inputs(cs[k], seed * 1000 + k);
     compute_expected(cs[k]);
     upload(cs[k]);
   }
   sync_devices();
-  for (int k = 0; k < ncalls; ++k) launch(w, cs[k], st[k]);
+  for (int k = 0; k < ncalls; ++k) launch(w, cs[k], st[k], mcs[k]);
   sync_world(w);
   bool ok = true;
   for (int k = 0; k < ncalls; ++k) {
-    ok &= check(cs[k], st[k], download(cs[k]));
+    ok &= check(cs[k], st[k], download(cs[k]), mcs[k]);
     release(cs[k]);
   }
   return ok;
@@ -783,6 +1104,7 @@ bool stress(World& w, int ncalls, uint64_t seed) {
 
 // ---------------------------------------------------------------------------------------------
 // CUDA graphs: per rank, capture K calls on its stream; replay R times with new inputs each time.
+// With --multicast every call but one (a unicast two-shot between them) is a multicast call.
 
 bool graph_test(World& w, int replays, uint64_t seed) {
   const int K = 6;
@@ -792,6 +1114,8 @@ bool graph_test(World& w, int replays, uint64_t seed) {
                            {0, 1, 64, false, true, false},    {2, 32, 8192, true, false, false}};
   const Strategy strat[K] = {Strategy::kOneShot, Strategy::kTwoShot, Strategy::kOneShot,
                              Strategy::kTwoShot, Strategy::kTwoShot, Strategy::kOneShot};
+  bool mcg[K];
+  for (int k = 0; k < K; ++k) mcg[k] = g_nvar == 4 && k != 3;
   std::vector<Case> cs(K);
   std::vector<std::vector<Outputs>> expect(kSets, std::vector<Outputs>(K));
   std::vector<std::vector<std::vector<char*>>> pinned(kSets, std::vector<std::vector<char*>>(K));
@@ -817,11 +1141,11 @@ bool graph_test(World& w, int replays, uint64_t seed) {
       }
     }
     sync_devices();
-    for (int k = 0; k < K; ++k) launch(w, cs[k], strat[k]);
+    for (int k = 0; k < K; ++k) launch(w, cs[k], strat[k], mcg[k]);
     sync_world(w);
     for (int k = 0; k < K; ++k) {
       expect[set][k] = download(cs[k]);
-      ok &= check(cs[k], strat[k], expect[set][k]);
+      ok &= check(cs[k], strat[k], expect[set][k], mcg[k]);
     }
   }
   // Capture the K calls of each rank into that rank's graph.
@@ -832,7 +1156,7 @@ bool graph_test(World& w, int replays, uint64_t seed) {
     CK(cudaStreamBeginCapture(w.r[r].st, cudaStreamCaptureModeRelaxed));
     for (int k = 0; k < K; ++k) {
       const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, args_of(cs[k], r), strat[k],
-                                                  nullptr, w.r[r].st, w.sms);
+                                                  mc_base(w, r, mcg[k]), w.r[r].st, w.sms);
       if (e != cudaSuccess) {
         std::printf("  FAIL capture: %s\n", cudaGetErrorName(e));
         std::printf("RESULT: FAIL\n");
@@ -859,8 +1183,8 @@ bool graph_test(World& w, int replays, uint64_t seed) {
     for (int k = 0; k < K; ++k) {
       if (!same_outputs(download(cs[k]), expect[set][k])) {
         if (g_fail_lines++ < 12)
-          std::printf("  FAIL graph replay %d call %d (W=%d) differs from the eager result\n",
-                      rep, k, w.W);
+          std::printf("  FAIL graph replay %d call %d %s (W=%d) differs from the eager result\n",
+                      rep, k, vname(strat[k], mcg[k]), w.W);
         ok = false;
       }
     }
@@ -900,16 +1224,16 @@ bool batch_invariance(World& w, uint64_t seed) {
     launch(w, big, Strategy::kTwoShot);
     sync_world(w);
     const Outputs ob = download(big);
-    for (int si = 0; si < 2; ++si) {
-      launch(w, small, si ? Strategy::kTwoShot : Strategy::kOneShot);
+    for (int vi = 0; vi < g_nvar; ++vi) {  // every variant's 7 rows against the big call's
+      launch(w, small, strat_of(vi), mc_of(vi));
       sync_world(w);
       const Outputs os = download(small);
       for (int r = 0; r < w.W; ++r)
         for (size_t i = 0; i < n; ++i)
           if (os.out[r].v[i] != ob.out[r].v[i] || os.rout[r].v[i] != ob.rout[r].v[i]) {
             if (g_fail_lines++ < 12)
-              std::printf("  FAIL batch invariance W=%d %s rank %d idx %zu\n", w.W,
-                          dtype_name(dt), r, i);
+              std::printf("  FAIL batch invariance W=%d %s %s rank %d idx %zu\n", w.W,
+                          vname(strat_of(vi), mc_of(vi)), dtype_name(dt), r, i);
             ok = false;
             break;
           }
@@ -1023,8 +1347,10 @@ bool all_nan(const HostT& t) {
 
 // One fault: `ranks` of a fresh 2-rank world call (rank r with tokens T * (1 + r * grow));
 // every calling rank must record `code` naming the other rank, within `max_s`.
-bool fault_case(const char* name, int sms, Strategy s, bool fused, int64_t T, int64_t H,
+bool fault_case(const char* what, int sms, Strategy s, bool fused, int64_t T, int64_t H,
                 int ranks, int grow, uint32_t code, double max_s) {
+  const std::string label = std::string(g_mc ? "mc " : "") + what;
+  const char* name = label.c_str();
   const uint64_t timeout_ns = 2ull * 1000 * 1000 * 1000;
   World w = make_world(2, 1 << 20, timeout_ns, sms);
   g_world = &w;
@@ -1038,7 +1364,8 @@ bool fault_case(const char* name, int sms, Strategy s, bool fused, int64_t T, in
   const double t0 = now_s();
   for (int r = 0; r < ranks; ++r) {
     set_dev(r);
-    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, nullptr, w.r[r].st, w.sms));
+    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, mc_base(w, r, g_mc), w.r[r].st,
+                             w.sms));
   }
   bool ok = true;
   for (int r = 0; r < ranks; ++r) {
@@ -1064,7 +1391,8 @@ bool fault_case(const char* name, int sms, Strategy s, bool fused, int64_t T, in
     const ErrorInfo before = *w.r[0].err;
     const double t1 = now_s();
     set_dev(0);
-    CK(nvc::cuda::all_reduce(w.r[0].v, args_of(cs[0], 0), s, nullptr, w.r[0].st, w.sms));
+    CK(nvc::cuda::all_reduce(w.r[0].v, args_of(cs[0], 0), s, mc_base(w, 0, g_mc), w.r[0].st,
+                             w.sms));
     const cudaError_t e = cudaStreamSynchronize(w.r[0].st);
     const double dt = now_s() - t1;
     const bool same = std::memcmp(&before, w.r[0].err, sizeof(before)) == 0;
@@ -1092,9 +1420,11 @@ struct Expect {
 // (1 + r * grow) tokens); rank `hasty` (if >= 0) gets a 1 us deadline and its stream is
 // synchronised before the next rank launches. Every expectation must hold, call #1, within
 // max_s of the first launch; every launch ends with cudaSuccess.
-bool fault_world(const char* name, int sms, Strategy s, bool fused, int W, int64_t T, int64_t H,
+bool fault_world(const char* what, int sms, Strategy s, bool fused, int W, int64_t T, int64_t H,
                  int grow, const std::vector<int>& order, int hasty,
                  const std::vector<Expect>& expect, double max_s) {
+  const std::string label = std::string(g_mc ? "mc " : "") + what;
+  const char* name = label.c_str();
   World w = make_world(W, 1 << 20, 2ull * 1000 * 1000 * 1000, sms);
   g_world = &w;
   if (hasty >= 0) w.r[hasty].v.timeout_ns = 1000;
@@ -1109,7 +1439,8 @@ bool fault_world(const char* name, int sms, Strategy s, bool fused, int W, int64
   const double t0 = now_s();
   for (int r : order) {
     set_dev(r);
-    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, nullptr, w.r[r].st, w.sms));
+    CK(nvc::cuda::all_reduce(w.r[r].v, args_of(cs[r], r), s, mc_base(w, r, g_mc), w.r[r].st,
+                             w.sms));
     if (r == hasty) ok &= cudaStreamSynchronize(w.r[r].st) == cudaSuccess;
   }
   for (const Expect& x : expect) {
@@ -1136,7 +1467,8 @@ bool fault_world(const char* name, int sms, Strategy s, bool fused, int W, int64
 
 int error_test(int sms) {
   bool ok = true;
-  std::printf("fault checks (2 ranks, deadline 2 s; no kernel traps):\n");
+  std::printf("fault checks (2 ranks, deadline 2 s; no kernel traps)%s:\n",
+              g_mc ? ", multicast kernels (emulated)" : "");
   const uint32_t tmo = nvc::kErrTimeout, mis = nvc::kErrMismatch;
   ok &= fault_case("timeout one-shot", sms, Strategy::kOneShot, false, 2, 4096, 1, 0, tmo, 4.0);
   ok &= fault_case("timeout two-shot", sms, Strategy::kTwoShot, false, 2, 4096, 1, 0, tmo, 4.0);
@@ -1401,10 +1733,55 @@ void probe_run(int sms) {
 }
 #endif
 
+// --multicast: this binary must hold no multimem instruction (the emulation build replaces
+// every one, allreduce_multicast.cuh; one must never run here). Read back with cuobjdump from
+// /proc/self/exe: its PTX (built with code=compute_90a too) must not name multimem, and its SASS
+// must hold none of the three spellings a multimem instruction has there: "multimem", LDGMC
+// (multimem.ld_reduce) and STG.E.128.STRONG.SYS (what multimem.st.relaxed.sys.v4 assembles to
+// on sm_90a, the same opcode as a relaxed system-scope 16-byte store, which no unicast kernel
+// issues); and the multicast kernels must be there (else the check proves nothing). A missing
+// cuobjdump or PTX is a failure.
+bool no_multimem_in_binary() {
+  struct Scan {
+    size_t lines = 0, hits = 0, mc_fns = 0;
+  };
+  auto scan = [](const char* cmd, const char* const* pats, int npats, const char* fn_mark) {
+    Scan sc;
+    FILE* p = popen(cmd, "r");
+    if (p == nullptr) return sc;
+    char line[8192];
+    while (std::fgets(line, sizeof line, p) != nullptr) {
+      ++sc.lines;
+      std::string l(line);
+      std::transform(l.begin(), l.end(), l.begin(), [](unsigned char ch) { return std::tolower(ch); });
+      for (int i = 0; i < npats; ++i) sc.hits += l.find(pats[i]) != std::string::npos;
+      sc.mc_fns += l.find(fn_mark) != std::string::npos && l.find("_mc_kernel") != std::string::npos;
+    }
+    if (pclose(p) != 0) sc.lines = 0;
+    return sc;
+  };
+  static const char* const kSass[] = {"multimem", "ldgmc", "stg.e.128.strong.sys"};
+  static const char* const kPtx[] = {"multimem"};
+  const Scan sass = scan("cuobjdump --dump-sass /proc/self/exe 2>/dev/null", kSass, 3, "function : ");
+  const Scan ptx = scan("cuobjdump --dump-ptx /proc/self/exe 2>/dev/null", kPtx, 1, ".entry ");
+  const bool ok = sass.lines > 0 && ptx.lines > 0 && sass.mc_fns > 0 && ptx.mc_fns > 0 &&
+                  sass.hits == 0 && ptx.hits == 0;
+  std::printf("no multimem in this binary: SASS %zu lines, %zu multicast kernels, %zu lines with "
+              "multimem|LDGMC|STG.E.128.STRONG.SYS; PTX %zu lines, %zu multicast kernels, %zu "
+              "lines with multimem: %s\n", sass.lines, sass.mc_fns, sass.hits, ptx.lines,
+              ptx.mc_fns, ptx.hits, ok ? "ok" : "FAIL (needs cuobjdump, a build with "
+              "code=sm_90a and code=compute_90a, and -DNVC_MULTICAST_EMULATE)");
+  return ok;
+}
+
 int main(int argc, char** argv) {
   bool quick = false, err = false, do_bench = false, do_probe = false, do_local = false;
+  bool multicast = false, tiny = false, mc_real = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--multicast")) multicast = true;
+    else if (!std::strcmp(argv[i], "--multicast-real")) mc_real = true;
+    else if (!std::strcmp(argv[i], "--tiny")) tiny = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
     else if (!std::strcmp(argv[i], "--bench-local")) do_local = true;
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
@@ -1412,11 +1789,49 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) g_ranks = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--error")) err = true;
     else {
-      std::printf("usage: %s [--gpus N] [--ranks N] "
-                  "[--quick | --bench | --bench-local | --probe | --error]\n",
+      std::printf("usage: %s [--gpus N] [--ranks N] [--multicast | --multicast-real] "
+                  "[--quick | --tiny | --bench | --bench-local | --probe | --error]\n",
                   argv[0]);
       return 2;
     }
+  }
+  if (multicast) {
+    if (!kMcEmulated) {
+      std::printf("--multicast needs a build with -DNVC_MULTICAST_EMULATE (this binary would run "
+                  "real multimem instructions)\nRESULT: FAIL\n");
+      return 2;
+    }
+    if (do_bench || do_probe || do_local) {
+      std::printf("--multicast: correctness runs only (emulated timings mean nothing)\n");
+      return 2;
+    }
+    if (!no_multimem_in_binary()) {
+      std::printf("RESULT: FAIL\n");
+      return 1;
+    }
+    g_nvar = 4;
+    g_mc = true;
+  }
+  if (mc_real) {  // scripts/gpu_check.sh multicast_real; the transport's interlock applies too
+    if (!kMcReal || multicast) {
+      std::printf("--multicast-real needs a build with -DNVC_MULTICAST_REAL (and no "
+                  "--multicast)\nRESULT: FAIL\n");
+      return 2;
+    }
+    const char* ok = std::getenv("JAX_NVCOMM_MULTICAST_REAL_OK");
+    if (ok == nullptr || std::strcmp(ok, "1") != 0) {
+      std::printf("--multicast-real: refused without JAX_NVCOMM_MULTICAST_REAL_OK=1 (a machine "
+                  "with NVLink SHARP whose administrators allow multicast)\nRESULT: FAIL\n");
+      return 2;
+    }
+    if (do_bench || do_probe || do_local || tiny || quick) {
+      std::printf("--multicast-real: the full correctness run or --error only\n");
+      return 2;
+    }
+    g_nvar = 4;
+    g_mc = true;
+    g_mc_real = true;
+    g_int_inputs = true;
   }
   // Enough hardware queues for one stream per rank without false dependencies.
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
@@ -1449,8 +1864,11 @@ int main(int argc, char** argv) {
     CK(cudaSetDevice(d));
     CK(nvc::cuda::all_reduce_load_kernels());
   }
-  std::printf("device: %s, %d SMs, %d GPU(s) used (rank r on GPU r %% %d)\n", prop.name, sms,
-              g_ngpu, g_ngpu);
+  std::printf("device: %s, %d SMs, %d GPU(s) used (rank r on GPU r %% %d)%s\n", prop.name, sms,
+              g_ngpu, g_ngpu,
+              multicast ? "; multicast kernels EMULATED (unicast loads/stores, no multicast "
+                          "object)"
+              : mc_real ? "; REAL multicast (one object over every rank's buffer)" : "");
   if (err) return error_test(sms);
   if (do_bench) {
     bench(sms);
@@ -1479,12 +1897,44 @@ int main(int argc, char** argv) {
                             {2100, 64},  {600, 4096}, {4, 32768}, {48, 16384}, {256, 8192},
                             {2, 65536}};
   if (quick) shapes = {{1, 64}, {3, 1000}, {7, 4096}, {64, 8192}, {4097, 64}, {4, 32768}};
-  const int Ws[] = {1, 2, 4, 8};
+  std::vector<int> Ws = {1, 2, 4, 8};
+  std::vector<TH> qs = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {5, 8192}, {34, 4096},
+                        {64, 7168}, {65, 4096}, {16, 1024}};
+  int nstress = quick ? 60 : 240, replays = quick ? 12 : 60, qreplays = 0;
+  if (multicast) {  // the multicast variants next to the unicast ones, W = 2, 4, 8
+    Ws = {2, 4, 8};
+    shapes = {{1, 64}, {2, 72}, {3, 1000}, {7, 4096}, {33, 520}, {64, 8192}, {1, 16384},
+              {4097, 64}, {600, 4096}, {4, 32768}};
+    qs = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {65, 4096}};
+    nstress = 80;
+    replays = 12;
+    qreplays = 4;
+  }
+  if (mc_real) {  // every GPU one rank; the multicast shapes
+    if (g_ngpu < 2) {
+      std::printf("--multicast-real needs --gpus N with N >= 2\nRESULT: FAIL\n");
+      return 2;
+    }
+    Ws = {g_ngpu};
+    shapes = {{1, 64}, {2, 72}, {3, 1000}, {7, 4096}, {33, 520}, {64, 8192}, {1, 16384},
+              {4097, 64}, {600, 4096}, {4, 32768}};
+    qs = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {65, 4096}};
+    nstress = 240;
+    replays = 60;
+    qreplays = 8;
+  }
+  if (tiny) {  // the sanitizer runs: a few shapes of each kind
+    if (multicast) Ws = {2, 4};
+    shapes = {{1, 64}, {3, 1000}, {16, 2048}};
+    qs = {{7, 4096}};
+    nstress = 8;
+    replays = 2;
+    qreplays = multicast ? 2 : 0;
+  }
   bool all_ok = true;
   bool stress_ok[4] = {true, true, true, true}, graph_ok[4] = {true, true, true, true},
        counters[4] = {true, true, true, true}, batch_ok[4] = {true, true, true, true},
        valid_ok = true;
-  const int nstress = quick ? 60 : 240;
   for (int W : Ws) {
     World w = make_world(W, M, timeout_ns, sms);
     g_world = &w;
@@ -1505,12 +1955,15 @@ int main(int argc, char** argv) {
         }
       }
     }
-    {  // FP8 output: the cluster kernel's shapes (1 to 4 columns per lane) and one-block ones
-      const TH qs[] = {{1, 4096}, {7, 4096}, {3, 7168}, {33, 4096}, {5, 8192}, {34, 4096},
-                       {64, 7168}, {65, 4096}, {16, 1024}};
-      for (int dt = 0; dt < 3; ++dt)
-        for (const TH& th : qs)
-          if (size_t(th.T) * th.H * esize(dt) <= M / 8) all_ok &= quant_cross(w, dt, th.T, th.H, ++seed);
+    {  // FP8 output: the cluster kernel's shapes (1 to 4 columns per lane) and one-block ones;
+       // with --multicast the first and fourth in CUDA-graph replays too
+      int qi = 0;
+      for (const TH& th : qs) {
+        for (int dt = 0; dt < 3; ++dt)
+          if (size_t(th.T) * th.H * esize(dt) <= M / 8)
+            all_ok &= quant_case(w, dt, th.T, th.H, ++seed, (qi % 3 == 0) ? qreplays : 0);
+        ++qi;
+      }
     }
     if (W == 1) {  // world 1: the row kernel against the one-block epilogue, bitwise
       const TH ls[] = {{1, 4096}, {7, 7168}, {64, 8192}, {300, 4096}, {33, 2560}, {513, 3072}};
@@ -1520,9 +1973,9 @@ int main(int argc, char** argv) {
             if (th.H / vec_elems(dt) <= 1024) all_ok &= local_rows_cross(w, dt, th.T, th.H, q, ++seed);
     }
     stress_ok[widx(W)] = stress(w, nstress, 77 + W);
-    const bool inv_ok = batch_invariance(w, 555 + W);
+    const bool inv_ok = tiny || batch_invariance(w, 555 + W);
     batch_ok[widx(W)] = inv_ok;
-    graph_ok[widx(W)] = graph_test(w, quick ? 12 : 60, 99 + W);
+    graph_ok[widx(W)] = graph_test(w, replays, 99 + W);
     if (W == 2) valid_ok = validation_ok(w);
     counters[widx(W)] = counters_ok(w);
     all_ok &= stress_ok[widx(W)] && graph_ok[widx(W)] && counters[widx(W)] && valid_ok &&
@@ -1531,27 +1984,50 @@ int main(int argc, char** argv) {
     g_world = nullptr;
   }
 
-  std::printf("\n W  strategy  dtype  plain     fused\n");
+  if (mc_real) {  // float inputs: the switch's own reduction order (rounding_close)
+    g_int_inputs = false;
+    World w = make_world(g_ngpu, M, timeout_ns, sms);
+    g_world = &w;
+    std::printf("\nrounding pass (float inputs, W=%d):\n", g_ngpu);
+    uint64_t seed = 777;
+    for (int dt = 0; dt < 3; ++dt)
+      for (int fused = 0; fused < 2; ++fused)
+        for (const TH& th : std::vector<TH>{{1, 4096}, {7, 4096}, {64, 8192}, {600, 4096}})
+          all_ok &= run_case(w, Shape{dt, th.T, th.H, fused == 1, false, false}, ++seed);
+    free_world(w);
+    g_world = nullptr;
+  }
+  std::printf("\n W  variant     dtype  plain     fused\n");
   for (int W : Ws)
-    for (int si = 0; si < 2; ++si)
+    for (int vi = 0; vi < g_nvar; ++vi)
       for (int dt = 0; dt < 3; ++dt) {
-        const Tally& p = g_tab[widx(W)][si][dt][0];
-        const Tally& f = g_tab[widx(W)][si][dt][1];
-        std::printf("%2d  %-8s  %-5s  %3d/%-3d %s %3d/%-3d %s\n", W, si ? "twoshot" : "oneshot",
+        const Tally& p = g_tab[widx(W)][vi][dt][0];
+        const Tally& f = g_tab[widx(W)][vi][dt][1];
+        std::printf("%2d  %-10s  %-5s  %3d/%-3d %s %3d/%-3d %s\n", W, vname(strat_of(vi), mc_of(vi)),
                     dtype_name(dt), p.pass, p.total, p.pass == p.total ? "ok  " : "FAIL", f.pass,
                     f.total, f.pass == f.total ? "ok" : "FAIL");
       }
+  auto okf = [](const Tally& t) { return t.pass == t.total ? "ok" : "FAIL"; };
   for (int W : Ws) {
     const Tally& x = g_cross[widx(W)];
     const Tally& q = g_quant[widx(W)];
-    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | FP8 %d/%d %s | %d queued calls %s | graph replays %s | batch-invariant rows %s | counters %s\n",
-                W, x.pass, x.total, x.pass == x.total ? "ok" : "FAIL", q.pass, q.total,
-                q.pass == q.total ? "ok" : "FAIL", nstress,
-                stress_ok[widx(W)] ? "ok" : "FAIL", graph_ok[widx(W)] ? "ok" : "FAIL",
-                batch_ok[widx(W)] ? "ok" : "FAIL", counters[widx(W)] ? "ok" : "FAIL");
+    const Tally& qr = g_quant_ref[widx(W)];
+    std::printf("W=%d  one-shot == two-shot bitwise %d/%d %s | FP8 bytes %d/%d %s, vs f64 %d/%d %s | %d queued calls %s | graph replays %s | batch-invariant rows %s | counters %s\n",
+                W, x.pass, x.total, okf(x), q.pass, q.total, okf(q), qr.pass, qr.total, okf(qr),
+                nstress, stress_ok[widx(W)] ? "ok" : "FAIL", graph_ok[widx(W)] ? "ok" : "FAIL",
+                tiny ? "skipped" : batch_ok[widx(W)] ? "ok" : "FAIL", counters[widx(W)] ? "ok" : "FAIL");
+    if (multicast || mc_real) {
+      const Tally& m1 = g_mc_cross[widx(W)][0];
+      const Tally& m2 = g_mc_cross[widx(W)][1];
+      const Tally& qg = g_quant_graph[widx(W)];
+      std::printf("W=%d  multicast (%s) == unicast bitwise: one-shot %d/%d %s, two-shot %d/%d %s | FP8 graph replays %d/%d %s\n",
+                  W, mc_real ? "real; two-shot float inputs: rounding_close" : "emulated", m1.pass, m1.total, okf(m1), m2.pass, m2.total, okf(m2), qg.pass, qg.total,
+                  okf(qg));
+    }
   }
-  std::printf("W=1  row kernel == one-block epilogue bitwise %d/%d %s\n", g_local_rows.pass,
-              g_local_rows.total, g_local_rows.pass == g_local_rows.total ? "ok" : "FAIL");
+  if (!multicast && !mc_real)
+    std::printf("W=1  row kernel == one-block epilogue bitwise %d/%d %s\n", g_local_rows.pass,
+                g_local_rows.total, g_local_rows.pass == g_local_rows.total ? "ok" : "FAIL");
   std::printf("host validation %s\n", valid_ok ? "ok" : "FAIL");
   std::printf("RESULT: %s\n", all_ok ? "PASS" : "FAIL");
   return all_ok ? 0 : 1;

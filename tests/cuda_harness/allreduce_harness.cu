@@ -70,6 +70,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include "common/layout.h"
 #include "cuda/allreduce.h"
@@ -1735,7 +1736,8 @@ void probe_run(int sms) {
 
 // --multicast: this binary must hold no multimem instruction (the emulation build replaces
 // every one, allreduce_multicast.cuh; one must never run here). Read back with cuobjdump from
-// /proc/self/exe: its PTX (built with code=compute_90a too) must not name multimem, and its SASS
+// this executable (its path from /proc/self/exe, read here: in the child, that link would name
+// cuobjdump): its PTX (built with code=compute_90a too) must not name multimem, and its SASS
 // must hold none of the three spellings a multimem instruction has there: "multimem", LDGMC
 // (multimem.ld_reduce) and STG.E.128.STRONG.SYS (what multimem.st.relaxed.sys.v4 assembles to
 // on sm_90a, the same opcode as a relaxed system-scope 16-byte store, which no unicast kernel
@@ -1762,8 +1764,18 @@ bool no_multimem_in_binary() {
   };
   static const char* const kSass[] = {"multimem", "ldgmc", "stg.e.128.strong.sys"};
   static const char* const kPtx[] = {"multimem"};
-  const Scan sass = scan("cuobjdump --dump-sass /proc/self/exe 2>/dev/null", kSass, 3, "function : ");
-  const Scan ptx = scan("cuobjdump --dump-ptx /proc/self/exe 2>/dev/null", kPtx, 1, ".entry ");
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0 || std::memchr(self, '\'', size_t(len)) != nullptr) {
+    std::printf("no multimem in this binary: cannot name this executable: FAIL\n");
+    return false;
+  }
+  self[len] = 0;
+  const std::string exe = std::string("'") + self + "'";
+  const Scan sass = scan(("cuobjdump --dump-sass " + exe + " 2>/dev/null").c_str(), kSass, 3,
+                         "function : ");
+  const Scan ptx = scan(("cuobjdump --dump-ptx " + exe + " 2>/dev/null").c_str(), kPtx, 1,
+                        ".entry ");
   const bool ok = sass.lines > 0 && ptx.lines > 0 && sass.mc_fns > 0 && ptx.mc_fns > 0 &&
                   sass.hits == 0 && ptx.hits == 0;
   std::printf("no multimem in this binary: SASS %zu lines, %zu multicast kernels, %zu lines with "

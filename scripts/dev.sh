@@ -83,16 +83,21 @@ cuda_choice() {
   fi
 }
 
-# pip install of the package itself. With the CUDA part the build's progress lines ([k/N] of
-# ninja) are shown; its whole log goes to $VENV/build.log and its end is printed on failure.
+# pip install of the package itself (args: the pip command after `python -m pip`; default
+# `install --no-build-isolation --no-deps -e .`: editable, so Python run in the checkout's root
+# imports the checkout's code with the compiled modules of the install). With the CUDA part the
+# build's progress lines ([k/N] of ninja) are shown; its whole log goes to $BUILD_LOG
+# ($VENV/build.log) and its end is printed on failure. VENV_PY: the python to run pip with.
 build_package() {
-  local pip=("$VENV/bin/python" -m pip install --no-build-isolation --no-deps)
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(install --no-build-isolation --no-deps -e .)
+  local pip=("${VENV_PY:-$VENV/bin/python}" -m pip "${args[@]}")
   if [ "$JAX_NVCOMM_CUDA" = OFF ]; then
-    "${pip[@]}" -q .
+    "${pip[@]}" -q
     return
   fi
-  local log="$VENV/build.log"
-  "${pip[@]}" -v . >"$log" 2>&1 </dev/null &
+  local log="${BUILD_LOG:-$VENV/build.log}"
+  "${pip[@]}" -v >"$log" 2>&1 </dev/null &
   local pid=$! shown=0 rc=0 steps='^ *\[[0-9]*/[0-9]*\] '  # ninja's lines, as pip -v indents them
   show() {  # the progress lines of the log not shown yet
     local n
@@ -112,6 +117,26 @@ build_package() {
   fi
 }
 
+# The requirement that brings the CUDA runtime a built wheel's _cuda module needs (the module
+# names libcudart.so.<major>); nothing for a wheel without it.
+wheel_cuda_runtime() {
+  local major
+  major=$("${VENV_PY:-$VENV/bin/python}" - "$1" <<'EOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for n in z.namelist():
+        if "/_cuda" in n and n.endswith(".so"):
+            m = re.search(rb"libcudart\.so\.(\d+)", z.read(n))
+            print(m.group(1).decode() if m else "")
+EOF
+)
+  case "$major" in
+    "") ;;
+    12) echo "nvidia-cuda-runtime-cu12>=12.8,<13" ;;
+    *) echo "nvidia-cuda-runtime>=$major,<$((major + 1))" ;;
+  esac
+}
+
 install() {
   local reqs
   mapfile -t reqs < <(requirements)
@@ -124,10 +149,19 @@ install() {
   echo "jax_nvcomm: installing ${reqs[*]}" >&2
   $pip install -q --upgrade pip
   $pip install -q "${reqs[@]}"
-  cuda_choice
   local t0=$SECONDS
+  if [ -n "${JAX_NVCOMM_WHEEL:-}" ]; then  # a built wheel instead of the checkout (CI)
+    local runtime
+    runtime=$(wheel_cuda_runtime "$JAX_NVCOMM_WHEEL")
+    echo "jax_nvcomm: installing $JAX_NVCOMM_WHEEL ${runtime}" >&2
+    $pip install -q --no-deps --force-reinstall "$JAX_NVCOMM_WHEEL"
+    [ -z "$runtime" ] || $pip install -q "$runtime"
+    echo "jax_nvcomm: installed the wheel in $((SECONDS - t0)) s" >&2
+    return
+  fi
+  cuda_choice
   build_package
-  echo "jax_nvcomm: installed (CUDA backend: $JAX_NVCOMM_CUDA) in $((SECONDS - t0)) s" >&2
+  echo "jax_nvcomm: installed (editable; CUDA backend: $JAX_NVCOMM_CUDA) in $((SECONDS - t0)) s" >&2
 }
 
 # sourced (tests call the functions above): define them, run nothing

@@ -39,48 +39,58 @@ except ImportError as _e:
     raise ImportError(_missing_extension_message()) from _e
 
 
-def _cudart_candidates(major: str) -> list[str]:
-    """Where libcudart.so.<major> may lie when the module's RPATH (the nvidia wheel beside the
-    package) does not hold it: the nvidia wheel in any sys.path entry (e.g. a venv made with
-    --system-site-packages, jax's plugin installed outside it), then the CUDA toolkit."""
-    name = f"libcudart.so.{major}"
-    out = []
-    for p in sys.path:
-        for sub in (f"nvidia/cu{major}/lib", "nvidia/cuda_runtime/lib"):
-            out.append(os.path.join(p or ".", sub, name))
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            out.append(os.path.join(home, "lib64", name))
+def _wheel_runtimes(major: str, roots) -> list[str]:
+    """libcudart.so.<major> of the nvidia-cuda-runtime wheel (the one jax's CUDA plugin loads)
+    under each of `roots` (site-packages folders)."""
+    out = [os.path.join(r or ".", sub, f"libcudart.so.{major}") for r in roots
+           for sub in (f"nvidia/cu{major}/lib", "nvidia/cuda_runtime/lib")]
+    return [c for c in dict.fromkeys(out) if os.path.isfile(c)]
+
+
+def _toolkit_runtimes(major: str) -> list[str]:
+    out = [os.path.join(h, "lib64", f"libcudart.so.{major}")
+           for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")
+           if h]
     return [c for c in dict.fromkeys(out) if os.path.isfile(c)]
 
 
 def _import_cuda():
     """(the _cuda module or None, why not). The module needs the shared CUDA runtime
-    (libcudart.so.12 or .13, whichever nvcc built it against), not a GPU or a driver."""
+    (libcudart.so.12 or .13, whichever nvcc built it against), not a GPU or a driver. Its RPATH
+    finds the nvidia-cuda-runtime wheel installed beside the package; where that wheel lies in
+    another site-packages (a venv made with --system-site-packages) it is loaded from there
+    first, so the process holds the runtime jax's plugin uses; the CUDA toolkit's comes last."""
+    import ctypes
+    import importlib.util
+    spec = importlib.util.find_spec(f"{__package__}._cuda")
+    if spec is None or not spec.origin:
+        return None, "built without the CUDA part (no nvcc, or JAX_NVCOMM_CUDA=OFF)"
+    with open(spec.origin, "rb") as f:
+        m = re.search(rb"libcudart\.so\.(\d+)", f.read())
+    major = m.group(1).decode() if m else None
+    if major and not _wheel_runtimes(major, [os.path.dirname(os.path.dirname(spec.origin))]):
+        for cand in _wheel_runtimes(major, sys.path)[:1]:
+            try:
+                ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
     try:
         from . import _cuda as mod
         return mod, None
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}._cuda":
-            raise
-        return None, "built without the CUDA part (no nvcc, or JAX_NVCOMM_CUDA=OFF)"
     except ImportError as e:
-        m = re.search(r"libcudart\.so\.(\d+)", str(e))
-        if m is None:
+        if major is None or f"libcudart.so.{major}" not in str(e):
             return None, f"the CUDA module did not load: {e}"
-        import ctypes
-        for cand in _cudart_candidates(m.group(1)):
-            try:
-                ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
-                from . import _cuda as mod
-                return mod, None
-            except (OSError, ImportError):
-                continue
-        major = m.group(1)
-        return None, (f"the CUDA module needs the CUDA {major} runtime (libcudart.so.{major}), "
-                      "found neither beside the package nor in the toolkit: install jax with "
-                      f"its CUDA plugin (pip install 'jax[cuda{major}]', which brings "
-                      f"nvidia-cuda-runtime), or put the toolkit's lib64 on LD_LIBRARY_PATH")
+    for cand in _toolkit_runtimes(major):
+        try:
+            ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            from . import _cuda as mod
+            return mod, None
+        except (OSError, ImportError):
+            continue
+    return None, (f"the CUDA module needs the CUDA {major} runtime (libcudart.so.{major}), found "
+                  "neither beside the package nor in the toolkit: install jax with its CUDA "
+                  f"plugin (pip install 'jax[cuda{major}]', which brings nvidia-cuda-runtime), "
+                  "or put the toolkit's lib64 on LD_LIBRARY_PATH")
 
 
 _cuda, CUDA_IMPORT_ERROR = _import_cuda()

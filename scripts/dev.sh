@@ -3,11 +3,15 @@
 #   bash scripts/dev.sh demo [args]   create .venv (Python >= 3.12), install, run the main example
 #   bash scripts/dev.sh test [args]   create .venv, install, run the test suite
 #   bash scripts/dev.sh install       create .venv and install only
+#   bash scripts/dev.sh env           create .venv with the requirements, without the package
 #   bash scripts/dev.sh deps          print the pip requirements `install` would install here,
 #                                     one per line (installs nothing)
-# The CUDA backend is compiled when `nvidia-smi -L` lists a GPU and nvcc is found; on a machine
-# without a GPU only the host backend (CPU devices) is built, which takes seconds instead of
-# minutes. JAX_NVCOMM_CUDA=ON|OFF|AUTO overrides (CI sets ON where nvcc exists: .ci/run).
+# The package is installed editable (pip install -e .): Python started anywhere, the checkout's
+# root included, imports the checkout's code. The CUDA backend is compiled when `nvidia-smi -L`
+# lists a GPU and nvcc is found; on a machine without a GPU only the host backend (CPU devices)
+# is built, which takes seconds instead of minutes. JAX_NVCOMM_CUDA=ON|OFF|AUTO overrides.
+# JAX_NVCOMM_WHEEL=path/to.whl installs that wheel (and the CUDA runtime its CUDA module needs)
+# instead of building (CI: .ci/run builds the wheel once and tests it).
 # jax comes with its CUDA plugin when `nvidia-smi -L` lists a GPU: jax[cuda13] when the driver
 # supports CUDA >= 13 (the "CUDA Version" of plain `nvidia-smi`), else jax[cuda12]; plain jax
 # otherwise (CI, CPU-only machines). The same choice as pyproject.toml's extras cuda13 / cuda12.
@@ -137,7 +141,8 @@ EOF
   esac
 }
 
-install() {
+# $VENV with the requirements, without the package
+make_env() {
   local reqs
   mapfile -t reqs < <(requirements)
   if [ ! -x "$VENV/bin/python" ]; then
@@ -149,7 +154,11 @@ install() {
   echo "jax_nvcomm: installing ${reqs[*]}" >&2
   $pip install -q --upgrade pip
   $pip install -q "${reqs[@]}"
-  local t0=$SECONDS
+}
+
+install() {
+  make_env
+  local pip="$VENV/bin/python -m pip" t0=$SECONDS
   if [ -n "${JAX_NVCOMM_WHEEL:-}" ]; then  # a built wheel instead of the checkout (CI)
     local runtime
     runtime=$(wheel_cuda_runtime "$JAX_NVCOMM_WHEEL")
@@ -171,10 +180,11 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   install) install ;;
+  env) make_env ;;
   deps) requirements ;;
-  # run from examples/ so the source folder jax_nvcomm/ (no compiled modules) does not shadow
-  # the installed package
+  # run from examples/ and tests/: with a wheel installed (JAX_NVCOMM_WHEEL) the checkout's
+  # source folder jax_nvcomm/ (no compiled modules) in the current directory would shadow it
   demo) install; cd examples && exec "$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
   test) install; cd tests && exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
-  *) echo "usage: $0 demo|test|install|deps [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 demo|test|install|env|deps [args]" >&2; exit 2 ;;
 esac

@@ -92,7 +92,8 @@ def test_no_nvidia_smi_gives_plain_jax():
 
 def test_install_uses_the_deps_list():
     text = DEV.read_text()
-    body = text[text.index("install() {"):]
+    assert "\ninstall() {\n  make_env\n" in text
+    body = text[text.index("make_env() {"):]
     body = body[:body.index("\n}\n")]
     assert "mapfile -t reqs < <(requirements)" in body
     assert '"${reqs[@]}"' in body

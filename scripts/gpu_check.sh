@@ -501,8 +501,7 @@ from jax_nvcomm import _ffi
 print(f"wheel import: {time.time() - t:.1f} s; {nvc.__file__}")
 print("wheel CUDA_BUILT", nvc.CUDA_BUILT, _ffi._cuda.compiled_archs() if nvc.CUDA_BUILT
       else _ffi.CUDA_IMPORT_ERROR)
-maps = open("/proc/self/maps").read().split("
-")
+maps = open("/proc/self/maps").read().splitlines()
 print("wheel cudart loaded:", sorted({l.split()[-1] for l in maps if "libcudart" in l}))
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 comm = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20)

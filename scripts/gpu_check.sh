@@ -53,7 +53,7 @@
 #                                      with 2+ GPUs, one process per GPU (~4 min)
 #   bash scripts/gpu_check.sh wheel    the wheel users install: scripts/build_wheel.sh here (sm_90a
 #                                      only, to fit; retagged, no network), installed into a fresh
-#                                      venv that sees this machine's jax (--system-site-packages),
+#                                      venv that sees this machine's jax (a .pth file),
 #                                      then from /tmp: import, CUDA_BUILT, which libcudart the
 #                                      process holds, one all_reduce on the GPUs (~2.5 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
@@ -485,11 +485,16 @@ wheel)  # build the wheel here, install it into a fresh venv, import it and run 
   say "wheel: ${whl:-NONE} ($(grep -o 'built jax_nvcomm.* in [0-9]* s' "$OUT/all.log" | tail -1))"
   [ -n "$whl" ] || return 0
   t0=$SECONDS
-  # no pip of its own (the system's ensurepip may be missing): the system's pip, seen through
-  # --system-site-packages, installs into the venv; no index (no network), jax from the system
-  $PY -m venv --system-site-packages --without-pip /tmp/nvc_wheel_venv &&
-    /tmp/nvc_wheel_venv/bin/python -m pip install -q --no-index --no-deps "$whl" \
-      >>"$OUT/all.log" 2>&1
+  # a venv without pip of its own (ensurepip may be missing) that sees $PY's packages (jax, pip)
+  # after its own, through a .pth file (--system-site-packages would show the base
+  # interpreter's, not those of a venv that $PY may be); no index (no network)
+  local vsp
+  $PY -m venv --without-pip /tmp/nvc_wheel_venv &&
+    vsp=$(/tmp/nvc_wheel_venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") &&
+    $PY -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+      >"$vsp/outer_packages.pth" &&
+    env -u PYTHONPATH /tmp/nvc_wheel_venv/bin/python -m pip install -q --no-index --no-deps \
+      "$whl" >>"$OUT/all.log" 2>&1
   say "wheel: installed into a fresh venv in $((SECONDS - t0)) s (rc $?)"
   cat >/tmp/nvc_wheel_check.py <<'PY'
 import time
@@ -518,7 +523,9 @@ comm.close()
 print(f"wheel all_reduce on {W} GPU(s): custom calls {calls}; max |ours - numpy| {err:.1e}; "
       f"{'PASS' if err < 1e-4 and calls else 'FAIL'}")
 PY
-  step wheel_run 120 bash -c "cd /tmp && /tmp/nvc_wheel_venv/bin/python /tmp/nvc_wheel_check.py"
+  # from /tmp and without this script's PYTHONPATH (the checkout would shadow the install)
+  step wheel_run 120 env -u PYTHONPATH -u PYTHONSAFEPATH bash -c \
+    "cd /tmp && /tmp/nvc_wheel_venv/bin/python /tmp/nvc_wheel_check.py"
   grep -E "^wheel |Traceback|Error" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 *) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|wheel]..." >&2; exit 2 ;;

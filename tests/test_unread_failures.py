@@ -1,7 +1,7 @@
 """No silent failures: a call that fails on the device (here: ranks whose ragged_all_to_all sizes
 disagree, on 8 CPU devices) while nobody reads its result is reported on stderr once, with the
-record's text, at the first of: the next call on that communicator, its close(), the process's
-exit; a record read through check() is not printed; a compiled program run after close() says
+record's text, at the first of: the next call on that communicator (or the tracing of a
+program that uses it), its close(), the process's exit; a record read through check() is not printed; a compiled program run after close() says
 so instead of failing without a word. Each case runs as a script in a fresh process, as a user
 would, and reads its stderr."""
 from __future__ import annotations
@@ -60,6 +60,11 @@ SCRIPT = textwrap.dedent('''
             w = step(x, out, io, ss, oo, rs)   # the compiled program, run after close()
             time.sleep(1)
             print("after the call", flush=True)
+    elif case == "retrace":
+        import time; time.sleep(1)
+        again = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+        again.lower(x, out, io, ss, oo, rs)   # traced, never run
+        print("traced", flush=True)
     elif case == "checked":
         import time; time.sleep(1)
         try:
@@ -125,3 +130,10 @@ def test_a_record_read_by_check_is_not_printed(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "check raised: " in p.stdout and RECORD in p.stdout, p.stdout
     assert "jax_nvcomm" not in p.stderr, p.stderr
+
+
+def test_unread_failure_is_reported_while_tracing_the_next_program(tmp_path):
+    p = _run(tmp_path, "retrace")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count(HEADER) == 1 and "(reported while tracing" in p.stderr, p.stderr
+    assert RECORD in p.stderr, p.stderr

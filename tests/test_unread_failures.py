@@ -1,9 +1,9 @@
 """No silent failures: a call that fails on the device (here: ranks whose ragged_all_to_all sizes
 disagree, on 8 CPU devices) while nobody reads its result is reported on stderr once, with the
-record's text, at the first of: the next call on that communicator (or the tracing of a
-program that uses it), its close(), the process's exit; a record read through check() is not printed; a compiled program run after close() says
-so instead of failing without a word. Each case runs as a script in a fresh process, as a user
-would, and reads its stderr."""
+record's text, at the first of: the next call on that communicator (or the tracing of a program
+that uses it), its close(), the process's exit; a record read through check() is not printed; a
+compiled program run after close() says so instead of failing without a word. Each case runs as
+a script in a fresh process, as a user would, and reads its stderr."""
 from __future__ import annotations
 
 import os

@@ -66,15 +66,17 @@ def _check_kind(kind, what):
         raise ValueError(f"jax_nvcomm: {what}: kind must be 'tp' or 'moe', got {kind!r}")
 
 
-def register(comm) -> None:
-    """Make `comm` findable by its axis name (`find`); inside a `communicators(...)` block it
-    joins that block (and is closed with it), else the pool (closed by `close_all()`).
-    Registering a communicator twice is a no-op."""
+def register(comm):
+    """Make `comm` (a Communicator or MoECommunicator) findable by its axis name for the ops'
+    `axis_name=` form; inside a `communicators(...)` block it joins that block (and is closed
+    with it), else the pool (closed by `close_all()`). Registering a communicator twice is a
+    no-op. Returns comm."""
     kind_of(comm)
     with _lock:
         if any(c is comm for c in _pool) or any(c is comm for s in _scopes for c in s):
-            return
+            return comm
         (_scopes[-1] if _scopes else _pool).append(comm)
+    return comm
 
 
 def unregister(comm) -> None:
@@ -256,3 +258,28 @@ def close_all() -> None:
             errors.append(e)
     if errors:
         raise errors[0]
+
+
+def resolve(comm, axis_name, *, kind: str = "tp", what: str, accept=None, comm_name="comm"):
+    """The communicator of an op call: `comm` itself, or the one registered for `axis_name`
+    (`find`). A str or tuple of str passed in `comm`'s place is an axis name (lax's positional
+    form: `all_reduce(x, "tp")`).
+
+    Raises:
+      TypeError: both or neither given (naming them).
+      ValueError: as `find`.
+    """
+    if axis_name is None and (isinstance(comm, str) or (
+            isinstance(comm, tuple) and comm and all(isinstance(a, str) for a in comm))):
+        comm, axis_name = None, comm
+    if comm is not None and axis_name is not None:
+        raise TypeError(f"jax_nvcomm: {what}: pass {comm_name} or axis_name, not both (got "
+                        f"{comm_name}={comm!r} and axis_name={axis_name!r})")
+    if comm is None and axis_name is None:
+        raise TypeError(f"jax_nvcomm: {what}: missing the communicator: pass {comm_name} (a "
+                        f"{'MoECommunicator' if kind == 'moe' else 'Communicator'}) or "
+                        "axis_name= (a mesh axis or tuple of axes with a registered one: "
+                        "jax_nvcomm.communicators, jax_nvcomm.jit)")
+    if comm is not None:
+        return comm
+    return find(axis_name, kind=kind, what=what, accept=accept)

@@ -376,7 +376,8 @@ class _Base:
 
 
 class Communicator(_Base):
-    """Symmetric buffers for all_reduce / all_reduce_rms_norm / all_gather over `axis_name`.
+    """Symmetric buffers for all_reduce / all_reduce_rms_norm / all_gather over `axis_name` (one
+    mesh axis or a tuple of them).
 
     Per-rank memory (`nbytes`): 64 KiB control block + 2 halves of
     (W * align256(ceil(M / W)) + align256(M)) + 3 * W * L Lamport slots, with M =
@@ -394,8 +395,10 @@ class Communicator(_Base):
 
     Args:
       mesh: a `jax.sharding.Mesh`.
-      axis_name: the mesh axis to reduce / gather over; the other axes give one independent
-        group per coordinate.
+      axis_name: the mesh axis to reduce / gather over, or a tuple of mesh axes (the group is
+        their product, as for `lax.psum(x, ("X", "Y"))`; a rank's number is
+        `lax.axis_index(axis_name)`, the first axis major); the other axes give one
+        independent group per coordinate.
       max_message_bytes: largest message (bytes per rank) through the buffers, >= 4096; larger
         ones use XLA's collective.
       backend: "auto" (CUDA on GPU devices, host memory on CPU devices), "cuda" or "host".

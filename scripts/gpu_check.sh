@@ -195,26 +195,26 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
   grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
   cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
-rdot)  # ragged_dot kernels alone: the eight translation units in parallel, the correctness cases
-  # (every edge case fully checked against float64, each sweep variant x cluster size), memcheck
-  # of the cases without the variants, then the timing table + sweep; logs in $OUT/rdot
+rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
+  # (every edge case fully checked against float64, each sweep variant x cluster size), the
+  # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu; do
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
     $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
     $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
   step rdot_cases 60 build/rdot_h
-  grep -A80 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   grep -E "FAIL|failure" "$OUT/rdot/cases.txt" | tee -a "$OUT/summary.txt"
-  step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
-  grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
   step rdot_sweep 120 build/rdot_h --sweep
   grep -A2000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
   grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
+  grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do

@@ -52,11 +52,13 @@ cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s) {
 
 cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s) {
   if (ragged_dot_check(a, true) != nullptr) return cudaErrorInvalidValue;
-  return rdot_parts::swiglu(a, ragged_dot_rows_tile(a), ragged_dot_cluster(a), s);
+  const int r = ragged_dot_rows_tile(a), c = ragged_dot_cluster(a);
+  return a.dtype == 1 ? rdot_parts::swiglu_bf16(a, r, c, s) : rdot_parts::swiglu_f16(a, r, c, s);
 }
 
 cudaError_t ragged_dot_load_kernels() {
-  for (cudaError_t e : {rdot_parts::load_bf16(), rdot_parts::load_f16(), rdot_parts::load_swiglu()})
+  for (cudaError_t e : {rdot_parts::load_bf16(), rdot_parts::load_f16(),
+                        rdot_parts::load_swiglu_bf16(), rdot_parts::load_swiglu_f16()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -1,6 +1,6 @@
 // Internal to csrc/cuda: the package's tile choice for each rows tile R and the dispatch of one
 // operand family over (R, out dtype); included by ragged_dot_bf16.cu, ragged_dot_f16.cu and
-// ragged_dot_swiglu.cu (each instantiates its own family).
+// ragged_dot_swiglu_{bf16,f16}.cu (each instantiates its own family).
 //   ragged_dot: BN 128 weight columns x BK 64 per stage, 4 stages, 4 warps of 2 m16 tiles.
 //   swiglu:     the same tile over two weights, 8 warps of 1 m16 tile (twice the accumulators),
 //               3 stages at R 64 (shared memory).

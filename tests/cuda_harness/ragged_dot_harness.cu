@@ -19,8 +19,12 @@
 //                           per shape last
 //   --no-variants           correctness without the sweep variants (compute-sanitizer runs)
 //   --seed N                random inputs from seed N (default 1)
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -126,11 +130,14 @@ struct Problem {
   std::vector<int> sizes;
   void *lhs = nullptr, *rhs = nullptr, *rhs2 = nullptr, *out = nullptr;
   int32_t* gs = nullptr;
+  bool own_weights = true;  // false: rhs / rhs2 given (shared by the timing shapes)
   void alloc(uint64_t seed) {
     const size_t e = dt_size(dt);
     CK(cudaMalloc(&lhs, std::max<size_t>(16, m * k * e)));
-    CK(cudaMalloc(&rhs, g * k * n * e));
-    if (swiglu) CK(cudaMalloc(&rhs2, g * k * n * e));
+    if (own_weights) {
+      CK(cudaMalloc(&rhs, g * k * n * e));
+      if (swiglu) CK(cudaMalloc(&rhs2, g * k * n * e));
+    }
     CK(cudaMalloc(&out, std::max<size_t>(16, m * n * dt_size(odt))));
     CK(cudaMalloc(&gs, g * 4));
     CK(cudaMemcpy(gs, sizes.data(), g * 4, cudaMemcpyHostToDevice));
@@ -140,12 +147,15 @@ struct Problem {
       else fill(static_cast<__half*>(p), cnt, sd, sc);
     };
     f(lhs, m * k, seed * 3 + 1, 1.f);
-    f(rhs, g * k * n, seed * 3 + 2, ws * 1.7f);
-    if (swiglu) f(rhs2, g * k * n, seed * 3 + 3, ws * 1.7f);
+    if (own_weights) {
+      f(rhs, g * k * n, seed * 3 + 2, ws * 1.7f);
+      if (swiglu) f(rhs2, g * k * n, seed * 3 + 3, ws * 1.7f);
+    }
     CK(cudaDeviceSynchronize());
   }
   void free_all() {
-    cudaFree(lhs); cudaFree(rhs); if (rhs2) cudaFree(rhs2); cudaFree(out); cudaFree(gs);
+    cudaFree(lhs); cudaFree(out); cudaFree(gs);
+    if (own_weights) { cudaFree(rhs); if (rhs2) cudaFree(rhs2); }
   }
   RaggedDotArgs args() const {
     RaggedDotArgs a;
@@ -312,13 +322,34 @@ static const char* variant_name(int v) {
   return v < n0 ? sweep_name_0(v) : sweep_name_1(v - n0);
 }
 
+// Watchdog: a measurement that does not finish within its alarm (a hung kernel) ends the
+// process with the name of what it was measuring (what was printed before stays printed).
+static char g_doing[160] = "";
+static void on_alarm(int) {
+  const char msg[] = "HANG (watchdog): no result within the alarm while measuring: ";
+  (void)!write(1, msg, sizeof msg - 1);
+  (void)!write(1, g_doing, std::strlen(g_doing));
+  (void)!write(1, "\n", 1);
+  _exit(3);
+}
+static double watched(const char* what, const std::function<double()>& f, int seconds = 20) {
+  std::snprintf(g_doing, sizeof g_doing, "%s", what);
+  alarm(unsigned(seconds));
+  const double r = f();
+  alarm(0);
+  return r;
+}
+
 // Runs `launch` on `p` (poisoned first), checks, and checks that a second run gives the same bits.
 static void run_case(Problem& p, const std::string& name, const Launch& launch,
                      const std::vector<double>& ref) {
   p.poison();
   CK(cudaDeviceSynchronize());
+  std::snprintf(g_doing, sizeof g_doing, "case %s", name.c_str());
+  alarm(20);
   cudaError_t e = launch(p.args(), 0);
   if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  alarm(0);
   if (e != cudaSuccess) {  // a refused launch fails this case only
     std::printf("FAIL %-58s launch: %s\n", name.c_str(), cudaGetErrorString(e));
     cudaGetLastError();
@@ -354,11 +385,13 @@ static std::vector<int> routed_sizes(int tokens, int e, int top_k, uint64_t seed
   return sizes;
 }
 
+// w1 / w2: weights to share (not owned, not filled), or nullptr (allocated and filled here).
 static Problem make(int64_t m, int64_t k, int64_t n, std::vector<int> sizes, int dt, int odt,
-                    bool swiglu) {
+                    bool swiglu, void* w1 = nullptr, void* w2 = nullptr) {
   Problem p;
   p.m = m; p.k = k; p.n = n; p.g = int64_t(sizes.size()); p.dt = dt; p.odt = odt;
   p.swiglu = swiglu; p.sizes = std::move(sizes);
+  if (w1 != nullptr) { p.own_weights = false; p.rhs = w1; p.rhs2 = w2; }
   p.alloc(g_seed * 1000 + m * 7 + k + n);
   return p;
 }
@@ -486,70 +519,111 @@ static const Shape kShapes[] = {{32, 8}, {32, 32}, {32, 128}, {256, 8}, {256, 32
 constexpr int kHidden = 7168, kF = 2048, kTopK = 8;
 
 // The decode shapes: per (experts, tokens) the gate-shaped product [M, 7168] x [E, 7168, 2048],
-// the down-shaped one [M, 2048] x [E, 2048, 7168], swiglu, and the expert block.
+// the down-shaped one [M, 2048] x [E, 2048, 7168], swiglu, and the expert block. The weights of
+// one expert count are shared by its token counts. --sweep: then every variant x cluster size
+// on the gate and down products of every shape, the cp.async variants first (their best lines
+// printed before the bulk-copy variants run).
 static void timing(bool sweep) {
   std::printf("copy bandwidth (D2D, read + write): %.0f GB/s\n", copy_bandwidth() / 1e9);
-  std::vector<std::string> best;
+  struct Case {
+    Shape sh;
+    int64_t m;
+    Problem gate, down, sw;
+    double tg, td;
+  };
+  std::vector<Case> cases;
+  std::vector<void*> weights;
   std::printf("%-5s %-4s %-6s %-30s %9s %9s %7s\n", "E", "T", "M", "op", "us", "bound", "x");
-  for (const Shape& sh : kShapes) {
-    const int64_t m = int64_t(sh.tokens) * kTopK;
-    auto sizes = routed_sizes(sh.tokens, sh.e, kTopK, g_seed + sh.e * 1000 + sh.tokens);
-    Problem gate = make(m, kHidden, kF, sizes, 1, 1, false);
-    Problem down = make(m, kF, kHidden, sizes, 1, 1, false);
-    Problem sw = make(m, kHidden, kF, sizes, 1, 1, true);
-    gate.poison();
-    CK(production(false)(gate.args(), 0));
+  for (int e : {32, 256}) {
+    void *wg, *wu, *wd;
+    const size_t bytes = size_t(e) * kHidden * kF * 2;
+    CK(cudaMalloc(&wg, bytes));
+    CK(cudaMalloc(&wu, bytes));
+    CK(cudaMalloc(&wd, bytes));
+    const float sc = 1.7f / std::sqrt(float(kHidden)), sd = 1.7f / std::sqrt(float(kF));
+    fill(static_cast<__nv_bfloat16*>(wg), bytes / 2, g_seed * 11 + e, sc);
+    fill(static_cast<__nv_bfloat16*>(wu), bytes / 2, g_seed * 13 + e, sc);
+    fill(static_cast<__nv_bfloat16*>(wd), bytes / 2, g_seed * 17 + e, sd);
     CK(cudaDeviceSynchronize());
-    const std::string tag = std::to_string(sh.e) + " experts x " + std::to_string(sh.tokens) + " tokens";
-    check(gate, (tag + " gate sampled").c_str());
-    down.poison();
-    CK(production(false)(down.args(), 0));
-    sw.poison();
-    CK(production(true)(sw.args(), 0));
-    CK(cudaDeviceSynchronize());
-    check(down, (tag + " down sampled").c_str(), 256);
-    check(sw, (tag + " swiglu sampled").c_str(), 256);
-    auto row = [&](const char* op, double us, double bound) {
-      std::printf("%-5d %-4d %-6lld %-30s %9.1f %9.1f %7.2f\n", sh.e, sh.tokens, (long long)m, op,
-                  us, bound, us / bound);
-    };
-    const double tg = time_graph(gate, production(false));
-    row("ragged_dot gate [7168->2048]", tg, gate.bound_us());
-    const double td = time_graph(down, production(false));
-    row("ragged_dot down [2048->7168]", td, down.bound_us());
-    const double ts = time_graph(sw, production(true));
-    row("ragged_dot_swiglu gate+up", ts, sw.bound_us());
-    row("block: 3 x ragged_dot", 2 * tg + td, 2 * gate.bound_us() + down.bound_us());
-    row("block: swiglu + ragged_dot", ts + td, 2 * gate.bound_us() + down.bound_us());
-    if (sweep) {
-      for (Problem* pp : {&gate, &down}) {
-        double bt = 1e30;
-        std::string bn;
-        for (int v = 0; v < variant_count(); ++v)
-          for (int cs : {1, 2, 4, 8}) {
-            const double t = time_graph(*pp, variant(v, cs), 5, 7);
-            if (t < 0) {
-              std::printf("  sweep %s E%d T%d %-28s cs%d refused\n", pp == &gate ? "gate" : "down",
-                          sh.e, sh.tokens, variant_name(v), cs);
-              continue;
-            }
-            std::printf("  sweep %s E%d T%d %-28s cs%d %9.1f us %6.2fx\n",
-                        pp == &gate ? "gate" : "down", sh.e, sh.tokens, variant_name(v), cs, t,
-                        t / pp->bound_us());
-            if (t < bt) { bt = t; bn = std::string(variant_name(v)) + " cs" + std::to_string(cs); }
-          }
-        char line[256];
-        std::snprintf(line, sizeof line, "best %s E%-3d T%-3d %-32s %8.1f us %5.2fx (prod %5.2fx)",
-                      pp == &gate ? "gate" : "down", sh.e, sh.tokens, bn.c_str(), bt,
-                      bt / pp->bound_us(), (pp == &gate ? tg : td) / pp->bound_us());
-        best.push_back(line);
+    weights.insert(weights.end(), {wg, wu, wd});
+    for (const Shape& sh : kShapes) {
+      if (sh.e != e) continue;
+      const int64_t m = int64_t(sh.tokens) * kTopK;
+      auto sizes = routed_sizes(sh.tokens, sh.e, kTopK, g_seed + sh.e * 1000 + sh.tokens);
+      Case c{sh, m, make(m, kHidden, kF, sizes, 1, 1, false, wg),
+             make(m, kF, kHidden, sizes, 1, 1, false, wd),
+             make(m, kHidden, kF, sizes, 1, 1, true, wg, wu), 0, 0};
+      const std::string tag = std::to_string(e) + " experts x " + std::to_string(sh.tokens) +
+                              " tokens";
+      for (Problem* p : {&c.gate, &c.down, &c.sw}) {
+        p->poison();
+        CK(production(p->swiglu)(p->args(), 0));
       }
+      CK(cudaDeviceSynchronize());
+      check(c.gate, (tag + " gate sampled").c_str());
+      check(c.down, (tag + " down sampled").c_str(), 256);
+      check(c.sw, (tag + " swiglu sampled").c_str(), 256);
+      auto row = [&](const char* op, double us, double bound) {
+        std::printf("%-5d %-4d %-6lld %-30s %9.1f %9.1f %7.2f\n", e, sh.tokens, (long long)m, op,
+                    us, bound, us / bound);
+      };
+      c.tg = watched("production gate", [&] { return time_graph(c.gate, production(false)); });
+      row("ragged_dot gate [7168->2048]", c.tg, c.gate.bound_us());
+      c.td = watched("production down", [&] { return time_graph(c.down, production(false)); });
+      row("ragged_dot down [2048->7168]", c.td, c.down.bound_us());
+      const double ts = watched("production swiglu", [&] { return time_graph(c.sw, production(true)); });
+      row("ragged_dot_swiglu gate+up", ts, c.sw.bound_us());
+      const double bb = 2 * c.gate.bound_us() + c.down.bound_us();
+      row("block: 3 x ragged_dot", 2 * c.tg + c.td, bb);
+      row("block: swiglu + ragged_dot", ts + c.td, bb);
+      std::fflush(stdout);
+      cases.push_back(std::move(c));
     }
-    gate.free_all();
-    down.free_all();
-    sw.free_all();
   }
-  for (auto& l : best) std::printf("%s\n", l.c_str());
+  if (sweep) {
+    // best[case][0 gate / 1 down] over the variants run so far
+    std::vector<std::array<std::pair<double, std::string>, 2>> best(cases.size());
+    for (auto& b : best) b[0].first = b[1].first = 1e30;
+    for (int bulk = 0; bulk < 2; ++bulk) {
+      for (int v = 0; v < variant_count(); ++v) {
+        if ((std::strstr(variant_name(v), "bulk") != nullptr) != (bulk == 1)) continue;
+        for (int cs : {1, 2, 4, 8})
+          for (size_t ci = 0; ci < cases.size(); ++ci)
+            for (int o = 0; o < 2; ++o) {
+              Case& c = cases[ci];
+              Problem& p = o == 0 ? c.gate : c.down;
+              char what[160];
+              std::snprintf(what, sizeof what, "%s E%d T%d %s cs%d", o == 0 ? "gate" : "down",
+                            c.sh.e, c.sh.tokens, variant_name(v), cs);
+              const double t = watched(what, [&] { return time_graph(p, variant(v, cs), 5, 7); });
+              if (t < 0) {
+                std::printf("  sweep %s refused\n", what);
+                continue;
+              }
+              std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, t, t / p.bound_us());
+              if (t < best[ci][o].first)
+                best[ci][o] = {t, std::string(variant_name(v)) + " cs" + std::to_string(cs)};
+            }
+      }
+      std::printf("%s\n", bulk == 0 ? "best of the cp.async variants:" : "best of all variants:");
+      for (size_t ci = 0; ci < cases.size(); ++ci)
+        for (int o = 0; o < 2; ++o) {
+          const Case& c = cases[ci];
+          const Problem& p = o == 0 ? c.gate : c.down;
+          std::printf("best %s E%-3d T%-3d %-34s %8.1f us %5.2fx (production %5.2fx)\n",
+                      o == 0 ? "gate" : "down", c.sh.e, c.sh.tokens, best[ci][o].second.c_str(),
+                      best[ci][o].first, best[ci][o].first / p.bound_us(),
+                      (o == 0 ? c.tg : c.td) / p.bound_us());
+        }
+      std::fflush(stdout);
+    }
+  }
+  for (Case& c : cases) {
+    c.gate.free_all();
+    c.down.free_all();
+    c.sw.free_all();
+  }
+  for (void* w : weights) cudaFree(w);
 }
 
 int main(int argc, char** argv) {
@@ -562,6 +636,7 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--seed N]\n", argv[0]); return 2; }
   }
   std::printf("seed %llu\n", (unsigned long long)g_seed);
+  std::signal(SIGALRM, on_alarm);
   CK(nvc::cuda::ragged_dot_load_kernels());
   if (time) timing(sweep);
   else correctness(variants);

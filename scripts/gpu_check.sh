@@ -48,9 +48,9 @@
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
 #                            rdotpy    tests/test_ragged_dot.py on GPU 0 (the package's op: kernel,
 #                                      graph loop, gradients, shard_map) (~1 min + build)
-#                            rdotbench the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
-#                                      device time, weight-read bound), 32 then 256 experts
-#                                      (~2.5 min + build)
+#                            rdotb32   the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
+#                            rdotb256  device time, weight-read bound) at 32 / 256 experts (~2 min
+#                                      each + build)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -226,13 +226,12 @@ rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference a
     tests/test_ragged_dot.py
   grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
-rdotbench)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the 3-product
-  # block, nvc vs lax.ragged_dot, with device time and the weight-read bound
-  for e in 32 256; do
-    step rdot_bench$e 140 $PY -m jax_nvcomm.bench moelayer --experts $e --reps 5 --calls 5 \
-      --out "$OUT/rdotbench$e"
-    grep -A12 "^   E    T     M op" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
-  done
+rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the
+  # 3-product block, nvc vs lax.ragged_dot, with device time and the weight-read bound
+  local e=${1#rdotb}
+  step rdot_bench$e 145 $PY -m jax_nvcomm.bench moelayer --experts $e --reps 5 --calls 5 \
+    --out "$OUT/rdotbench$e"
+  grep -A12 "^   E    T     M op" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -514,7 +513,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|rdotpy|rdotbench|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|rdotpy|rdotb32|rdotb256|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -46,8 +46,9 @@
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
-#                            rdotpy    tests/test_ragged_dot.py on GPU 0 (the package's op: kernel,
-#                                      graph loop, gradients, shard_map) (~1 min + build)
+#                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
+#                                      GPU 0 (the package's op: kernel, graph loop, gradients,
+#                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
 #                            rdotb32   the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
 #                            rdotb256  device time, weight-read bound) at 32 / 256 experts (~2 min
 #                                      each + build)
@@ -221,9 +222,10 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
   grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
   ;;
-rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax
+rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
+  # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
   step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
-    tests/test_ragged_dot.py
+    tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
   grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the

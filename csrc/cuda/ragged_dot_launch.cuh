@@ -86,10 +86,14 @@ struct Kernel {
     return cudaLaunchKernelEx(&cfg, fn, p, cs);
   }
 
+  // Module loaded, shared-memory limit raised, the occupancy of the package's cluster size (1)
+  // cached: a first launch then makes no runtime query (it may be inside a graph capture).
   static cudaError_t load() {
     cudaFuncAttributes fa;
     if (cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
-    return prepare();
+    if (cudaError_t e = prepare(); e != cudaSuccess) return e;
+    clusters(1);
+    return cudaSuccess;
   }
 };
 

@@ -49,6 +49,9 @@
 #                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
 #                                      GPU 0 (the package's op: kernel, graph loop, gradients,
 #                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
+#                            rdotfinal the three in one: harness cases + the production table (no
+#                                      sweep), the op's tests (1, 2, 4 processes), bench moelayer's
+#                                      gate / down rows at 32 and 256 experts (~2.5 min + build)
 #                            rdotb32   the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
 #                            rdotb256  device time, weight-read bound) at 32 / 256 experts (~2 min
 #                                      each + build)
@@ -227,6 +230,28 @@ rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference a
   step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
     tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
   grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  ;;
+rdotfinal)  # the kernel harness (cases, production table), the package's op on GPU 0 (tests),
+  # bench moelayer's gate / down rows with device time
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
+    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h --no-variants
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
+  step rdot_time 60 build/rdot_h --time
+  grep -A200 "=== rdot_time" "$OUT/all.log" | grep -vE "^===|PASS" | tee -a "$OUT/summary.txt"
+  step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
+  grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  step rdot_bench 150 $PY -m jax_nvcomm.bench moelayer --experts 32 256 --ops gate down \
+    --reps 3 --calls 5 --out "$OUT/rdotbench"
+  grep -A16 "^   E    T     M op" "$OUT/all.log" | tail -16 | tee -a "$OUT/summary.txt"
   ;;
 rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the
   # 3-product block, nvc vs lax.ragged_dot, with device time and the weight-read bound
@@ -515,7 +540,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|rdotpy|rdotb32|rdotb256|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

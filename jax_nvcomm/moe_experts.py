@@ -1,12 +1,15 @@
 """The whole routed-expert MoE layer as one op: `moe_layer` (docs/API.md).
 
 What it is today: a composition inside one jitted op, not one fused kernel. Our dispatch
-kernel (`moe_dispatch`) delivers each local expert's tokens as rows of expert_x [L, W*T, H]
-(rows 0 .. counts[e] - 1 of expert e, in (source rank, token) order); the expert block runs
-on those rows (`expert_block`: SwiGLU of the three expert matrices over the counted rows only);
-our combine kernel (`moe_combine`) sends each result row back to its token's rank and sums the
-top_k rows there with the router weights. On CUDA every part is a kernel XLA can record into
-one command buffer (CUDA graph); on CPU devices the host backend runs the same composition.
+kernel delivers each local expert's tokens packed, in lax.ragged_dot's form: rows
+[sum(counts[:e]), sum(counts[:e + 1])) of a [W*T*min(K, L), H] array for local expert e, in
+(source rank, token) order (csrc/common/moe_layout.h PACKED EXPERT ROWS); the experts run on
+those rows (`expert_rows`: three grouped products, SwiGLU between them); our combine kernel
+reads the result rows in the same packed form, sends each back to its token's rank and sums
+the top_k rows there with the router weights. No gather or scatter between the parts. On CUDA
+every part is a kernel XLA can record into one command buffer (CUDA graph); on CPU devices the
+host backend runs the same composition. On a communicator in XLA fallback mode the layer uses
+the public moe_dispatch / moe_combine (padded layout) around `expert_block`.
 
 Rounding (every backend): gate and up products accumulate in float32, SwiGLU in float32, its
 result rounded to the weights' dtype before the down product (float32 accumulation), each
@@ -22,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _order, _shard
+from . import _inflight, _order, _shard
+from . import moe as _moe
 from .moe import MoECommunicator, _check_dispatch_args, moe_combine, moe_dispatch
 
 _LAYER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -62,19 +66,37 @@ def _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what
                             f"{w.dtype}")
 
 
-def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=None):
-    """SwiGLU experts on the dispatch layout: expert_y[e, i] = (silu(x W_gate[e]) *
-    (x W_up[e])) W_down[e] for x = expert_x[e, i], i < counts[e]; later rows of expert_y are
-    unspecified (combine reads only the counted rows).
+def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
+    """SwiGLU experts on packed rows (lax.ragged_dot's form): row r of group e (the rows
+    [sum(counts[:e]), sum(counts[:e + 1]))) gives (silu(x W_gate[e]) * (x W_up[e])) W_down[e];
+    rows past sum(counts) are unspecified on input and output. Rounding: module docstring.
 
-    The counted rows are packed into one [max_rows, H] matrix sorted by expert (the form of
-    lax.ragged_dot), multiplied group by group, and unpacked into the [L, R, H] layout.
+    Args:
+      xp: [P, H], sum(counts) <= P.
+      counts: int32 [L].
+      w_gate, w_up: [L, H, F]; w_down: [L, F, H], xp's dtype.
+      out_dtype: the result's dtype.
+
+    Returns:
+      [P, H] of out_dtype.
+    """
+    dot = lambda a, w: lax.ragged_dot(a, w, counts,  # noqa: E731
+                                      preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
+    return dot(h, w_down).astype(out_dtype)
+
+
+def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=None):
+    """`expert_rows` on the padded dispatch layout (moe_dispatch's expert_x): expert_y[e, i]
+    for x = expert_x[e, i], i < counts[e]; later rows of expert_y are unspecified (combine
+    reads only the counted rows). The counted rows are gathered into packed rows, multiplied,
+    and gathered back: the layer's path on a communicator in XLA fallback mode, whose dispatch
+    delivers only this layout.
 
     Args:
       expert_x: [L, R, H], rows past counts[e] unspecified (may hold anything, NaN included).
       counts: int32 [L], sum(counts) <= max_rows.
-      w_gate, w_up: [L, H, F]; w_down: [L, F, H], expert_x's dtype.
-      out_dtype: dtype of expert_y.
+      w_gate, w_up, w_down, out_dtype: as `expert_rows`.
       max_rows: static bound on sum(counts) (default L * R).
 
     Returns:
@@ -90,12 +112,33 @@ def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=Non
     src = jnp.where(valid, e * R + (p - starts[e]), 0)
     xs = expert_x.reshape(L * R, H)[src]
     xs = jnp.where(valid[:, None], xs, jnp.zeros((), xs.dtype))  # uncounted rows: not NaN
-    dot = lambda a, w: lax.ragged_dot(a, w, counts,  # noqa: E731
-                                      preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(dot(xs, w_gate)) * dot(xs, w_up)).astype(w_down.dtype)
-    ys = dot(h, w_down).astype(out_dtype)
+    ys = expert_rows(xs, counts, w_gate, w_up, w_down, out_dtype)
     back = jnp.clip(starts[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :], 0, M - 1)
     return ys[back]
+
+
+def _layer_kernels(x, ids, w, wg, wu, wd, nt, tok, *, moe):
+    """The layer on our kernels: packed dispatch, expert_rows, combine of the packed rows.
+    Returns (y, order token)."""
+    what = "moe_layer"
+    _inflight.check_fused(moe, what)
+    dispatch = _moe.moe_call(moe, what, lambda *a: _moe._dispatch_kernel(*a, moe=moe,
+                                                                          packed=True))
+    combine = _moe.moe_call(moe, what, lambda *a: _moe._combine_kernel(*a, moe=moe))
+    xp, counts, _, token_dest, expert_src, tok = dispatch(x, ids, nt.astype(jnp.int32), tok)
+    ys = expert_rows(xp, counts, wg, wu, wd, x.dtype)
+    y, tok = combine(ys, w, token_dest, expert_src, counts, tok)
+    return y, tok
+
+
+def _layer_fallback(x, ids, w, wg, wu, wd, nt, tok, *, moe):
+    """The layer on a communicator in XLA fallback mode: the public ops (which take
+    lax.ragged_all_to_all there) around expert_block on their padded layout."""
+    _order.record(tok)
+    d = moe_dispatch(x, ids, moe, num_tokens=nt)
+    ey = expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype, _moe.packed_rows(moe))
+    y = moe_combine(ey, w, d.handle, moe)
+    return y, _order.token(moe.axis_name)
 
 
 def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, *, num_tokens=None):
@@ -133,23 +176,21 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, *, num_token
     if not isinstance(moe, MoECommunicator):
         raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
                         f"{type(moe).__name__}")
+    _shard.check_context(moe, what)
     x, topk_ids, topk_weights = (jnp.asarray(a) for a in (x, topk_ids, topk_weights))
     w_gate, w_up, w_down = (jnp.asarray(a) for a in (w_gate, w_up, w_down))
     _check_dispatch_args(x, topk_ids, moe, num_tokens, None, what)
     _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what)
     axis = moe.axis_name
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens)
-    T, K, L = moe.max_tokens, moe.top_k, moe.num_local_experts
-    max_rows = moe.world_size * T * min(K, L)  # a token reaches <= min(K, L) local experts
+
+    body = _layer_fallback if moe.xla_fallback else _layer_kernels
 
     @jax.custom_jvp
     def layer(x, ids, w, wg, wu, wd, n, tok):
-        _order.record(tok)  # this trace's calls follow the caller's (_order: nested scope)
-        d = moe_dispatch(x, ids, moe, num_tokens=n)
+        # tok: the caller's order token, passed in (a custom_jvp body is a nested trace)
         wg, wu, wd = (_shard.varying(a, axis) for a in (wg, wu, wd))
-        ey = expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype, max_rows)
-        y = moe_combine(ey, w, d.handle, moe)
-        return y, _order.token(axis)
+        return body(x, ids, w, wg, wu, wd, n, tok, moe=moe)
 
     @layer.defjvp
     def _no_jvp(primals, tangents):

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
 from jax_nvcomm import moe_experts as ml
-from helpers import mesh1d
+from conftest import make_mesh
+from helpers import np_moe_layer_reference
 
 MOES = {}
 
@@ -21,7 +22,7 @@ MOES = {}
 def get_moe(world, E, K, T, H, dtype):
     key = (world, E, K, T, H, jnp.dtype(dtype).name)
     if key not in MOES:
-        MOES[key] = nvc.MoECommunicator(mesh1d(world), "x", num_experts=E, top_k=K,
+        MOES[key] = nvc.MoECommunicator(make_mesh((world,), ("x",)), "x", num_experts=E, top_k=K,
                                         max_tokens=T, hidden=H, dtype=dtype)
     return MOES[key]
 
@@ -34,26 +35,13 @@ def _close_all():
     MOES.clear()
 
 
+def upto(n):
+    """n ranks, or as many as there are devices (the GPU run: world 1 on one GPU)."""
+    return min(n, len(jax.devices()))
+
+
 def _f64(a):
     return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-
-
-def dense_reference(x, ids, w, nt, wg, wu, wd, world):
-    """float64: y[s*T+t] = sum_k w * ffn_e(x) over t < nt[s], ids >= 0; weights [E, ...]."""
-    WT, K = ids.shape
-    T = WT // world
-    y = np.zeros((WT, x.shape[1]))
-    for s in range(world):
-        for t in range(int(nt[s])):
-            r = s * T + t
-            for k in range(K):
-                e = int(ids[r, k])
-                if e < 0:
-                    continue
-                g, u = x[r] @ wg[e], x[r] @ wu[e]
-                h = g / (1.0 + np.exp(-g)) * u
-                y[r] += np.float64(w[r, k]) * (h @ wd[e])
-    return y
 
 
 def routing(rng, world, T, E, K, mode):
@@ -94,7 +82,7 @@ def case(rng, world, E, K, T, H, F, dtype, mode="random", nt=None, drop=0.0):
     nt = np.full((world,), T, np.int32) if nt is None else np.asarray(nt, np.int32)
     y = run_layer(moe, x, ids, w, nt, wg, wu, wd)
     assert y.dtype == dt and y.shape == (world * T, H)
-    ref = dense_reference(_f64(x), ids, w, nt, _f64(wg), _f64(wu), _f64(wd), world)
+    ref = np_moe_layer_reference(_f64(x), ids, w, nt, _f64(wg), _f64(wu), _f64(wd), world)
     got = _f64(y)
     rtol, atol = TOL[dt.name]
     scale = np.sqrt(np.mean(ref ** 2)) if np.any(ref) else 1.0
@@ -105,9 +93,10 @@ def case(rng, world, E, K, T, H, F, dtype, mode="random", nt=None, drop=0.0):
     return got, ref
 
 
+@pytest.mark.parametrize("world", [1, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_random_routing(rng, dtype):
-    case(rng, 8, 32, 4, 6, 32, 48, dtype)
+def test_random_routing(rng, dtype, world):
+    case(rng, world, 4 * world, 4, 6, 32, 48, dtype)
 
 
 @pytest.mark.parametrize("world,E,K", [(1, 4, 2), (2, 8, 8), (4, 8, 1), (8, 16, 3)])
@@ -115,31 +104,37 @@ def test_worlds_and_top_k(rng, world, E, K):
     case(rng, world, E, K, 5, 16, 24, "float32")
 
 
-def test_skewed_onto_one_rank(rng):
+@pytest.mark.parametrize("world", [2, 8])
+def test_skewed_onto_one_rank(rng, world):
     # every token of every rank goes to the last rank's experts: the other ranks' experts get
     # nothing, the last rank's are full (W*T rows each when K = L)
-    got, ref = case(rng, 8, 16, 2, 7, 32, 40, "bfloat16", mode="one_rank")
+    got, ref = case(rng, world, 2 * world, 2, 7, 32, 40, "bfloat16", mode="one_rank")
     assert np.all(np.any(ref != 0, axis=1))
 
 
-def test_ranks_without_tokens_and_num_tokens(rng):
-    nt = [6, 0, 3, 0, 1, 6, 0, 2]
-    case(rng, 8, 32, 4, 6, 16, 32, "bfloat16", nt=nt)
+@pytest.mark.parametrize("nt", [[6, 0, 3, 0, 1, 6, 0, 2], [3], [0, 5]])
+def test_ranks_without_tokens_and_num_tokens(rng, nt):
+    world = len(nt)
+    case(rng, world, 4 * world, 4, 6, 16, 32, "bfloat16", nt=nt)
 
 
 def test_unused_slots(rng):
-    case(rng, 4, 16, 4, 8, 16, 16, "float32", drop=0.3)
+    W = upto(4)
+    case(rng, W, 4 * W, 4, 8, 16, 16, "float32", drop=0.3)
 
 
 def test_all_ranks_empty(rng):
-    got, _ = case(rng, 4, 8, 2, 4, 16, 16, "float32", nt=[0, 0, 0, 0])
+    # every rank sends nothing: every expert gets no rows, y is zero everywhere
+    W = upto(4)
+    got, _ = case(rng, W, 2 * W, 2, 4, 16, 16, "float32", nt=[0] * W)
     assert not np.any(got)
 
 
 def test_repeated_calls_in_one_program(rng):
     # two layers back to back in one jit (the second on the first's output): the order chain
     # across the layer's nested trace keeps every rank's calls paired
-    world, E, K, T, H, F = 4, 8, 2, 4, 16, 16
+    world = upto(4)
+    E, K, T, H, F = 2 * world, 2, 4, 16, 16
     moe = get_moe(world, E, K, T, H, "float32")
     x = rng.standard_normal((world * T, H)).astype(np.float32)
     wg, wu = (rng.standard_normal((E, H, F)).astype(np.float32) / 4 for _ in range(2))
@@ -155,9 +150,9 @@ def test_repeated_calls_in_one_program(rng):
     y = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(spec,) * 6, out_specs=spec))(
         x, ids, w, wg, wu, wd)
     nt = np.full((world,), T)
-    ref = dense_reference(np.float64(x), ids, w, nt, np.float64(wg), np.float64(wu),
+    ref = np_moe_layer_reference(np.float64(x), ids, w, nt, np.float64(wg), np.float64(wu),
                           np.float64(wd), world)
-    ref = dense_reference(ref, ids, w, nt, np.float64(wg), np.float64(wu), np.float64(wd),
+    ref = np_moe_layer_reference(ref, ids, w, nt, np.float64(wg), np.float64(wu), np.float64(wd),
                           world)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-5)
 
@@ -181,7 +176,8 @@ def test_expert_block_ignores_uncounted_rows(rng):
 
 
 def test_grad_raises_naming_composed_path(rng):
-    world, E, K, T, H, F = 2, 4, 2, 4, 16, 16
+    world = upto(2)
+    E, K, T, H, F = 2 * world, 2, 4, 16, 16
     moe = get_moe(world, E, K, T, H, "float32")
     x = rng.standard_normal((world * T, H)).astype(np.float32)
     wg, wu = (rng.standard_normal((E, H, F)).astype(np.float32) for _ in range(2))
@@ -214,18 +210,19 @@ def _call(moe, **over):
 
 
 def test_validation():
-    moe = get_moe(2, 4, 2, 4, 16, "bfloat16")
+    W = upto(2)
+    moe = get_moe(W, 2 * W, 2, 4, 16, "bfloat16")
     bf = jnp.bfloat16
     with pytest.raises(ValueError, match=r"w_gate must have shape .*\(2, 16, F\)"):
-        _call(moe, wg=jnp.zeros((4, 8, 8), bf))
+        _call(moe, wg=jnp.zeros((2 * W, 8, 8), bf))
     with pytest.raises(ValueError, match=r"w_down must have shape \(2, 8, 16\)"):
-        _call(moe, wd=jnp.zeros((4, 16, 16), bf))
+        _call(moe, wd=jnp.zeros((2 * W, 16, 16), bf))
     with pytest.raises(TypeError, match="w_up must have x's dtype bfloat16, got float32"):
-        _call(moe, wu=jnp.zeros((4, 16, 8), jnp.float32))
+        _call(moe, wu=jnp.zeros((2 * W, 16, 8), jnp.float32))
     with pytest.raises(ValueError, match="topk_weights must be float32"):
-        _call(moe, w=jnp.zeros((8, 2), bf))
+        _call(moe, w=jnp.zeros((4 * W, 2), bf))
     with pytest.raises(TypeError, match="moe_layer: x must have the communicator's dtype"):
-        _call(moe, x=jnp.zeros((8, 16), jnp.float32))
+        _call(moe, x=jnp.zeros((4 * W, 16), jnp.float32))
     with pytest.raises(ValueError, match=r"moe_layer: num_tokens must be in \[0, max_tokens=4\]"):
         _call(moe, nt=5)
     with pytest.raises(TypeError, match="moe must be a MoECommunicator"):
@@ -233,7 +230,8 @@ def test_validation():
 
 
 def test_fp8_communicator_refused():
-    moe = get_moe(2, 4, 2, 4, 16, "float8_e4m3fn")
+    W = upto(2)
+    moe = get_moe(W, 2 * W, 2, 4, 16, "float8_e4m3fn")
     with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32 for the "
                                         "layer, got float8_e4m3fn"):
         _call(moe)

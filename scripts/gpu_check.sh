@@ -51,6 +51,9 @@
 #                                      docs/guide.md, the three small examples; the guide's
 #                                      launcher script with 2 and 4 processes sharing GPU 0 and,
 #                                      with 2+ GPUs, one process per GPU (~4 min)
+#   bash scripts/gpu_check.sh moelayerk the MoE kernel harness with the packed expert rows (moe_layer's
+#                                      layout) on GPU 0 (virtual ranks; no package build): every
+#                                      case, memcheck of the packed cases (~2 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -117,7 +120,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | moelayerk) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -174,6 +177,17 @@ mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, rag
   step moe_harness 120 build/moe_h
   step ar_bench2 120 build/ar_h --bench --ranks 2
   grep -A40 "=== ar_bench2" "$OUT/all.log" | grep -vE "^===" | tail -30 >> "$OUT/summary.txt"
+  ;;
+moelayerk)  # the MoE harness rebuilt from this tree (never a cached build/moe_h): every case,
+  # the packed ones (dispatch RECV into / combine SEND from packed rows) included, then memcheck
+  # of the three tiny packed cases (scales + zero-token rank, split, graph replay)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step moel_build 240 $NV -o build/moe_h_layer tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu
+  step moel_harness 200 build/moe_h_layer
+  step moel_memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 build/moe_h_layer \
+    --only "packed tiny"
+  grep -hE "^packed|failure|ERROR SUMMARY" "$OUT/all.log" | tee -a "$OUT/summary.txt"
   ;;
 raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
   # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
@@ -471,7 +485,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|moelayerk]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

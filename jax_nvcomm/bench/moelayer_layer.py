@@ -1,0 +1,222 @@
+"""The layer rows of `python -m jax_nvcomm.bench moelayer`: the whole routed-expert layer
+(nvc.moe_layer) against the same layer composed from the public ops and against XLA's.
+
+Shapes (defaults; world = the job's devices, meant for world 1 on one GPU): hidden 7168,
+ffn 2048, 32 and 256 local experts per rank, top-8, 8 / 32 / 128 tokens per rank, bf16,
+random routing (top_k distinct experts per token, uniform). Methods:
+  layer     nvc.moe_layer (its docstring says what it runs: composed on packed rows today)
+  composed  nvc.moe_dispatch + three ragged_dot on the padded dispatch layout (rows gathered
+            into ragged_dot's form and back: moe_experts.expert_block) + nvc.moe_combine; the
+            ragged_dot is nvc.ragged_dot where the package has it, else lax.ragged_dot (the
+            row's `dot` says which)
+  xla       sort by expert + lax.ragged_all_to_all + three lax.ragged_dot + the way back + unsort
+            (models/moe_ragged.py moe_experts with XLA's collectives)
+Every row has the weight-read bound: bytes of the three matrices of every expert that gets at
+least one token (over all ranks, per rank when world > 1: the busiest rank) / 4.8 TB/s (H200
+HBM3e datasheet), and the ratio time / bound (device time where there is one, else loop time).
+Timing: the loop programs of bench/common.py (`_measure`): 1 + unroll x steps calls per
+program, each call's x with one row of the previous call's output; default unroll 1, steps 3,
+reps 3 (a call takes milliseconds: the per-call host cost does not matter here).
+"""
+from __future__ import annotations
+
+from . import common as B
+
+METHODS = ["layer", "composed", "xla"]
+HBM_BYTES_PER_S = 4.8e12
+
+
+def add_layer_arguments(s):
+    """The layer rows' own flags (their loop sizes default smaller than the kernels' rows)."""
+    s.add_argument("--layer-experts", type=int, nargs="+", default=[32, 256], metavar="L",
+                   help="local experts per rank (default: 32 256)")
+    s.add_argument("--layer-tokens", type=int, nargs="+", default=[8, 32, 128], metavar="T",
+                   help="tokens per rank (default: 8 32 128)")
+    s.add_argument("--layer-hidden", type=int, default=7168, metavar="H")
+    s.add_argument("--layer-ffn", type=int, default=2048, metavar="F")
+    s.add_argument("--layer-top-k", type=int, default=8, metavar="K")
+    s.add_argument("--layer-methods", nargs="+", default=METHODS, choices=METHODS)
+    s.add_argument("--layer-unroll", type=int, default=1, metavar="N",
+                   help="calls unrolled per loop step in the layer programs (default 1)")
+    s.add_argument("--layer-steps", type=int, default=3, metavar="N",
+                   help="loop steps per layer program (default 3)")
+    s.add_argument("--layer-reps", type=int, default=3, metavar="N",
+                   help="timed runs of each layer program (default 3)")
+
+
+def weight_bound_us(ids_all, L, H, F, itemsize, world):
+    """Weight-read bound of one call in us: the busiest rank's experts that get a token."""
+    import numpy as np
+    E = L * world
+    used = np.zeros(E, bool)
+    used[np.asarray(ids_all).reshape(-1)] = True
+    per_rank = used.reshape(world, L).sum(1)
+    nbytes = int(per_rank.max()) * 3 * H * F * itemsize
+    return nbytes / HBM_BYTES_PER_S * 1e6, int(per_rank.max())
+
+
+def _dot_name(nvc):
+    return "nvc.ragged_dot" if hasattr(nvc, "ragged_dot") else "lax.ragged_dot"
+
+
+def _bodies(env, moe, L, K, dtype):
+    """{method: body(carry, consts) -> (carry, keep)} for B._measure; carry (x,), consts
+    (ids, w, wg, wu, wd), all per rank."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from .. import moe_experts
+    from ..models import moe_ragged as mr
+    nvc = env.nvc
+    dot = getattr(nvc, "ragged_dot", None)
+
+    def layer(c, k):
+        (x,), (ids, w, wg, wu, wd) = c, k
+        y = nvc.moe_layer(x, ids, w, wg, wu, wd, moe)
+        return (B._row0(x, y),), (y,)
+
+    def composed(c, k):
+        (x,), (ids, w, wg, wu, wd) = c, k
+        d = nvc.moe_dispatch(x, ids, moe)
+        if dot is None:
+            ey = moe_experts.expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype,
+                                          moe.world_size * moe.max_tokens * min(K, L))
+        else:
+            ey = _expert_block_with(dot, d.expert_x, d.expert_counts, wg, wu, wd, x.dtype)
+        y = nvc.moe_combine(ey, w, d.handle, moe)
+        return (B._row0(x, y),), (y,)
+
+    coll = mr.collectives("lax", axis_name="x")
+
+    def xla(c, k):
+        (x,), (ids, w, wg, wu, wd) = c, k
+        y = mr.moe_experts(x, w, ids, wg, wu, wd, axis_name="x", coll=coll)
+        return (B._row0(x, y),), (y,)
+
+    del lax, jnp
+    return dict(layer=layer, composed=composed, xla=xla)
+
+
+def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype):
+    """moe_experts.expert_block's gathers around a given ragged_dot (nvc.ragged_dot)."""
+    import jax
+    import jax.numpy as jnp
+    L, R, H = expert_x.shape
+    ends = jnp.cumsum(counts)
+    starts = ends - counts
+    M = L * R
+    p = jnp.arange(M, dtype=jnp.int32)
+    e = jnp.minimum(jnp.searchsorted(ends, p, side="right").astype(jnp.int32), L - 1)
+    valid = p < ends[-1]
+    xs = expert_x.reshape(M, H)[jnp.where(valid, e * R + (p - starts[e]), 0)]
+    xs = jnp.where(valid[:, None], xs, jnp.zeros((), xs.dtype))
+    f32 = dict(preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(dot(xs, wg, counts, **f32)) * dot(xs, wu, counts, **f32)).astype(wd.dtype)
+    ys = dot(h, wd, counts, **f32).astype(out_dtype)
+    return ys[jnp.clip(starts[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :], 0, M - 1)]
+
+
+def run_layer_rows(env, a):
+    """Measure every (experts, tokens, method) of the flags; returns the rows (dicts with
+    experts, tokens, method, the timing keys of B._measure, bound_us, active_experts,
+    ratio)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import argparse
+    W, H, F, K = env.world, a.layer_hidden, a.layer_ffn, a.layer_top_k
+    la = argparse.Namespace(**vars(a))
+    la.reps, la.unroll, la.steps = a.layer_reps, a.layer_unroll, a.layer_steps
+    dtype = jnp.dtype(jnp.bfloat16)
+    mesh = env.mesh()
+    spec = P("x")
+    rows = []
+    rng = np.random.default_rng(0)
+    for L in a.layer_experts:
+        E = L * W
+        if K > E:
+            env.log(f"# layer rows: top-{K} > {E} experts: L={L} skipped")
+            continue
+        # the weights on the devices, sharded over the expert axis (made there: 22 GB at
+        # 256 experts would not pass through the host quickly)
+        shard = jax.sharding.NamedSharding(mesh, spec)
+
+        def make(key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            n = lambda k, s, fan: (jax.random.normal(k, s, jnp.float32)  # noqa: E731
+                                   / np.sqrt(fan)).astype(dtype)
+            return n(k1, (E, H, F), H), n(k2, (E, H, F), H), n(k3, (E, F, H), F)
+
+        try:
+            wg, wu, wd = jax.jit(make, out_shardings=(shard,) * 3)(jax.random.key(L))
+        except Exception as e:  # noqa: BLE001 - too large for this device
+            env.log(f"# layer rows: weights for L={L} failed ({type(e).__name__}: "
+                    f"{str(e)[:160]}): skipped")
+            continue
+        for T in a.layer_tokens:
+            ids = np.stack([rng.choice(E, K, replace=False) for _ in range(W * T)]
+                           ).astype(np.int32)
+            w = rng.random((W * T, K)).astype(np.float32)
+            w /= w.sum(1, keepdims=True)
+            x = rng.standard_normal((W * T, H)).astype(np.float32)
+            bound, active = weight_bound_us(ids.reshape(W, T, K), L, H, F, dtype.itemsize, W)
+            args = (B._put(env, mesh, jnp.asarray(x, dtype), spec),
+                    B._put(env, mesh, ids, spec), B._put(env, mesh, w, spec), wg, wu, wd)
+            moe = None
+            try:
+                moe = env.nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T,
+                                              hidden=H, dtype=dtype)
+            except Exception as e:  # noqa: BLE001
+                env.log(f"# layer rows: MoECommunicator failed ({type(e).__name__}: "
+                        f"{str(e)[:160]}): layer / composed skipped")
+            bodies = _bodies(env, moe, L, K, dtype)
+            for m in a.layer_methods:
+                if m != "xla" and moe is None:
+                    continue
+                if m == "xla" and env.shared_gpu:
+                    continue  # NCCL refuses ranks sharing a GPU
+                name = f"layer L={L} T={T} {m}"
+                r = B._measure(env, name, mesh, bodies[m], args, (spec,) * 6, 1, la)
+                t = r.get("device_us") or r.get("median_us")
+                r.update(experts=L, tokens=T, method=m, bound_us=round(bound, 3),
+                         active_experts=active, world=W, hidden=H, ffn=F, top_k=K,
+                         dot=_dot_name(env.nvc) if m == "composed" else None,
+                         ratio=round(t / bound, 2) if t else None)
+                rows.append(r)
+                env.log(f"#   {name}: {B._cell(r)} us, bound {bound:.1f} us "
+                        f"({active} experts), x{r['ratio']}" if t else f"#   {name}: -")
+            if moe is not None:
+                moe.close()
+        del wg, wu, wd
+    return rows
+
+
+def layer_table(env, rows):
+    """The layer rows as one table: per (experts, tokens) each method's time and its ratio to
+    the bound."""
+    def ratio(g, m):
+        r = g.get(m, {})
+        return f"x{r['ratio']:.2f}" if r.get("ratio") else "-"
+
+    env.log("# layer rows: us per call; bound = weight reads of the experts that get tokens "
+            "at 4.8 TB/s; xN = (device time, else loop time) / bound")
+    B._pivot(env, rows, [("experts", lambda r: str(r["experts"])),
+                         ("tokens", lambda r: str(r["tokens"])),
+                         ("bound us", lambda r: f"{r['bound_us']:.1f}")],
+             METHODS, extra=[(f"{m}/bound", lambda g, m=m: ratio(g, m)) for m in METHODS])
+
+
+def run_layer(a):
+    """The layer rows alone (B.Env, header, rows, table, OUT/moelayer_layer.json)."""
+    import argparse
+    env = B.Env()
+    a.device_time_on = B._device_time_on(env, a)
+    shown = argparse.Namespace(**vars(a))
+    shown.reps, shown.unroll, shown.steps = a.layer_reps, a.layer_unroll, a.layer_steps
+    env.header("moelayer (layer rows)", shown)
+    rows = run_layer_rows(env, a)
+    layer_table(env, rows)
+    B._write_json(env, a.out, "moelayer_layer.json", dict(rows=rows, topology=env.topology()))
+    return rows

@@ -1,0 +1,35 @@
+"""The layer rows of `bench moelayer` (jax_nvcomm/bench/moelayer_layer.py): the weight-read
+bound counts exactly the experts that get a token (the busiest rank's), and a tiny sweep runs
+every method on 8 CPU devices with a row per (experts, tokens, method)."""
+import argparse
+import json
+
+import numpy as np
+
+from jax_nvcomm.bench import common as B
+from jax_nvcomm.bench import moelayer_layer as ml
+
+
+def test_weight_bound_counts_the_busiest_ranks_used_experts():
+    # world 2, 4 local experts: rank 0's experts 0, 1, 3 get tokens, rank 1's expert 5 only
+    ids = np.array([[[0, 1], [3, 0]], [[5, 1], [1, 3]]])
+    us, active = ml.weight_bound_us(ids, 4, 16, 8, 2, 2)
+    assert active == 3
+    assert np.isclose(us, 3 * 3 * 16 * 8 * 2 / 4.8e12 * 1e6)
+
+
+def test_tiny_sweep_on_cpu_devices(tmp_path):
+    p = argparse.ArgumentParser()
+    B.add_loop_arguments(p, "quick")
+    ml.add_layer_arguments(p)
+    a = p.parse_args(["--layer-experts", "2", "--layer-tokens", "4", "--layer-hidden", "64",
+                      "--layer-ffn", "32", "--layer-top-k", "2", "--layer-steps", "1",
+                      "--layer-reps", "1", "--out", str(tmp_path)])
+    B.loop_defaults(a)
+    rows = ml.run_layer(a)
+    assert sorted(r["method"] for r in rows) == sorted(ml.METHODS)
+    for r in rows:
+        assert "error" not in r, r
+        assert r["median_us"] > 0 and r["bound_us"] > 0 and r["experts"] == 2
+    saved = json.loads((tmp_path / "moelayer_layer.json").read_text())
+    assert len(saved["rows"]) == len(rows)

@@ -80,7 +80,9 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
     Returns:
       [P, H] of out_dtype.
     """
-    dot = lambda a, w: lax.ragged_dot(a, w, counts,  # noqa: E731
+    # float32 experts in full float32 (no TF32 products on GPUs)
+    prec = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
+    dot = lambda a, w: lax.ragged_dot(a, w, counts, precision=prec,  # noqa: E731
                                       preferred_element_type=jnp.float32)
     h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
     return dot(h, w_down).astype(out_dtype)

@@ -220,3 +220,22 @@ def run_layer(a):
     layer_table(env, rows)
     B._write_json(env, a.out, "moelayer_layer.json", dict(rows=rows, topology=env.topology()))
     return rows
+
+
+def main(argv=None):
+    """`python -m jax_nvcomm.bench.moelayer_layer [flags]`: the layer rows alone (the
+    `moelayer` subcommand runs them after its ragged_dot rows)."""
+    import argparse
+    B._setup_env()
+    p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench.moelayer_layer",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    B.add_loop_arguments(p, "the layer rows take their own loop sizes (--layer-*)")
+    add_layer_arguments(p)
+    a = p.parse_args(argv)
+    B.loop_defaults(a)
+    return run_layer(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -235,3 +235,40 @@ def test_fp8_communicator_refused():
     with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32 for the "
                                         "layer, got float8_e4m3fn"):
         _call(moe)
+
+
+def test_xla_fallback_over_hosts(rng, monkeypatch):
+    # a communicator whose group spans two (fake) hosts takes XLA's path: the layer lowers to
+    # no jax_nvcomm custom call and still equals the reference (padded layout + expert_block)
+    from jax_nvcomm import topology
+
+    def gather(prefix, groups, backend, timeout_s):
+        facts = [topology.RankFacts(g, r, 0, f"node{int(groups[g, r].id) % 2}")
+                 for g in range(groups.shape[0]) for r in range(groups.shape[1])]
+        return facts, {}
+
+    monkeypatch.setattr(topology, "gather", gather)
+    world = upto(4)
+    if world < 2:
+        pytest.skip("needs 2 devices")
+    E, K, T, H, F = 2 * world, 2, 4, 16, 24
+    moe = nvc.MoECommunicator(make_mesh((world,), ("x",)), "x", num_experts=E, top_k=K,
+                              max_tokens=T, hidden=H, dtype=jnp.float32)
+    try:
+        assert moe.xla_fallback
+        x = rng.standard_normal((world * T, H)).astype(np.float32)
+        wg, wu = (rng.standard_normal((E, H, F)).astype(np.float32) / 4 for _ in range(2))
+        wd = rng.standard_normal((E, F, H)).astype(np.float32) / 4
+        ids = routing(rng, world, T, E, K, "random")
+        w = rng.random((world * T, K)).astype(np.float32)
+        nt = np.array([T, 1] + [T] * (world - 2), np.int32)
+        fn = jax.jit(jax.shard_map(
+            lambda x, i, w, n, a, b, c: nvc.moe_layer(x, i, w, a, b, c, moe, num_tokens=n[0]),
+            mesh=moe.mesh, in_specs=(P("x"),) * 7, out_specs=P("x")))
+        args = (x, ids, w, nt, wg, wu, wd)
+        assert "nvc_" not in fn.lower(*args).as_text()
+        ref = np_moe_layer_reference(np.float64(x), ids, w, nt, np.float64(wg),
+                                     np.float64(wu), np.float64(wd), world)
+        np.testing.assert_allclose(np.asarray(fn(*args)), ref, rtol=1e-4, atol=1e-5)
+    finally:
+        moe.close()

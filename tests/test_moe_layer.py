@@ -272,3 +272,25 @@ def test_xla_fallback_over_hosts(rng, monkeypatch):
         np.testing.assert_allclose(np.asarray(fn(*args)), ref, rtol=1e-4, atol=1e-5)
     finally:
         moe.close()
+
+
+def test_vmap_refused_and_check_vma_off(rng):
+    world = upto(2)
+    E, K, T, H, F = 2 * world, 2, 4, 16, 8
+    moe = get_moe(world, E, K, T, H, "float32")
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    wg, wu = (rng.standard_normal((E, H, F)).astype(np.float32) for _ in range(2))
+    wd = rng.standard_normal((E, F, H)).astype(np.float32)
+    ids = routing(rng, world, T, E, K, "random")
+    w = rng.random((world * T, K)).astype(np.float32)
+    layer = lambda *a: nvc.moe_layer(*a, moe)  # noqa: E731
+    # check_vma=False: the same results as the tracked mode
+    outs = [jax.jit(jax.shard_map(layer, mesh=moe.mesh, in_specs=(P("x"),) * 6,
+                                  out_specs=P("x"), check_vma=cv))(x, ids, w, wg, wu, wd)
+            for cv in (True, False)]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    batched = jax.shard_map(jax.vmap(layer, in_axes=(0, 0, 0, None, None, None)),
+                            mesh=moe.mesh, in_specs=(P(None, "x"),) * 3 + (P("x"),) * 3,
+                            out_specs=P(None, "x"))
+    with pytest.raises(NotImplementedError, match="jax.vmap is not supported"):
+        jax.jit(batched)(np.stack([x, x]), np.stack([ids, ids]), np.stack([w, w]), wg, wu, wd)

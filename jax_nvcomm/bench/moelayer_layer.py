@@ -14,6 +14,9 @@ random routing (top_k distinct experts per token, uniform). Methods:
 Every row has the weight-read bound: bytes of the three matrices of every expert that gets at
 least one token (over all ranks, per rank when world > 1: the busiest rank) / 4.8 TB/s (H200
 HBM3e datasheet), and the ratio time / bound (device time where there is one, else loop time).
+At the smallest token count of each expert count, one call of each method on the same inputs
+is compared with the layer's output (rel_diff_to_layer; they round differently, so ~1e-2 in
+bf16 is agreement).
 Timing: the loop programs of bench/common.py (`_measure`): 1 + unroll x steps calls per
 program, each call's x with one row of the previous call's output; default unroll 1, steps 3,
 reps 3 (a call takes milliseconds: the per-call host cost does not matter here).
@@ -187,10 +190,40 @@ def run_layer_rows(env, a):
                 rows.append(r)
                 env.log(f"#   {name}: {B._cell(r)} us, bound {bound:.1f} us "
                         f"({active} experts), x{r['ratio']}" if t else f"#   {name}: -")
+            if T == min(a.layer_tokens):
+                _agreement(env, mesh, bodies, args, spec, L, T, a.layer_methods,
+                           moe is not None, rows)
             if moe is not None:
                 moe.close()
         del wg, wu, wd
     return rows
+
+
+def _agreement(env, mesh, bodies, args, spec, L, T, methods, have_moe, rows):
+    """One call of each method on the same inputs: the relative difference of each to the
+    layer's output (the methods round differently: xla rounds gate and up to bf16 before
+    SwiGLU), recorded in that shape's rows as rel_diff_to_layer."""
+    import jax
+    import numpy as np
+    outs = {}
+    for m in methods:
+        if (m != "xla" and not have_moe) or (m == "xla" and env.shared_gpu):
+            continue
+        try:
+            f = jax.jit(jax.shard_map(lambda *v, m=m: bodies[m](v[:1], v[1:])[1][0],
+                                      mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+            outs[m] = np.asarray(f(*args).astype(np.float32), np.float64)
+        except Exception as e:  # noqa: BLE001 - the timings stand without it
+            env.log(f"#   agreement {m}: FAILED ({type(e).__name__}: {str(e)[:160]})")
+    if "layer" not in outs:
+        return
+    ref = outs["layer"]
+    for m, o in outs.items():
+        d = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
+        env.log(f"#   L={L} T={T}: {m} vs layer: relative difference {d:.2e}")
+        for r in rows:
+            if r["experts"] == L and r["tokens"] == T and r["method"] == m:
+                r["rel_diff_to_layer"] = d
 
 
 def layer_table(env, rows):

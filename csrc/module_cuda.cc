@@ -17,6 +17,7 @@
 #include "cuda/build_info.h"
 #include "cuda/moe.h"
 #include "cuda/ragged.h"
+#include "cuda/ragged_dot.h"
 #include "cuda/varlen.h"
 #include "transport/cuda_mem.h"
 #include "transport/cuda_multicast.h"
@@ -63,7 +64,7 @@ NB_MODULE(_cuda, m) {
     if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
     for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::all_reduce_load_kernels(),
                           cuda::moe_load_kernels(), cuda::varlen_load_kernels(),
-                          cuda::ragged_load_kernels()})
+                          cuda::ragged_load_kernels(), cuda::ragged_dot_load_kernels()})
       if (e != cudaSuccess)
         throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
                                  cudaGetErrorString(e));

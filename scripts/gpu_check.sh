@@ -42,6 +42,10 @@
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
+#                                      no package build: harness cases (float64 reference), memcheck,
+#                                      the decode-shape table against the weight-read bound and the
+#                                      tile x cluster sweep (best per shape last) (~2.5 min)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -124,7 +128,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | moelayerk) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | rdot | moelayerk) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -225,6 +229,27 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
   step ragged_time 300 build/ragged_h --graph-time
   grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
   cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
+  ;;
+rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
+  # (every edge case fully checked against float64, each sweep variant x cluster size), the
+  # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
+    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  grep -E "FAIL|failure" "$OUT/rdot/cases.txt" | tee -a "$OUT/summary.txt"
+  step rdot_sweep 120 build/rdot_h --sweep
+  grep -A2000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
+  grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -506,7 +531,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|moelayer|moelayerk]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|docs|twogpu1|twogpu2|twogpu3|mend|moelayer|moelayerk]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

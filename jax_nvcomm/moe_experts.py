@@ -4,7 +4,8 @@ What it is today: a composition inside one jitted op, not one fused kernel. Our 
 kernel delivers each local expert's tokens packed, in lax.ragged_dot's form: rows
 [sum(counts[:e]), sum(counts[:e + 1])) of a [W*T*min(K, L), H] array for local expert e, in
 (source rank, token) order (csrc/common/moe_layout.h PACKED EXPERT ROWS); the experts run on
-those rows (`expert_rows`: three grouped products, SwiGLU between them); our combine kernel
+those rows (`expert_rows`: for 16-bit experts nvc.ragged_dot's grouped kernel, gate and up with
+SwiGLU in one pass then down; float32 experts lax.ragged_dot); our combine kernel
 reads the result rows in the same packed form, sends each back to its token's rank and sums
 the top_k rows there with the router weights. No gather or scatter between the parts. On CUDA
 every part is a kernel XLA can record into one command buffer (CUDA graph); on CPU devices the
@@ -27,6 +28,7 @@ from jax import lax
 
 from . import _inflight, _order, _shard
 from . import moe as _moe
+from . import ragged_dot as _rd
 from .moe import MoECommunicator, _check_dispatch_args, moe_combine, moe_dispatch
 
 _LAYER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -80,12 +82,17 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
     Returns:
       [P, H] of out_dtype.
     """
-    # float32 experts in full float32 (no TF32 products on GPUs)
-    prec = lax.Precision.HIGHEST if xp.dtype == jnp.float32 else None
-    dot = lambda a, w: lax.ragged_dot(a, w, counts, precision=prec,  # noqa: E731
-                                      preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
-    return dot(h, w_down).astype(out_dtype)
+    if xp.dtype == jnp.float32:  # float32 experts in full float32 (no TF32 on GPUs): lax
+        dot = lambda a, w: lax.ragged_dot(a, w, counts,  # noqa: E731
+                                          precision=lax.Precision.HIGHEST,
+                                          preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
+        return dot(h, w_down).astype(out_dtype)
+    # 16-bit experts: gate and up in one pass of the grouped kernel (SwiGLU rounded once to
+    # the weights' dtype), then down rounded once to out_dtype (nvc.ragged_dot's rule picks
+    # the kernel or lax by the rows per expert)
+    h = _rd.ragged_dot_swiglu(xp, w_gate, w_up, counts, preferred_element_type=w_down.dtype)
+    return _rd.ragged_dot(h, w_down, counts, preferred_element_type=out_dtype)
 
 
 def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=None):

@@ -198,7 +198,7 @@ moelayer)  # nvc.moe_layer: world 1 in-process (the test file's world-1 cases), 
   step ml_memcheck 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
     compute-sanitizer --tool memcheck --leak-check no $PY tests/mp/moe_layer_mp.py --small=1
   grep -hE "ERROR SUMMARY" "$OUT/all.log" | tail -1 | tee -a "$OUT/summary.txt"
-  step ml_bench 300 $PY -m jax_nvcomm.bench.moelayer_layer --out "$OUT/moelayer"
+  step ml_bench 300 $PY -m jax_nvcomm.bench.moelayer_layer --out "$OUT/moelayer"  # the layer rows of bench moelayer
   grep -hE "^(experts|-------|[0-9]+ +[0-9]+ +[0-9.]+ )" "$OUT/all.log" | tail -8 | \
     tee -a "$OUT/summary.txt"
   grep -hE "passed|failed|PASS moe_layer_mp" "$OUT/all.log" | tail -6 | tee -a "$OUT/summary.txt"

@@ -30,21 +30,29 @@ HBM_BYTES_PER_S = 4.8e12
 
 
 def add_layer_arguments(s):
-    """The layer rows' own flags (their loop sizes default smaller than the kernels' rows)."""
-    s.add_argument("--layer-experts", type=int, nargs="+", default=[32, 256], metavar="L",
-                   help="local experts per rank (default: 32 256)")
-    s.add_argument("--layer-tokens", type=int, nargs="+", default=[8, 32, 128], metavar="T",
-                   help="tokens per rank (default: 8 32 128)")
-    s.add_argument("--layer-hidden", type=int, default=7168, metavar="H")
-    s.add_argument("--layer-ffn", type=int, default=2048, metavar="F")
-    s.add_argument("--layer-top-k", type=int, default=8, metavar="K")
-    s.add_argument("--layer-methods", nargs="+", default=METHODS, choices=METHODS)
+    """The layer rows' own flags (`bench moelayer` adds them to its subcommand; the shapes
+    come from its --hidden / --ffn / --experts / --tokens / --top-k / --quick, `layer_shapes`)."""
+    s.add_argument("--layer-rows", choices=("on", "off"), default="on",
+                   help="the layer rows after the ragged_dot rows (default on)")
+    s.add_argument("--layer-methods", nargs="+", default=METHODS, choices=METHODS,
+                   help="methods of the layer rows (default all)")
     s.add_argument("--layer-unroll", type=int, default=1, metavar="N",
                    help="calls unrolled per loop step in the layer programs (default 1)")
     s.add_argument("--layer-steps", type=int, default=3, metavar="N",
                    help="loop steps per layer program (default 3)")
     s.add_argument("--layer-reps", type=int, default=3, metavar="N",
                    help="timed runs of each layer program (default 3)")
+
+
+def layer_shapes(a, gpu):
+    """(hidden, ffn, experts list, tokens list, top_k) of the layer rows from the subcommand's
+    flags; unset ones: the decode shapes on GPUs (7168, 2048, [32, 256], [8, 32, 128];
+    --quick: [32], [8, 128]), small ones on CPU devices (256, 128, [8], [8])."""
+    hidden = a.hidden or (7168 if gpu else 256)
+    ffn = a.ffn or (2048 if gpu else 128)
+    experts = a.experts or ([32] if a.quick else [32, 256] if gpu else [8])
+    tokens = a.tokens or ([8, 128] if a.quick else [8, 32, 128] if gpu else [8])
+    return hidden, ffn, experts, tokens, a.top_k
 
 
 def weight_bound_us(ids_all, L, H, F, itemsize, world):
@@ -120,24 +128,27 @@ def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype):
 
 
 def run_layer_rows(env, a):
-    """Measure every (experts, tokens, method) of the flags; returns the rows (dicts with
-    experts, tokens, method, the timing keys of B._measure, bound_us, active_experts,
-    ratio)."""
+    """Measure every (experts, tokens, method) of the flags (`layer_shapes`); returns the
+    rows (dicts with experts, tokens, method, the timing keys of B._measure, bound_us,
+    active_experts, ratio, rel_diff_to_layer at the smallest token count)."""
+    import argparse
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    import argparse
-    W, H, F, K = env.world, a.layer_hidden, a.layer_ffn, a.layer_top_k
+    H, F, experts, tokens, K = layer_shapes(a, env.platform == "gpu")
+    W = env.world
     la = argparse.Namespace(**vars(a))
     la.reps, la.unroll, la.steps = a.layer_reps, a.layer_unroll, a.layer_steps
+    la.device_time_on = B._device_time_on(env, a)
     dtype = jnp.dtype(jnp.bfloat16)
     mesh = env.mesh()
     spec = P("x")
     rows = []
     rng = np.random.default_rng(0)
-    for L in a.layer_experts:
+    for L in experts:
         E = L * W
         if K > E:
             env.log(f"# layer rows: top-{K} > {E} experts: L={L} skipped")
@@ -158,7 +169,7 @@ def run_layer_rows(env, a):
             env.log(f"# layer rows: weights for L={L} failed ({type(e).__name__}: "
                     f"{str(e)[:160]}): skipped")
             continue
-        for T in a.layer_tokens:
+        for T in tokens:
             ids = np.stack([rng.choice(E, K, replace=False) for _ in range(W * T)]
                            ).astype(np.int32)
             w = rng.random((W * T, K)).astype(np.float32)
@@ -190,7 +201,7 @@ def run_layer_rows(env, a):
                 rows.append(r)
                 env.log(f"#   {name}: {B._cell(r)} us, bound {bound:.1f} us "
                         f"({active} experts), x{r['ratio']}" if t else f"#   {name}: -")
-            if T == min(a.layer_tokens):
+            if T == min(tokens):
                 _agreement(env, mesh, bodies, args, spec, L, T, a.layer_methods,
                            moe is not None, rows)
             if moe is not None:
@@ -241,14 +252,19 @@ def layer_table(env, rows):
              METHODS, extra=[(f"{m}/bound", lambda g, m=m: ratio(g, m)) for m in METHODS])
 
 
-def run_layer(a):
-    """The layer rows alone (B.Env, header, rows, table, OUT/moelayer_layer.json)."""
+def run_layer(a, env=None):
+    """The layer rows (header when alone, rows, table, OUT/moelayer_layer.json); `bench
+    moelayer` calls it after its own rows with its Env."""
     import argparse
-    env = B.Env()
-    a.device_time_on = B._device_time_on(env, a)
-    shown = argparse.Namespace(**vars(a))
-    shown.reps, shown.unroll, shown.steps = a.layer_reps, a.layer_unroll, a.layer_steps
-    env.header("moelayer (layer rows)", shown)
+    alone = env is None
+    env = env or B.Env()
+    if a.layer_rows == "off":
+        return []
+    if alone:
+        shown = argparse.Namespace(**vars(a))
+        shown.reps, shown.unroll, shown.steps = a.layer_reps, a.layer_unroll, a.layer_steps
+        shown.device_time_on = B._device_time_on(env, a)
+        env.header("moelayer (layer rows)", shown)
     rows = run_layer_rows(env, a)
     layer_table(env, rows)
     B._write_json(env, a.out, "moelayer_layer.json", dict(rows=rows, topology=env.topology()))
@@ -256,18 +272,23 @@ def run_layer(a):
 
 
 def main(argv=None):
-    """`python -m jax_nvcomm.bench.moelayer_layer [flags]`: the layer rows alone (the
-    `moelayer` subcommand runs them after its ragged_dot rows)."""
+    """`python -m jax_nvcomm.bench.moelayer_layer [flags]`: the layer rows alone, with the
+    shape flags of `bench moelayer`."""
     import argparse
     B._setup_env()
     p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench.moelayer_layer",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    B.add_loop_arguments(p, "the layer rows take their own loop sizes (--layer-*)")
+    p.add_argument("--out", default="bench_out", metavar="DIR")
+    p.add_argument("--quick", action="store_true", help="32 experts, 8 and 128 tokens")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--experts", type=int, nargs="+", default=None)
+    p.add_argument("--tokens", type=int, nargs="+", default=None)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--device-time", choices=("auto", "on", "off"), default="auto")
     add_layer_arguments(p)
-    a = p.parse_args(argv)
-    B.loop_defaults(a)
-    return run_layer(a)
+    return run_layer(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """nvc.moe_layer across processes (or the GPUs of one process) against the float64 layer
 reference (tests/helpers.py): random routing, every token on the last rank's experts, ranks
 with no tokens, num_tokens < max_tokens, bfloat16 and float32, `rounds` rounds of fresh
-routing per config; then a CUDA-graph loop (--graph-iters calls of the layer in one jitted
+routing per config; then a CUDA-graph loop (--graph_iters calls of the layer in one jitted
 fori_loop, recorded into XLA's command buffers on GPUs) against the reference applied as
 many times.
   python -m jax_nvcomm.launch -n 4 --share-gpu tests/mp/moe_layer_mp.py [--rounds=3]
   python tests/mp/moe_layer_mp.py --small=1   (one small config, one round: for memcheck)
+  --configs=N runs the last N of the four configs (2: the skewed bf16 and the float32 one)
 """
 import os
 import sys
@@ -30,6 +31,7 @@ nvc = init()
 rounds = arg("rounds", 3)
 graph_iters = arg("graph_iters", 20)
 small = arg("small", 0)
+configs = arg("configs", 4)
 mesh = mesh1d()
 W = mesh.shape["x"]
 rank_print(f"layout: {jax.process_count()} processes x {jax.local_device_count()} devices = "
@@ -128,7 +130,7 @@ else:
             (4 * W, 4, 8, 256, 128, "bfloat16", "random", "full"),
             (4 * W, 4, 8, 256, 128, "bfloat16", "random", "partial"),
             (2 * W, 2, 6, 128, 64, "bfloat16", "one_rank", "full"),
-            (8 * W, 8, 5, 128, 96, "float32", "random", "partial")]:
+            (8 * W, 8, 5, 128, 96, "float32", "random", "partial")][4 - configs:]:
         one_config(E, K, T, H, F, dtype, mode, ntm, rounds)
     if graph_iters:
         graph_loop(4 * W, 2, 4, 128, 64, graph_iters)

@@ -157,11 +157,13 @@ def run_layer_rows(env, a):
         # 256 experts would not pass through the host quickly)
         shard = jax.sharding.NamedSharding(mesh, spec)
 
-        def make(key):
+        def make(key):  # one expert at a time (vmap): no counter past 2^32 elements
+            def n(k, shape, fan):
+                one = lambda kk: (jax.random.normal(kk, shape, jnp.float32)  # noqa: E731
+                                  / np.sqrt(fan)).astype(dtype)
+                return jax.vmap(one)(jax.random.split(k, E))
             k1, k2, k3 = jax.random.split(key, 3)
-            n = lambda k, s, fan: (jax.random.normal(k, s, jnp.float32)  # noqa: E731
-                                   / np.sqrt(fan)).astype(dtype)
-            return n(k1, (E, H, F), H), n(k2, (E, H, F), H), n(k3, (E, F, H), F)
+            return n(k1, (H, F), H), n(k2, (H, F), H), n(k3, (F, H), F)
 
         try:
             wg, wu, wd = jax.jit(make, out_shardings=(shard,) * 3)(jax.random.key(L))

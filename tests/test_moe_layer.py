@@ -294,3 +294,39 @@ def test_vmap_refused_and_check_vma_off(rng):
                             out_specs=P(None, "x"))
     with pytest.raises(NotImplementedError, match="jax.vmap is not supported"):
         jax.jit(batched)(np.stack([x, x]), np.stack([ids, ids]), np.stack([w, w]), wg, wu, wd)
+
+
+def test_packed_dispatch_rows_are_ragged_dot_form(rng):
+    # the layer's dispatch (moe_layout.h PACKED EXPERT ROWS): local expert e's rows at
+    # [sum(counts[:e]), sum(counts[:e+1])) of the [W*T*min(K, L), H] array, in (source rank,
+    # token) order, exactly the tokens' rows
+    from helpers import np_moe_reference
+    from jax_nvcomm import _order
+    from jax_nvcomm import moe as moe_mod
+    world = upto(4)
+    E, K, T, H = 4 * world, 3, 5, 16
+    moe = get_moe(world, E, K, T, H, "float32")
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    ids = routing(rng, world, T, E, K, "random")
+    nt = np.array([T] + [2] * (world - 1), np.int32)
+
+    def f(x, ids, nt):
+        call = moe_mod.moe_call(moe, "test", lambda *a: moe_mod._dispatch_kernel(
+            *a, moe=moe, packed=True))
+        xp, cnt, _, _, _, _ = call(x, ids, nt[0], _order.token("x"))
+        return xp[None], cnt[None]
+
+    xp, cnt = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(P("x"),) * 3,
+                                    out_specs=P("x")))(x, ids, nt)
+    xp, cnt = np.asarray(xp), np.asarray(cnt)
+    L = E // world
+    assert xp.shape == (world, world * T * min(K, L), H)
+    ref = np_moe_reference(np.float64(x), ids, nt, E, world)["rows"]
+    for r in range(world):
+        start = 0
+        for e in range(L):
+            rows = ref[r][e]
+            assert cnt[r, e] == len(rows)
+            for i, (s, t) in enumerate(rows):
+                np.testing.assert_array_equal(xp[r, start + i], x[s * T + t])
+            start += len(rows)

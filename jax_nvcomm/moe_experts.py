@@ -33,6 +33,11 @@ from .moe import MoECommunicator, _check_dispatch_args, moe_combine, moe_dispatc
 
 _LAYER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
+# How the 16-bit experts' gate and up products run, read when a layer is traced: "swiglu" (one
+# pass of ragged_dot_swiglu) or "two" (two nvc.ragged_dot with float32 results, SwiGLU in XLA;
+# the same rounding). bench/moelayer_layer.py measures both ("layer" / "layer two-dot").
+GATE_UP = "swiglu"
+
 _NO_GRAD = (
     "jax_nvcomm: moe_layer is an inference op and has no derivative (jax.grad / jax.jvp / "
     "jax.vjp through it). For training, compose the layer from the differentiable ops: "
@@ -91,7 +96,13 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
     # 16-bit experts: gate and up in one pass of the grouped kernel (SwiGLU rounded once to
     # the weights' dtype), then down rounded once to out_dtype (nvc.ragged_dot's rule picks
     # the kernel or lax by the rows per expert)
-    h = _rd.ragged_dot_swiglu(xp, w_gate, w_up, counts, preferred_element_type=w_down.dtype)
+    if GATE_UP == "two":
+        dot = lambda a, w: _rd.ragged_dot(a, w, counts,  # noqa: E731
+                                          preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
+    else:
+        h = _rd.ragged_dot_swiglu(xp, w_gate, w_up, counts,
+                                  preferred_element_type=w_down.dtype)
     return _rd.ragged_dot(h, w_down, counts, preferred_element_type=out_dtype)
 
 

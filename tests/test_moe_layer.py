@@ -330,3 +330,20 @@ def test_packed_dispatch_rows_are_ragged_dot_form(rng):
             for i, (s, t) in enumerate(rows):
                 np.testing.assert_array_equal(xp[r, start + i], x[s * T + t])
             start += len(rows)
+
+
+def test_gate_up_two_dots_equal_the_swiglu_pass(rng, monkeypatch):
+    # moe_experts.GATE_UP "two" (two grouped products with float32 results) and "swiglu"
+    # (one pass) give the same bf16 rows (both: float32 sums, SwiGLU in float32, rounded once)
+    L, P_, H, F = 3, 10, 16, 24
+    bf = jnp.bfloat16
+    xp = jnp.asarray(rng.standard_normal((P_, H)), bf)
+    counts = np.array([4, 0, 5], np.int32)
+    wg, wu = (jnp.asarray(rng.standard_normal((L, H, F)) / 4, bf) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((L, F, H)) / 4, bf)
+    outs = {}
+    for mode in ("swiglu", "two"):
+        monkeypatch.setattr(ml, "GATE_UP", mode)
+        outs[mode] = np.asarray(jax.jit(lambda *a: ml.expert_rows(*a, bf))(
+            xp, counts, wg, wu, wd).astype(jnp.float32))[:9]
+    np.testing.assert_allclose(outs["two"], outs["swiglu"], rtol=1e-2, atol=1e-2)

@@ -5,6 +5,8 @@ Shapes (defaults; world = the job's devices, meant for world 1 on one GPU): hidd
 ffn 2048, 32 and 256 local experts per rank, top-8, 8 / 32 / 128 tokens per rank, bf16,
 random routing (top_k distinct experts per token, uniform). Methods:
   layer     nvc.moe_layer (its docstring says what it runs: composed on packed rows today)
+  layer two-dot  the same with gate and up as two nvc.ragged_dot (moe_experts.GATE_UP = "two")
+            instead of one ragged_dot_swiglu pass: which of the two the layer should use
   composed  nvc.moe_dispatch + three ragged_dot on the padded dispatch layout (rows gathered
             into ragged_dot's form and back: moe_experts.expert_block) + nvc.moe_combine; the
             ragged_dot is nvc.ragged_dot where the package has it, else lax.ragged_dot (the
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from . import common as B
 
-METHODS = ["layer", "composed", "xla"]
+METHODS = ["layer", "layer two-dot", "composed", "xla"]
 HBM_BYTES_PER_S = 4.8e12
 
 
@@ -105,7 +107,15 @@ def _bodies(env, moe, L, K, dtype):
         return (B._row0(x, y),), (y,)
 
     del lax, jnp
-    return dict(layer=layer, composed=composed, xla=xla)
+    def layer_two(c, k):
+        from .. import moe_experts as me
+        old, me.GATE_UP = me.GATE_UP, "two"  # read while this body is traced
+        try:
+            return layer(c, k)
+        finally:
+            me.GATE_UP = old
+
+    return {"layer": layer, "layer two-dot": layer_two, "composed": composed, "xla": xla}
 
 
 def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype):

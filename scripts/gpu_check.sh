@@ -187,14 +187,14 @@ mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, rag
   grep -A40 "=== ar_bench2" "$OUT/all.log" | grep -vE "^===" | tail -30 >> "$OUT/summary.txt"
   ;;
 moelayer)  # nvc.moe_layer correctness on GPU 0: the test file's world-1 cases in-process,
-  # processes sharing GPU 0 (no NCCL: our kernels only; 2 processes with the CUDA-graph loop,
-  # 4 processes on two configs), memcheck of one small layer call (~150 s)
+  # 2 and 4 processes sharing GPU 0 (no NCCL: our kernels only), each with the CUDA-graph loop,
+  # memcheck of one small layer call (~60 s: the first run took 31 s at 1 / 1 rounds)
   step ml_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
     tests/test_moe_layer.py
-  step ml_sh2 120 $L -n 2 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=1 \
+  step ml_sh2 120 $L -n 2 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=3 \
+    --graph_iters=20
+  step ml_sh4 120 $L -n 4 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=2 \
     --graph_iters=10
-  step ml_sh4 120 $L -n 4 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=1 \
-    --graph_iters=0 --configs=2
   step ml_memcheck 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
     compute-sanitizer --tool memcheck --leak-check no --report-api-errors no $PY \
     tests/mp/moe_layer_mp.py --small=1

@@ -69,6 +69,19 @@ NB_MODULE(_cuda, m) {
         throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
                                  cudaGetErrorString(e));
   });
+  // The ragged_dot kernels alone on `device` (dynamic shared-memory limits raised, modules
+  // loaded): jax_nvcomm/ragged_dot.py calls it once per device at trace time, so that the first
+  // call, which XLA may record into a CUDA graph, does no module loading.
+  m.def("ragged_dot_load_kernels", [](int device) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+    const cudaError_t e = cuda::ragged_dot_load_kernels();
+    cudaSetDevice(prev);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("jax_nvcomm: loading the ragged_dot kernels: ") +
+                               cudaGetErrorString(e));
+  });
   m.def("read_u64", [](int device, uint64_t addr) {
     return cuda::read_u64(device, reinterpret_cast<const void*>(addr));
   });

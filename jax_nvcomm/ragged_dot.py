@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import _ffi, _shard
@@ -167,8 +166,26 @@ def _target(name, platform, graph):
     return f"nvc_cuda_{name}" + ("" if graph else "_nograph")
 
 
+_LOADED = set()
+
+
+def _load_cuda_kernels():
+    """Load the kernels on every local CUDA device once per process (at trace time, outside
+    any CUDA-graph capture XLA may record the first call into)."""
+    try:
+        devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return
+    for d in devices:
+        if d.id not in _LOADED and hasattr(_ffi._cuda, "ragged_dot_load_kernels"):
+            _ffi._cuda.ragged_dot_load_kernels(int(d.local_hardware_id))
+            _LOADED.add(d.id)
+
+
 def _call(name, platform, out_dtype, lhs, *weights_and_sizes):
     """One FFI call of `name` ("ragged_dot" or "ragged_dot_swiglu") for `platform`."""
+    if platform == "cuda":
+        _load_cuda_kernels()
     *weights, gs = weights_and_sizes
     vma = _vma(lhs, *weights, gs)
     args = [_as_varying(a, vma) for a in (lhs, *weights, gs)]

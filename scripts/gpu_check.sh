@@ -46,6 +46,12 @@
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
+#                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
+#                                      GPU 0 (the package's op: kernel, graph loop, gradients,
+#                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
+#                            rdotb32   the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
+#                            rdotb256  device time, weight-read bound) at 32 / 256 experts (~2 min
+#                                      each + build)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -256,6 +262,19 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
   grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  ;;
+rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
+  # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
+  step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
+  grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  ;;
+rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the
+  # 3-product block, nvc vs lax.ragged_dot, with device time and the weight-read bound
+  local e=${1#rdotb}
+  step rdot_bench$e 145 $PY -m jax_nvcomm.bench moelayer --experts $e --reps 5 --calls 5 \
+    --layer-rows off --out "$OUT/rdotbench$e"  # the layer rows: part moelayerbench
+  grep -A12 "^   E    T     M op" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -537,7 +556,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|docs|twogpu1|twogpu2|twogpu3|mend|moelayer|moelayerbench|moelayerk]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|rdot|rdotpy|rdotb32|rdotb256|docs|twogpu1|twogpu2|twogpu3|mend|moelayer|moelayerbench|moelayerk]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

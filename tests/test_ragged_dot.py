@@ -311,3 +311,28 @@ def test_swiglu_grads_match_reference():
                       argnums=(0, 1, 2))(lhs, wg, wu)
     for a, b in zip(ours, theirs):
         assert rel(a, b) < 1e-5
+
+
+def test_chained_calls_in_a_loop():
+    """20 calls chained in one jitted fori_loop (on GPUs: one command buffer, replayed as a CUDA
+    graph; the group sizes change every step, read on the device) give the bits of the same
+    calls made one by one."""
+    rng = np.random.default_rng(13)
+    m, k, g = 24, 32, 4
+    x0 = rand(rng, (m, k), jnp.bfloat16)
+    rhs = rand(rng, (g, k, k), jnp.bfloat16, 1 / np.sqrt(k))
+    sizes = jnp.asarray(rng.integers(0, 8, size=(20, g)), jnp.int32)
+
+    def step(x, gs):
+        y = nvc.ragged_dot(x, rhs, gs, strategy="kernel")
+        return (x + y).astype(jnp.bfloat16)
+
+    @jax.jit
+    def looped(x):
+        return lax.fori_loop(0, 20, lambda i, x: step(x, sizes[i]), x)
+    one = jax.jit(step)
+    want = x0
+    for i in range(20):
+        want = one(want, sizes[i])
+    got = looped(x0)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))

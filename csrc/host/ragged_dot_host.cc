@@ -1,5 +1,5 @@
-// Host ragged_dot / ragged_dot_swiglu (ragged_dot_host.h): a loop over each group's rows, k
-// outer and n inner (float32 row accumulators), so that each weight row is read once per row.
+// Host ragged_dot / ragged_dot_swiglu (ragged_dot_host.h): per group with rows its weights
+// widened to float32 once, then per row k outer and n inner (float32 row accumulators).
 #include "ragged_dot_host.h"
 
 #include <algorithm>
@@ -25,22 +25,29 @@ std::string ragged_dot(const RaggedDotHostArgs& a) {
     return "the result dtype must be the operands' or float32";
   if (a.m < 0 || a.k < 0 || a.n < 0 || a.g < 1) return "sizes must be >= 0 and g >= 1";
   const bool swiglu = a.rhs2 != nullptr;
-  std::vector<float> acc(size_t(a.n)), acc2(swiglu ? size_t(a.n) : 0), x(size_t(a.k)),
-      w(size_t(a.n));
+  const size_t kn = size_t(a.k) * size_t(a.n);
+  // the weights of a group with rows, widened once for all its rows
+  std::vector<float> acc(size_t(a.n)), acc2(swiglu ? size_t(a.n) : 0), x(size_t(a.k)), w1(kn),
+      w2(swiglu ? kn : 0);
   int64_t row = 0;  // the running sum of max(size, 0), clipped to m
   for (int64_t g = 0; g < a.g; ++g) {
     const int64_t end = std::min<int64_t>(row + std::max<int32_t>(a.group_sizes[g], 0), a.m);
+    if (end > row) {
+      for (size_t i = 0; i < kn; ++i) w1[i] = load_f32(a.rhs, a.dtype, size_t(g) * kn + i);
+      if (swiglu)
+        for (size_t i = 0; i < kn; ++i) w2[i] = load_f32(a.rhs2, a.dtype, size_t(g) * kn + i);
+    }
     for (int64_t r = row; r < end; ++r) {
       load_row(a.lhs, a.dtype, r, a.k, x.data());
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(acc2.begin(), acc2.end(), 0.f);
       for (int64_t kk = 0; kk < a.k; ++kk) {
         const float xv = x[size_t(kk)];
-        load_row(a.rhs, a.dtype, g * a.k + kk, a.n, w.data());
-        for (int64_t j = 0; j < a.n; ++j) acc[size_t(j)] += xv * w[size_t(j)];
+        const float* wr = &w1[size_t(kk) * size_t(a.n)];
+        for (int64_t j = 0; j < a.n; ++j) acc[size_t(j)] += xv * wr[j];
         if (swiglu) {
-          load_row(a.rhs2, a.dtype, g * a.k + kk, a.n, w.data());
-          for (int64_t j = 0; j < a.n; ++j) acc2[size_t(j)] += xv * w[size_t(j)];
+          const float* ur = &w2[size_t(kk) * size_t(a.n)];
+          for (int64_t j = 0; j < a.n; ++j) acc2[size_t(j)] += xv * ur[j];
         }
       }
       const size_t base = size_t(r) * size_t(a.n);

@@ -318,9 +318,14 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   const int q_total = n_my * S;
 
   // ---- producer: stage q's loads into slot q % STAGES ----
+  int load_item = -1;  // the item of the last load (decoded once per item, not per stage)
+  Item it;
   auto load = [&](int q) {
     const int item = cid + (q / S) * ncl;
-    const Item it = decode<BN, R>(item, gstart, istart, G);
+    if (item != load_item) {
+      it = decode<BN, R>(item, gstart, istart, G);
+      load_item = item;
+    }
     const int k0 = (kt0 + q % S) * BK;
     unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     constexpr int kWChunks = BK * (BN / 8);

@@ -13,8 +13,10 @@ Methods:
   nvc swiglu  block only: the private ragged_dot_swiglu (gate and up in one pass) + down
   xla       lax.ragged_dot (XLA's GEMM over every group)
 bound: the bytes of the weights of the experts that receive rows (each read once) / 4.8 TB/s,
-the HBM datasheet bandwidth of an H200 (--bandwidth). Times: `calls` chained calls in one jit
-(each call's input takes one element of the previous output, so they run in order), loop us
+the HBM datasheet bandwidth of an H200 (--bandwidth). Each row also records each nvc method's
+result against lax's on the same inputs (`rel_diff_to_xla`: ||nvc - xla|| / ||xla||, bf16
+rounding: ~1e-3). Times: `calls` chained calls in one jit (each call's input takes one element
+of the previous output, so they run in order), loop us
 per call (median over the programs) and, on GPUs, the kernels' device time per call from a
 profiler trace (dN; bench/common.py _device_time). On CPU devices the shapes shrink (hidden 256,
 F 128, experts 8 / 32) and the numbers only show that the benchmark runs. Writes
@@ -159,13 +161,23 @@ def run_moelayer(a):
                         "block": (x_h, wg, wu, wd, gs)}[op]
                 row = dict(experts=e, tokens=t, m=m, op=op, active_experts=active,
                            bound_us=round(bound_us, 2))
+                outs = {}
                 for meth, fn in ops[op].items():
                     try:
                         r = B._time(env, _chain(fn, calls), args, calls, reps,
                                     device_time=device_time)
+                        outs[meth] = jax.jit(fn)(*args)
                         row[meth] = r
                     except Exception as ex:  # noqa: BLE001 - one failing method keeps the rest
                         row[meth] = dict(error=f"{type(ex).__name__}: {str(ex)[:300]}")
+                # each method's result on these inputs against lax's (one call each)
+                if "xla" in outs:
+                    ref = np.asarray(outs["xla"], np.float64)
+                    for meth, y in outs.items():
+                        if meth != "xla":
+                            d = np.linalg.norm(np.asarray(y, np.float64) - ref)
+                            row[meth]["rel_diff_to_xla"] = float(d / max(np.linalg.norm(ref),
+                                                                         1e-30))
                 rows.append(row)
                 env.log(_line(row))
             del x_h, x_f
@@ -173,7 +185,7 @@ def run_moelayer(a):
     env.log(_table(rows))
     if env.is_main:
         os.makedirs(a.out, exist_ok=True)
-        B._write_json(env, a.out, "moelayer", dict(hidden=hidden, ffn=ffn, top_k=a.top_k,
+        B._write_json(env, a.out, "moelayer.json", dict(hidden=hidden, ffn=ffn, top_k=a.top_k,
                                                    calls=calls, reps=reps, rows=rows))
     return 0
 
@@ -195,7 +207,9 @@ def _line(row):
         if meth in row:
             t, txt = _us(row[meth])
             parts.append(f"{meth}: {txt}" + (f" ({t / row['bound_us']:.2f}x)" if t else ""))
-    return "# " + "; ".join(parts)
+    diffs = [f"{m} {row[m]['rel_diff_to_xla']:.1e}" for m in METHODS
+             if isinstance(row.get(m), dict) and "rel_diff_to_xla" in row[m]]
+    return "# " + "; ".join(parts) + (f" | vs xla: {', '.join(diffs)}" if diffs else "")
 
 
 def _table(rows):

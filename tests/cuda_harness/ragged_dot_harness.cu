@@ -19,8 +19,12 @@
 //                           per shape last
 //   --no-variants           correctness without the sweep variants (compute-sanitizer runs)
 //   --seed N                random inputs from seed N (default 1)
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -126,11 +130,14 @@ struct Problem {
   std::vector<int> sizes;
   void *lhs = nullptr, *rhs = nullptr, *rhs2 = nullptr, *out = nullptr;
   int32_t* gs = nullptr;
+  bool own_weights = true;  // false: rhs / rhs2 given (shared by the timing shapes)
   void alloc(uint64_t seed) {
     const size_t e = dt_size(dt);
     CK(cudaMalloc(&lhs, std::max<size_t>(16, m * k * e)));
-    CK(cudaMalloc(&rhs, g * k * n * e));
-    if (swiglu) CK(cudaMalloc(&rhs2, g * k * n * e));
+    if (own_weights) {
+      CK(cudaMalloc(&rhs, g * k * n * e));
+      if (swiglu) CK(cudaMalloc(&rhs2, g * k * n * e));
+    }
     CK(cudaMalloc(&out, std::max<size_t>(16, m * n * dt_size(odt))));
     CK(cudaMalloc(&gs, g * 4));
     CK(cudaMemcpy(gs, sizes.data(), g * 4, cudaMemcpyHostToDevice));
@@ -140,12 +147,15 @@ struct Problem {
       else fill(static_cast<__half*>(p), cnt, sd, sc);
     };
     f(lhs, m * k, seed * 3 + 1, 1.f);
-    f(rhs, g * k * n, seed * 3 + 2, ws * 1.7f);
-    if (swiglu) f(rhs2, g * k * n, seed * 3 + 3, ws * 1.7f);
+    if (own_weights) {
+      f(rhs, g * k * n, seed * 3 + 2, ws * 1.7f);
+      if (swiglu) f(rhs2, g * k * n, seed * 3 + 3, ws * 1.7f);
+    }
     CK(cudaDeviceSynchronize());
   }
   void free_all() {
-    cudaFree(lhs); cudaFree(rhs); if (rhs2) cudaFree(rhs2); cudaFree(out); cudaFree(gs);
+    cudaFree(lhs); cudaFree(out); cudaFree(gs);
+    if (own_weights) { cudaFree(rhs); if (rhs2) cudaFree(rhs2); }
   }
   RaggedDotArgs args() const {
     RaggedDotArgs a;
@@ -171,35 +181,78 @@ struct Problem {
 
 static double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
-// Reference of the output elements (r, c) listed (all of them when `all`), float64; compares
-// with the device result. Returns true when it passes.
-static bool check(const Problem& p, const char* name, bool all, int samples = 512) {
+// The whole float64 reference [m, n] (rows past the groups: 0), row by row.
+static std::vector<double> reference_all(const Problem& p) {
+  const auto starts = group_starts(p.sizes, p.m);
+  const std::vector<double> lhs = host_copy_dt(p.dt, p.lhs, p.m * p.k);
+  const std::vector<double> w1 = host_copy_dt(p.dt, p.rhs, p.g * p.k * p.n);
+  std::vector<double> w2;
+  if (p.swiglu) w2 = host_copy_dt(p.dt, p.rhs2, p.g * p.k * p.n);
+  std::vector<double> ref(p.m * p.n, 0.0), a(p.n), b(p.n);
+  for (int64_t g = 0; g < p.g; ++g)
+    for (int64_t r = starts[g]; r < starts[g + 1]; ++r) {
+      std::fill(a.begin(), a.end(), 0.0);
+      std::fill(b.begin(), b.end(), 0.0);
+      for (int64_t k = 0; k < p.k; ++k) {
+        const double x = lhs[r * p.k + k];
+        const double* w = &w1[(g * p.k + k) * p.n];
+        for (int64_t c = 0; c < p.n; ++c) a[c] += x * w[c];
+        if (p.swiglu) {
+          const double* u = &w2[(g * p.k + k) * p.n];
+          for (int64_t c = 0; c < p.n; ++c) b[c] += x * u[c];
+        }
+      }
+      for (int64_t c = 0; c < p.n; ++c) ref[r * p.n + c] = p.swiglu ? silu(a[c]) * b[c] : a[c];
+    }
+  return ref;
+}
+
+static double tolerance(int odt) {
+  // bf16 / f16 operands in float32 accumulation: the rounding of the result (bf16 2^-9
+  // relative, f16 2^-12) dominates; float32 results are near 1e-6
+  return odt == 0 ? 1e-5 : odt == 1 ? 8e-3 : 2e-3;
+}
+
+// The device result against the whole reference: every element written (no NaN from the
+// poison), rows past the groups exactly 0, ||out - ref|| / ||ref|| within the dtype's rounding.
+static bool compare_all(const Problem& p, const std::vector<double>& ref, const char* name) {
+  const auto starts = group_starts(p.sizes, p.m);
+  const std::vector<double> out = host_copy_dt(p.odt, p.out, p.m * p.n);
+  const int64_t total = starts[p.g];
+  double err2 = 0, ref2 = 0, maxrel = 0;
+  int64_t bad_tail = 0, nan = 0;
+  for (int64_t i = 0; i < p.m * p.n; ++i) {
+    const double got = out[i];
+    if (std::isnan(got)) { ++nan; continue; }
+    if (i / p.n >= total) { if (got != 0.0) ++bad_tail; continue; }
+    err2 += (got - ref[i]) * (got - ref[i]);
+    ref2 += ref[i] * ref[i];
+    maxrel = std::max(maxrel, std::fabs(got - ref[i]) / (std::fabs(ref[i]) + 1e-2));
+  }
+  const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  const bool ok = nan == 0 && bad_tail == 0 && rel < tolerance(p.odt);
+  std::printf("%s %-58s rel %.2e max %.2e nan %lld tail!=0 %lld (all %lld)\n", ok ? "PASS" : "FAIL",
+              name, rel, maxrel, (long long)nan, (long long)bad_tail, (long long)(p.m * p.n));
+  if (!ok) ++g_fail;
+  return ok;
+}
+
+// Float64 reference of `samples` random output elements (the weight columns they need gathered
+// on the device), compared with the device result. Returns true when it passes.
+static bool check(const Problem& p, const char* name, int samples = 512) {
   const auto starts = group_starts(p.sizes, p.m);
   const std::vector<double> lhs = host_copy_dt(p.dt, p.lhs, p.m * p.k);
   const std::vector<double> out = host_copy_dt(p.odt, p.out, p.m * p.n);
   std::vector<std::pair<int64_t, int64_t>> pts;
-  if (all) {
-    for (int64_t r = 0; r < p.m; ++r)
-      for (int64_t c = 0; c < p.n; ++c) pts.push_back({r, c});
-  } else {
-    std::mt19937_64 rng(g_seed * 77 + p.m);
-    for (int i = 0; i < samples; ++i)
-      pts.push_back({int64_t(rng() % p.m), int64_t(rng() % p.n)});
-  }
-  // the whole weights for small problems, else one column per sample
-  const bool whole = all;
-  std::vector<double> w1, w2;
-  if (whole) {
-    w1 = host_copy_dt(p.dt, p.rhs, p.g * p.k * p.n);
-    if (p.swiglu) w2 = host_copy_dt(p.dt, p.rhs2, p.g * p.k * p.n);
-  }
-  // sampled: the weight columns of the sampled points, gathered on the device
+  std::mt19937_64 rng(g_seed * 77 + p.m);
+  for (int i = 0; i < samples; ++i) pts.push_back({int64_t(rng() % p.m), int64_t(rng() % p.n)});
+  // the weight columns of the sampled points, gathered on the device
   std::vector<int64_t> grp(pts.size(), -1);
   for (size_t i = 0; i < pts.size(); ++i)
     for (int64_t g = 0; g < p.g; ++g)
       if (pts[i].first >= starts[g] && pts[i].first < starts[g + 1]) grp[i] = g;
   std::vector<double> c1, c2;
-  if (!whole) {
+  {
     std::vector<int64_t> off(pts.size());
     for (size_t i = 0; i < pts.size(); ++i)
       off[i] = (std::max<int64_t>(grp[i], 0) * p.k) * p.n + pts[i].second;
@@ -229,8 +282,8 @@ static bool check(const Problem& p, const char* name, bool all, int samples = 51
     if (g < 0) { if (got != 0.0) ++bad_tail; continue; }
     std::vector<double> col1(p.k), col2(p.swiglu ? p.k : 0);
     for (int64_t k = 0; k < p.k; ++k) {
-      col1[k] = whole ? w1[(g * p.k + k) * p.n + c] : c1[pi * p.k + k];
-      if (p.swiglu) col2[k] = whole ? w2[(g * p.k + k) * p.n + c] : c2[pi * p.k + k];
+      col1[k] = c1[pi * p.k + k];
+      if (p.swiglu) col2[k] = c2[pi * p.k + k];
     }
     double a = 0, b = 0;
     for (int64_t k = 0; k < p.k; ++k) {
@@ -243,10 +296,7 @@ static bool check(const Problem& p, const char* name, bool all, int samples = 51
     maxrel = std::max(maxrel, std::fabs(got - ref) / (std::fabs(ref) + 1e-2));
   }
   const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
-  // bf16 / f16 operands in float32 accumulation: the rounding of the result (bf16 2^-9
-  // relative, f16 2^-12) dominates; float32 results are near 1e-6
-  const double tol = p.odt == 0 ? 1e-5 : p.odt == 1 ? 8e-3 : 2e-3;
-  const bool ok = nan == 0 && bad_tail == 0 && rel < tol;
+  const bool ok = nan == 0 && bad_tail == 0 && rel < tolerance(p.odt);
   std::printf("%s %-58s rel %.2e max %.2e nan %lld tail!=0 %lld (%zu pts)\n", ok ? "PASS" : "FAIL",
               name, rel, maxrel, (long long)nan, (long long)bad_tail, pts.size());
   if (!ok) ++g_fail;
@@ -272,13 +322,41 @@ static const char* variant_name(int v) {
   return v < n0 ? sweep_name_0(v) : sweep_name_1(v - n0);
 }
 
+// Watchdog: a measurement that does not finish within its alarm (a hung kernel) ends the
+// process with the name of what it was measuring (what was printed before stays printed).
+static char g_doing[160] = "";
+static void on_alarm(int) {
+  const char msg[] = "HANG (watchdog): no result within the alarm while measuring: ";
+  (void)!write(1, msg, sizeof msg - 1);
+  (void)!write(1, g_doing, std::strlen(g_doing));
+  (void)!write(1, "\n", 1);
+  _exit(3);
+}
+static double watched(const char* what, const std::function<double()>& f, int seconds = 20) {
+  std::snprintf(g_doing, sizeof g_doing, "%s", what);
+  alarm(unsigned(seconds));
+  const double r = f();
+  alarm(0);
+  return r;
+}
+
 // Runs `launch` on `p` (poisoned first), checks, and checks that a second run gives the same bits.
-static void run_case(Problem& p, const std::string& name, const Launch& launch, bool all) {
+static void run_case(Problem& p, const std::string& name, const Launch& launch,
+                     const std::vector<double>& ref) {
   p.poison();
-  CK(launch(p.args(), 0));
-  CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
-  if (!check(p, name.c_str(), all)) return;
+  std::snprintf(g_doing, sizeof g_doing, "case %s", name.c_str());
+  alarm(20);
+  cudaError_t e = launch(p.args(), 0);
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  alarm(0);
+  if (e != cudaSuccess) {  // a refused launch fails this case only
+    std::printf("FAIL %-58s launch: %s\n", name.c_str(), cudaGetErrorString(e));
+    cudaGetLastError();
+    ++g_fail;
+    return;
+  }
+  if (!compare_all(p, ref, name.c_str())) return;
   const size_t bytes = p.m * p.n * dt_size(p.odt);
   std::vector<char> a(bytes), b(bytes);
   CK(cudaMemcpy(a.data(), p.out, bytes, cudaMemcpyDeviceToHost));
@@ -307,11 +385,13 @@ static std::vector<int> routed_sizes(int tokens, int e, int top_k, uint64_t seed
   return sizes;
 }
 
+// w1 / w2: weights to share (not owned, not filled), or nullptr (allocated and filled here).
 static Problem make(int64_t m, int64_t k, int64_t n, std::vector<int> sizes, int dt, int odt,
-                    bool swiglu) {
+                    bool swiglu, void* w1 = nullptr, void* w2 = nullptr) {
   Problem p;
   p.m = m; p.k = k; p.n = n; p.g = int64_t(sizes.size()); p.dt = dt; p.odt = odt;
   p.swiglu = swiglu; p.sizes = std::move(sizes);
+  if (w1 != nullptr) { p.own_weights = false; p.rhs = w1; p.rhs2 = w2; }
   p.alloc(g_seed * 1000 + m * 7 + k + n);
   return p;
 }
@@ -353,26 +433,30 @@ static void correctness(bool variants) {
       CK(cudaDeviceSynchronize());
       std::printf("PASS %-58s (launches nothing)\n", c.name);
     } else {
-      run_case(p, c.name, production(c.sw), true);
+      run_case(p, c.name, production(c.sw), reference_all(p));
     }
     p.free_all();
   }
   // every sweep variant and cluster size on one mid-size case (and the edge tails)
+  Problem vp = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, false);
+  const std::vector<double> vref = reference_all(vp);
   for (int v = 0; v < (variants ? variant_count() : 0); ++v)
-    for (int cs : {1, 2, 4, 8}) {
-      Problem p = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, false);
-      run_case(p, std::string("variant ") + variant_name(v) + " cluster " + std::to_string(cs),
-               variant(v, cs), true);
-      p.free_all();
-    }
+    for (int cs : {1, 2, 4, 8})
+      run_case(vp, std::string("variant ") + variant_name(v) + " cluster " + std::to_string(cs),
+               variant(v, cs), vref);
+  vp.free_all();
 }
 
 // Median us per call of `launch` on p: a CUDA graph of `chain` calls, replayed `reps` times.
 static double time_graph(const Problem& p, const Launch& launch, int chain = 10, int reps = 15) {
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  CK(launch(p.args(), s));  // first launch outside the capture (per-device caches filled)
-  CK(cudaStreamSynchronize(s));
+  // first launch outside the capture (per-device caches filled); a refused one: -1
+  if (launch(p.args(), s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess) {
+    cudaGetLastError();
+    CK(cudaStreamDestroy(s));
+    return -1.0;
+  }
   cudaGraph_t graph;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   for (int i = 0; i < chain; ++i) CK(launch(p.args(), s));
@@ -435,65 +519,111 @@ static const Shape kShapes[] = {{32, 8}, {32, 32}, {32, 128}, {256, 8}, {256, 32
 constexpr int kHidden = 7168, kF = 2048, kTopK = 8;
 
 // The decode shapes: per (experts, tokens) the gate-shaped product [M, 7168] x [E, 7168, 2048],
-// the down-shaped one [M, 2048] x [E, 2048, 7168], swiglu, and the expert block.
+// the down-shaped one [M, 2048] x [E, 2048, 7168], swiglu, and the expert block. The weights of
+// one expert count are shared by its token counts. --sweep: then every variant x cluster size
+// on the gate and down products of every shape, the cp.async variants first (their best lines
+// printed before the bulk-copy variants run).
 static void timing(bool sweep) {
   std::printf("copy bandwidth (D2D, read + write): %.0f GB/s\n", copy_bandwidth() / 1e9);
-  std::vector<std::string> best;
+  struct Case {
+    Shape sh;
+    int64_t m;
+    Problem gate, down, sw;
+    double tg, td;
+  };
+  std::vector<Case> cases;
+  std::vector<void*> weights;
   std::printf("%-5s %-4s %-6s %-30s %9s %9s %7s\n", "E", "T", "M", "op", "us", "bound", "x");
-  for (const Shape& sh : kShapes) {
-    const int64_t m = int64_t(sh.tokens) * kTopK;
-    auto sizes = routed_sizes(sh.tokens, sh.e, kTopK, g_seed + sh.e * 1000 + sh.tokens);
-    Problem gate = make(m, kHidden, kF, sizes, 1, 1, false);
-    Problem down = make(m, kF, kHidden, sizes, 1, 1, false);
-    Problem sw = make(m, kHidden, kF, sizes, 1, 1, true);
-    gate.poison();
-    CK(production(false)(gate.args(), 0));
+  for (int e : {32, 256}) {
+    void *wg, *wu, *wd;
+    const size_t bytes = size_t(e) * kHidden * kF * 2;
+    CK(cudaMalloc(&wg, bytes));
+    CK(cudaMalloc(&wu, bytes));
+    CK(cudaMalloc(&wd, bytes));
+    const float sc = 1.7f / std::sqrt(float(kHidden)), sd = 1.7f / std::sqrt(float(kF));
+    fill(static_cast<__nv_bfloat16*>(wg), bytes / 2, g_seed * 11 + e, sc);
+    fill(static_cast<__nv_bfloat16*>(wu), bytes / 2, g_seed * 13 + e, sc);
+    fill(static_cast<__nv_bfloat16*>(wd), bytes / 2, g_seed * 17 + e, sd);
     CK(cudaDeviceSynchronize());
-    const std::string tag = std::to_string(sh.e) + " experts x " + std::to_string(sh.tokens) + " tokens";
-    check(gate, (tag + " gate sampled").c_str(), false);
-    down.poison();
-    CK(production(false)(down.args(), 0));
-    sw.poison();
-    CK(production(true)(sw.args(), 0));
-    CK(cudaDeviceSynchronize());
-    check(down, (tag + " down sampled").c_str(), false, 256);
-    check(sw, (tag + " swiglu sampled").c_str(), false, 256);
-    auto row = [&](const char* op, double us, double bound) {
-      std::printf("%-5d %-4d %-6lld %-30s %9.1f %9.1f %7.2f\n", sh.e, sh.tokens, (long long)m, op,
-                  us, bound, us / bound);
-    };
-    const double tg = time_graph(gate, production(false));
-    row("ragged_dot gate [7168->2048]", tg, gate.bound_us());
-    const double td = time_graph(down, production(false));
-    row("ragged_dot down [2048->7168]", td, down.bound_us());
-    const double ts = time_graph(sw, production(true));
-    row("ragged_dot_swiglu gate+up", ts, sw.bound_us());
-    row("block: 3 x ragged_dot", 2 * tg + td, 2 * gate.bound_us() + down.bound_us());
-    row("block: swiglu + ragged_dot", ts + td, 2 * gate.bound_us() + down.bound_us());
-    if (sweep) {
-      for (Problem* pp : {&gate, &down}) {
-        double bt = 1e30;
-        std::string bn;
-        for (int v = 0; v < variant_count(); ++v)
-          for (int cs : {1, 2, 4, 8}) {
-            const double t = time_graph(*pp, variant(v, cs), 5, 7);
-            std::printf("  sweep %s E%d T%d %-28s cs%d %9.1f us %6.2fx\n",
-                        pp == &gate ? "gate" : "down", sh.e, sh.tokens, variant_name(v), cs, t,
-                        t / pp->bound_us());
-            if (t < bt) { bt = t; bn = std::string(variant_name(v)) + " cs" + std::to_string(cs); }
-          }
-        char line[256];
-        std::snprintf(line, sizeof line, "best %s E%-3d T%-3d %-32s %8.1f us %5.2fx (prod %5.2fx)",
-                      pp == &gate ? "gate" : "down", sh.e, sh.tokens, bn.c_str(), bt,
-                      bt / pp->bound_us(), (pp == &gate ? tg : td) / pp->bound_us());
-        best.push_back(line);
+    weights.insert(weights.end(), {wg, wu, wd});
+    for (const Shape& sh : kShapes) {
+      if (sh.e != e) continue;
+      const int64_t m = int64_t(sh.tokens) * kTopK;
+      auto sizes = routed_sizes(sh.tokens, sh.e, kTopK, g_seed + sh.e * 1000 + sh.tokens);
+      Case c{sh, m, make(m, kHidden, kF, sizes, 1, 1, false, wg),
+             make(m, kF, kHidden, sizes, 1, 1, false, wd),
+             make(m, kHidden, kF, sizes, 1, 1, true, wg, wu), 0, 0};
+      const std::string tag = std::to_string(e) + " experts x " + std::to_string(sh.tokens) +
+                              " tokens";
+      for (Problem* p : {&c.gate, &c.down, &c.sw}) {
+        p->poison();
+        CK(production(p->swiglu)(p->args(), 0));
       }
+      CK(cudaDeviceSynchronize());
+      check(c.gate, (tag + " gate sampled").c_str());
+      check(c.down, (tag + " down sampled").c_str(), 256);
+      check(c.sw, (tag + " swiglu sampled").c_str(), 256);
+      auto row = [&](const char* op, double us, double bound) {
+        std::printf("%-5d %-4d %-6lld %-30s %9.1f %9.1f %7.2f\n", e, sh.tokens, (long long)m, op,
+                    us, bound, us / bound);
+      };
+      c.tg = watched("production gate", [&] { return time_graph(c.gate, production(false)); });
+      row("ragged_dot gate [7168->2048]", c.tg, c.gate.bound_us());
+      c.td = watched("production down", [&] { return time_graph(c.down, production(false)); });
+      row("ragged_dot down [2048->7168]", c.td, c.down.bound_us());
+      const double ts = watched("production swiglu", [&] { return time_graph(c.sw, production(true)); });
+      row("ragged_dot_swiglu gate+up", ts, c.sw.bound_us());
+      const double bb = 2 * c.gate.bound_us() + c.down.bound_us();
+      row("block: 3 x ragged_dot", 2 * c.tg + c.td, bb);
+      row("block: swiglu + ragged_dot", ts + c.td, bb);
+      std::fflush(stdout);
+      cases.push_back(std::move(c));
     }
-    gate.free_all();
-    down.free_all();
-    sw.free_all();
   }
-  for (auto& l : best) std::printf("%s\n", l.c_str());
+  if (sweep) {
+    // best[case][0 gate / 1 down] over the variants run so far
+    std::vector<std::array<std::pair<double, std::string>, 2>> best(cases.size());
+    for (auto& b : best) b[0].first = b[1].first = 1e30;
+    for (int bulk = 0; bulk < 2; ++bulk) {
+      for (int v = 0; v < variant_count(); ++v) {
+        if ((std::strstr(variant_name(v), "bulk") != nullptr) != (bulk == 1)) continue;
+        for (int cs : {1, 2, 4, 8})
+          for (size_t ci = 0; ci < cases.size(); ++ci)
+            for (int o = 0; o < 2; ++o) {
+              Case& c = cases[ci];
+              Problem& p = o == 0 ? c.gate : c.down;
+              char what[160];
+              std::snprintf(what, sizeof what, "%s E%d T%d %s cs%d", o == 0 ? "gate" : "down",
+                            c.sh.e, c.sh.tokens, variant_name(v), cs);
+              const double t = watched(what, [&] { return time_graph(p, variant(v, cs), 5, 7); });
+              if (t < 0) {
+                std::printf("  sweep %s refused\n", what);
+                continue;
+              }
+              std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, t, t / p.bound_us());
+              if (t < best[ci][o].first)
+                best[ci][o] = {t, std::string(variant_name(v)) + " cs" + std::to_string(cs)};
+            }
+      }
+      std::printf("%s\n", bulk == 0 ? "best of the cp.async variants:" : "best of all variants:");
+      for (size_t ci = 0; ci < cases.size(); ++ci)
+        for (int o = 0; o < 2; ++o) {
+          const Case& c = cases[ci];
+          const Problem& p = o == 0 ? c.gate : c.down;
+          std::printf("best %s E%-3d T%-3d %-34s %8.1f us %5.2fx (production %5.2fx)\n",
+                      o == 0 ? "gate" : "down", c.sh.e, c.sh.tokens, best[ci][o].second.c_str(),
+                      best[ci][o].first, best[ci][o].first / p.bound_us(),
+                      (o == 0 ? c.tg : c.td) / p.bound_us());
+        }
+      std::fflush(stdout);
+    }
+  }
+  for (Case& c : cases) {
+    c.gate.free_all();
+    c.down.free_all();
+    c.sw.free_all();
+  }
+  for (void* w : weights) cudaFree(w);
 }
 
 int main(int argc, char** argv) {
@@ -506,6 +636,7 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--seed N]\n", argv[0]); return 2; }
   }
   std::printf("seed %llu\n", (unsigned long long)g_seed);
+  std::signal(SIGALRM, on_alarm);
   CK(nvc::cuda::ragged_dot_load_kernels());
   if (time) timing(sweep);
   else correctness(variants);

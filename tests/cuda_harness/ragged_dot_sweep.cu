@@ -32,7 +32,7 @@ const V kV[] = {
     RDOT_V(128, 64, 16, 4, 2), RDOT_V(128, 64, 16, 6, 2), RDOT_V(128, 128, 16, 4, 2),
     RDOT_V(64, 128, 16, 6, 1), RDOT_V(64, 64, 16, 4, 1), RDOT_VB(128, 64, 16, 4, 2),
     RDOT_VB(128, 64, 16, 6, 2),
-};
+};  // (the harness runs the bulk variants after all cp.async ones)
 #else
 const V kV[] = {
     RDOT_V(256, 64, 16, 4, 2), RDOT_V(128, 64, 32, 4, 2), RDOT_V(128, 64, 64, 4, 2),

@@ -91,11 +91,13 @@ def _bodies(env, moe, L, K, dtype):
     def composed(c, k):
         (x,), (ids, w, wg, wu, wd) = c, k
         d = nvc.moe_dispatch(x, ids, moe)
+        rows = moe.world_size * moe.max_tokens * min(K, L)  # a token reaches <= min(K, L)
         if dot is None:
             ey = moe_experts.expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype,
-                                          moe.world_size * moe.max_tokens * min(K, L))
+                                          rows)
         else:
-            ey = _expert_block_with(dot, d.expert_x, d.expert_counts, wg, wu, wd, x.dtype)
+            ey = _expert_block_with(dot, d.expert_x, d.expert_counts, wg, wu, wd, x.dtype,
+                                    rows)
         y = nvc.moe_combine(ey, w, d.handle, moe)
         return (B._row0(x, y),), (y,)
 
@@ -118,18 +120,19 @@ def _bodies(env, moe, L, K, dtype):
     return {"layer": layer, "layer two-dot": layer_two, "composed": composed, "xla": xla}
 
 
-def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype):
-    """moe_experts.expert_block's gathers around a given ragged_dot (nvc.ragged_dot)."""
+def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype, max_rows):
+    """moe_experts.expert_block's gathers (into max_rows packed rows) around a given
+    ragged_dot (nvc.ragged_dot), gate, up and down as three calls."""
     import jax
     import jax.numpy as jnp
     L, R, H = expert_x.shape
     ends = jnp.cumsum(counts)
     starts = ends - counts
-    M = L * R
+    M = min(int(max_rows), L * R)
     p = jnp.arange(M, dtype=jnp.int32)
     e = jnp.minimum(jnp.searchsorted(ends, p, side="right").astype(jnp.int32), L - 1)
     valid = p < ends[-1]
-    xs = expert_x.reshape(M, H)[jnp.where(valid, e * R + (p - starts[e]), 0)]
+    xs = expert_x.reshape(L * R, H)[jnp.where(valid, e * R + (p - starts[e]), 0)]
     xs = jnp.where(valid[:, None], xs, jnp.zeros((), xs.dtype))
     f32 = dict(preferred_element_type=jnp.float32)
     h = (jax.nn.silu(dot(xs, wg, counts, **f32)) * dot(xs, wu, counts, **f32)).astype(wd.dtype)

@@ -161,7 +161,8 @@ def _layer_fallback(x, ids, w, wg, wu, wd, nt, tok, *, moe):
     return y, _order.token(moe.axis_name)
 
 
-def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, *, num_tokens=None):
+def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe=None, *, axis_name=None,
+              num_tokens=None):
     """The routed experts of an MoE layer: dispatch, SwiGLU experts, combine, in one op.
 
     Call inside `jax.shard_map` over `moe.axis_name`; rank r holds experts
@@ -180,6 +181,9 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, *, num_token
       w_down: [L, F, hidden] of x's dtype.
       moe: a `MoECommunicator` over one axis of the surrounding shard_map's mesh, with
         scale_cols=0.
+      axis_name: in place of moe (exactly one of the two): the axis of a registered
+        MoECommunicator (`jax_nvcomm.register`) whose max_tokens, hidden, top_k, dtype and
+        local expert count fit x, topk_ids and w_gate.
       num_tokens: optional int scalar (may be traced) in [0, max_tokens]: only rows
         < num_tokens are routed. Default: all.
 
@@ -193,9 +197,10 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, *, num_token
         jax.vmap (as moe_dispatch).
     """
     what = "moe_layer"
-    if not isinstance(moe, MoECommunicator):
-        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
-                        f"{type(moe).__name__}")
+    sh = _moe._shape
+    moe = _moe.resolve_moe(moe, axis_name, what, max_tokens=sh(x, 0), hidden=sh(x, -1),
+                           top_k=sh(topk_ids, -1), dtype=getattr(x, "dtype", None),
+                           num_local_experts=sh(w_gate, 0))
     _shard.check_context(moe, what)
     x, topk_ids, topk_weights = (jnp.asarray(a) for a in (x, topk_ids, topk_weights))
     w_gate, w_up, w_down = (jnp.asarray(a) for a in (w_gate, w_up, w_down))

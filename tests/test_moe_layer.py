@@ -347,3 +347,28 @@ def test_gate_up_two_dots_equal_the_swiglu_pass(rng, monkeypatch):
         outs[mode] = np.asarray(jax.jit(lambda *a: ml.expert_rows(*a, bf))(
             xp, counts, wg, wu, wd).astype(jnp.float32))[:9]
     np.testing.assert_allclose(outs["two"], outs["swiglu"], rtol=1e-2, atol=1e-2)
+
+
+def test_axis_name_form_finds_the_registered_communicator(rng):
+    # moe_layer(..., axis_name="x") uses the registered MoECommunicator whose sizes fit (the
+    # same results as passing it); none registered: the registry's named error
+    world = upto(2)
+    E, K, T, H, F = 2 * world, 2, 4, 16, 8
+    mesh = make_mesh((world,), ("x",))
+    x = rng.standard_normal((world * T, H)).astype(np.float32)
+    wg, wu = (rng.standard_normal((E, H, F)).astype(np.float32) for _ in range(2))
+    wd = rng.standard_normal((E, F, H)).astype(np.float32)
+    ids = routing(rng, world, T, E, K, "random")
+    w = rng.random((world * T, K)).astype(np.float32)
+    run = lambda **kw: jax.jit(jax.shard_map(  # noqa: E731
+        lambda *a: nvc.moe_layer(*a, **kw), mesh=mesh, in_specs=(P("x"),) * 6,
+        out_specs=P("x")))(x, ids, w, wg, wu, wd)
+    with pytest.raises(ValueError, match="none is registered"):
+        run(axis_name="x")
+    moe = nvc.register(nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T,
+                                           hidden=H, dtype=jnp.float32))
+    try:
+        np.testing.assert_array_equal(np.asarray(run(axis_name="x")), np.asarray(run(moe=moe)))
+    finally:
+        nvc.unregister(moe)
+        moe.close()

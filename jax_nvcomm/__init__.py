@@ -30,6 +30,6 @@ __all__ = [
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
-    "ragged_all_to_all", "ragged_dot", "select_ragged_dot_strategy", "communicators",
-    "close_all", "register", "unregister",
+    "ragged_all_to_all", "communicators", "close_all",
+    "register", "unregister", "ragged_dot", "select_ragged_dot_strategy",
 ]

@@ -32,16 +32,17 @@ const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu) {
 }
 
 int ragged_dot_rows_tile(const RaggedDotArgs& a) {
-  // rows per group with rows: at least m / g on average; tile for ~3x that (random routing
-  // spreads the counts), so that a group rarely needs a second chunk (which re-reads its
-  // weights, mostly from L2)
-  const int64_t want = 3 * ((a.m + a.g - 1) / (a.g > 0 ? a.g : 1));
-  return want <= 16 ? 16 : want <= 32 ? 32 : 64;
+  // rows per group with rows: at least m / g on average; random routing spreads the counts to
+  // ~3x that. R 16 while that fits (a group past 16 rows takes a second chunk, which re-reads
+  // its weights, mostly from L2: still the faster tile at ~8 rows per group), else R 64.
+  const int64_t avg = (a.m + a.g - 1) / (a.g > 0 ? a.g : 1);
+  return 3 * avg <= 32 ? 16 : 64;
 }
 
-int ragged_dot_cluster(const RaggedDotArgs& a) {
-  const int64_t kt = (a.k + 63) / 64;  // K steps of the default tile (ragged_dot_family.cuh)
-  return kt >= 4 ? 4 : kt >= 2 ? 2 : 1;
+int ragged_dot_cluster(const RaggedDotArgs&) {
+  // split-K over a cluster cost more (its reduction, the co-scheduling of the cluster's blocks)
+  // than the better balance gained at every decode shape measured but one (ragged_dot_family.cuh)
+  return 1;
 }
 
 cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s) {

@@ -39,7 +39,7 @@ const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu);
 cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s);
 cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s);
 
-// Rows per item (R: 16, 32 or 64) and blocks per cluster (split-K) the launcher picks for `a`.
+// Rows per item (R: 16 or 64) and blocks per cluster (split-K) the launcher picks for `a`.
 int ragged_dot_rows_tile(const RaggedDotArgs& a);
 int ragged_dot_cluster(const RaggedDotArgs& a);
 

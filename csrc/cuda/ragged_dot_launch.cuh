@@ -14,10 +14,10 @@ namespace nvc {
 namespace cuda {
 namespace rdot_launch {
 
-template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW, bool BULK = false>
+template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW>
 struct Kernel {
   using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW>;
-  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW, BULK>;
+  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW>;
 
   // Raise the dynamic shared-memory limit (once per device; returns the error of the first try).
   static cudaError_t prepare() {
@@ -86,10 +86,14 @@ struct Kernel {
     return cudaLaunchKernelEx(&cfg, fn, p, cs);
   }
 
+  // Module loaded, shared-memory limit raised, the occupancy of the package's cluster size (1)
+  // cached: a first launch then makes no runtime query (it may be inside a graph capture).
   static cudaError_t load() {
     cudaFuncAttributes fa;
     if (cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
-    return prepare();
+    if (cudaError_t e = prepare(); e != cudaSuccess) return e;
+    clusters(1);
+    return cudaSuccess;
   }
 };
 

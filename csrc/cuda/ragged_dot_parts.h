@@ -2,7 +2,7 @@
 // family so that they compile in parallel (ragged_dot_bf16.cu, ragged_dot_f16.cu,
 // ragged_dot_swiglu_bf16.cu, ragged_dot_swiglu_f16.cu); ragged_dot.cu checks the arguments
 // and picks one. `rows_tile` is R
-// (16, 32 or 64), `cluster` the blocks per cluster.
+// (16 or 64), `cluster` the blocks per cluster.
 #pragma once
 #include <cuda_runtime.h>
 

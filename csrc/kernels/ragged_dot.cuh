@@ -31,10 +31,9 @@
 //   a tile.
 //   Each block: STAGES-deep cp.async (16-byte, L1-bypassing) pipeline of [BK x BN] weight tiles
 //   (and the item's [R x BK] lhs rows), running ahead across item boundaries, so the epilogue of
-//   one item overlaps the loads of the next. BULK variant: the weight rows come by bulk copies
-//   (cp.async.bulk, issued by warp 0, one per valid row, completing on the slot's mbarrier; the
-//   K / N tails zeroed by plain stores), the lhs rows still by cp.async; a stage is ready after
-//   both waits. Warps split the BN columns (MT m16 tiles each); ldmatrix.trans gives the weight
+//   one item overlaps the loads of the next (measured: cp.async streams the weights at
+//   ~3.9 TB/s here; 256-byte bulk copies issued by one warp, cp.async.bulk + mbarrier, ran
+//   3-10x slower). Warps split the BN columns (MT m16 tiles each); ldmatrix.trans gives the weight
 //   fragments from the [k][n] layout, ldmatrix the row fragments, mma.sync.m16n8k16 (f32
 //   accumulators) only for the row tiles that hold rows.
 //
@@ -44,7 +43,9 @@
 // applies the epilogue (swiglu), rounds once and stores its slice of out; cluster arrive, whose
 // wait comes before the partial buffer is written again (or before the block exits). Chosen
 // over float32 atomics into a workspace: bitwise reproducible, no workspace, no memset, no
-// extra pass over out, and the partials never leave the GPC.
+// extra pass over out, and the partials never leave the GPC. (Measured on one H200: the package
+// runs CS = 1, where the reduction is a read of the block's own partials; split-K over 2-8
+// blocks cost more than the balance it bought at the decode shapes: cuda/ragged_dot_family.cuh.)
 //
 // Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
 // then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
@@ -143,29 +144,6 @@ __device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t add
                : "=r"(r0), "=r"(r1)
                : "r"(addr));
 }
-// Bulk copies (cp.async.bulk, the copy engine) completing on an mbarrier: the BULK variant's
-// weight stream (one warp issues a stage's rows; the barrier's transaction count says when
-// they have landed).
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      "W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -246,8 +224,7 @@ __device__ __forceinline__ Item decode(int item, const int* gstart, const int* i
   return it;
 }
 
-template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU,
-          bool BULK = false>
+template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
 __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads, 1)
     ragged_dot_kernel(Params p, int cs) {
   using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU>;
@@ -258,7 +235,6 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   int* gstart = reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kPBytes);
   int* istart = gstart + (kMaxGroups + 1);
   __shared__ int scan_scratch[32];
-  __shared__ __align__(8) uint64_t bars[STAGES];  // BULK: one per stage slot
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.m, K = p.k, N = p.n, G = p.g;
@@ -291,10 +267,6 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   if (tid == 0) {
     gstart[G] = carry_rows;
     istart[G] = carry_items;
-    if constexpr (BULK) {
-      for (int i = 0; i < STAGES; ++i) mbar_init(smem_u32(&bars[i]), 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
   }
   __syncthreads();
   const int total_rows = gstart[G], total_items = istart[G];
@@ -329,33 +301,6 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
     const int k0 = (kt0 + q % S) * BK;
     unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     constexpr int kWChunks = BK * (BN / 8);
-    if constexpr (BULK) {
-      // rows k0 .. k0+BK-1 of the tile: valid rows by bulk copies of the valid width (warp 0),
-      // the rest (K tail rows, N tail columns) zeroed by plain stores
-      const int vrows = min(BK, K - k0), vcols = min(BN, N - it.n0);
-      const uint32_t bar = smem_u32(&bars[q % STAGES]);
-      if (warp == 0) {
-        if (lane == 0) mbar_expect_tx(bar, uint32_t(vrows * vcols * 2 * Tl::kNW));
-        __syncwarp();
-        for (int row = lane; row < vrows; row += 32)
-#pragma unroll
-          for (int w = 0; w < Tl::kNW; ++w) {
-            const T* src = (w == 0 ? rhs : rhs2) + (size_t(it.g) * K + k0 + row) * N + it.n0;
-            bulk_copy(smem_u32(st + w * Tl::kWBytes) + row * Tl::kWStride * 2, src,
-                      uint32_t(vcols * 2), bar);
-          }
-      }
-      if (vrows < BK || vcols < BN) {
-        for (int c = tid; c < kWChunks; c += Tl::kThreads) {
-          const int row = c / (BN / 8), col = (c % (BN / 8)) * 8;
-          if (row < vrows && col < vcols) continue;
-#pragma unroll
-          for (int w = 0; w < Tl::kNW; ++w)
-            *reinterpret_cast<uint4*>(st + w * Tl::kWBytes + (row * Tl::kWStride + col) * 2) =
-                make_uint4(0, 0, 0, 0);
-        }
-      }
-    } else {
 #pragma unroll
     for (int w = 0; w < Tl::kNW; ++w) {
       const T* src = (w == 0 ? rhs : rhs2) + size_t(it.g) * K * N;
@@ -367,7 +312,6 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
         const bool ok = kk < K && nn < N;
         cp16(dst + (row * Tl::kWStride + col) * 2, src + (ok ? size_t(kk) * N + nn : 0), ok);
       }
-    }
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
     const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWBytes);
@@ -404,7 +348,6 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
     __syncthreads();
-    if constexpr (BULK) mbar_wait(smem_u32(&bars[q % STAGES]), uint32_t(q / STAGES) & 1u);
     if (q + STAGES - 1 < q_total) load(q + STAGES - 1);
     cp_commit();
 

@@ -5,21 +5,21 @@ Shapes (defaults; world = the job's devices, meant for world 1 on one GPU): hidd
 ffn 2048, 32 and 256 local experts per rank, top-8, 8 / 32 / 128 tokens per rank, bf16,
 random routing (top_k distinct experts per token, uniform). Methods:
   layer     nvc.moe_layer (its docstring says what it runs: composed on packed rows today)
-  layer two-dot  the same with gate and up as two nvc.ragged_dot (moe_experts.GATE_UP = "two")
-            instead of one ragged_dot_swiglu pass: which of the two the layer should use
+  layer two-dot  the same with gate and up as two nvc.ragged_dot instead of one fused
+            gate/up/SwiGLU pass: which of the two the layer should use
   composed  nvc.moe_dispatch + three ragged_dot on the padded dispatch layout (rows gathered
-            into ragged_dot's form and back: moe_experts.expert_block) + nvc.moe_combine; the
+            into ragged_dot's form and back) + nvc.moe_combine; the
             ragged_dot is nvc.ragged_dot where the package has it, else lax.ragged_dot (the
             row's `dot` says which)
   xla       sort by expert + lax.ragged_all_to_all + three lax.ragged_dot + the way back + unsort
-            (models/moe_ragged.py moe_experts with XLA's collectives)
+            (the example EP layer of jax_nvcomm.models.moe_ragged with XLA's collectives)
 Every row has the weight-read bound: bytes of the three matrices of every expert that gets at
 least one token (over all ranks, per rank when world > 1: the busiest rank) / 4.8 TB/s (H200
 HBM3e datasheet), and the ratio time / bound (device time where there is one, else loop time).
 At the smallest token count of each expert count, one call of each method on the same inputs
 is compared with the layer's output (rel_diff_to_layer; they round differently, so ~1e-2 in
 bf16 is agreement).
-Timing: the loop programs of bench/common.py (`_measure`): 1 + unroll x steps calls per
+Timing: the loop programs of the other loop benchmarks: 1 + unroll x steps calls per
 program, each call's x with one row of the previous call's output; default unroll 1, steps 3,
 reps 3 (a call takes milliseconds: the per-call host cost does not matter here).
 """

@@ -439,12 +439,17 @@ static void correctness(bool variants) {
   }
   // every sweep variant and cluster size on one mid-size case (and the edge tails)
   Problem vp = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, false);
-  const std::vector<double> vref = reference_all(vp);
-  for (int v = 0; v < (variants ? variant_count() : 0); ++v)
+  Problem vs = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, true);
+  const std::vector<double> vref = reference_all(vp), sref = reference_all(vs);
+  for (int v = 0; v < (variants ? variant_count() : 0); ++v) {
+    const bool sw = std::strncmp(variant_name(v), "sw ", 3) == 0;
     for (int cs : {1, 2, 4, 8})
-      run_case(vp, std::string("variant ") + variant_name(v) + " cluster " + std::to_string(cs),
-               variant(v, cs), vref);
+      run_case(sw ? vs : vp,
+               std::string("variant ") + variant_name(v) + " cluster " + std::to_string(cs),
+               variant(v, cs), sw ? sref : vref);
+  }
   vp.free_all();
+  vs.free_all();
 }
 
 // Median us per call of `launch` on p: a CUDA graph of `chain` calls, replayed `reps` times.
@@ -521,15 +526,15 @@ constexpr int kHidden = 7168, kF = 2048, kTopK = 8;
 // The decode shapes: per (experts, tokens) the gate-shaped product [M, 7168] x [E, 7168, 2048],
 // the down-shaped one [M, 2048] x [E, 2048, 7168], swiglu, and the expert block. The weights of
 // one expert count are shared by its token counts. --sweep: then every variant x cluster size
-// on the gate and down products of every shape, the cp.async variants first (their best lines
-// printed before the bulk-copy variants run).
+// (1, 2) on the gate and down products (swiglu tiles: the swiglu product) of every shape, and
+// the best per shape and product last.
 static void timing(bool sweep) {
   std::printf("copy bandwidth (D2D, read + write): %.0f GB/s\n", copy_bandwidth() / 1e9);
   struct Case {
     Shape sh;
     int64_t m;
     Problem gate, down, sw;
-    double tg, td;
+    double tg, td, ts;
   };
   std::vector<Case> cases;
   std::vector<void*> weights;
@@ -552,7 +557,7 @@ static void timing(bool sweep) {
       auto sizes = routed_sizes(sh.tokens, sh.e, kTopK, g_seed + sh.e * 1000 + sh.tokens);
       Case c{sh, m, make(m, kHidden, kF, sizes, 1, 1, false, wg),
              make(m, kF, kHidden, sizes, 1, 1, false, wd),
-             make(m, kHidden, kF, sizes, 1, 1, true, wg, wu), 0, 0};
+             make(m, kHidden, kF, sizes, 1, 1, true, wg, wu), 0, 0, 0};
       const std::string tag = std::to_string(e) + " experts x " + std::to_string(sh.tokens) +
                               " tokens";
       for (Problem* p : {&c.gate, &c.down, &c.sw}) {
@@ -571,7 +576,8 @@ static void timing(bool sweep) {
       row("ragged_dot gate [7168->2048]", c.tg, c.gate.bound_us());
       c.td = watched("production down", [&] { return time_graph(c.down, production(false)); });
       row("ragged_dot down [2048->7168]", c.td, c.down.bound_us());
-      const double ts = watched("production swiglu", [&] { return time_graph(c.sw, production(true)); });
+      c.ts = watched("production swiglu", [&] { return time_graph(c.sw, production(true)); });
+      const double ts = c.ts;
       row("ragged_dot_swiglu gate+up", ts, c.sw.bound_us());
       const double bb = 2 * c.gate.bound_us() + c.down.bound_us();
       row("block: 3 x ragged_dot", 2 * c.tg + c.td, bb);
@@ -581,42 +587,44 @@ static void timing(bool sweep) {
     }
   }
   if (sweep) {
-    // best[case][0 gate / 1 down] over the variants run so far
-    std::vector<std::array<std::pair<double, std::string>, 2>> best(cases.size());
-    for (auto& b : best) b[0].first = b[1].first = 1e30;
-    for (int bulk = 0; bulk < 2; ++bulk) {
-      for (int v = 0; v < variant_count(); ++v) {
-        if ((std::strstr(variant_name(v), "bulk") != nullptr) != (bulk == 1)) continue;
-        for (int cs : {1, 2, 4, 8})
-          for (size_t ci = 0; ci < cases.size(); ++ci)
-            for (int o = 0; o < 2; ++o) {
-              Case& c = cases[ci];
-              Problem& p = o == 0 ? c.gate : c.down;
-              char what[160];
-              std::snprintf(what, sizeof what, "%s E%d T%d %s cs%d", o == 0 ? "gate" : "down",
-                            c.sh.e, c.sh.tokens, variant_name(v), cs);
-              const double t = watched(what, [&] { return time_graph(p, variant(v, cs), 5, 7); });
-              if (t < 0) {
-                std::printf("  sweep %s refused\n", what);
-                continue;
-              }
-              std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, t, t / p.bound_us());
-              if (t < best[ci][o].first)
-                best[ci][o] = {t, std::string(variant_name(v)) + " cs" + std::to_string(cs)};
+    // best[case][0 gate / 1 down / 2 swiglu] over the variants: plain tiles time the gate and
+    // down products, "sw" tiles the swiglu one; the production row is the reference
+    std::vector<std::array<std::pair<double, std::string>, 3>> best(cases.size());
+    for (auto& b : best)
+      for (auto& x : b) x = {1e30, ""};
+    for (int v = 0; v < variant_count(); ++v) {
+      const bool sw = std::strncmp(variant_name(v), "sw ", 3) == 0;
+      for (int cs : {1, 2})
+        for (size_t ci = 0; ci < cases.size(); ++ci)
+          for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o) {
+            Case& c = cases[ci];
+            Problem& p = o == 0 ? c.gate : o == 1 ? c.down : c.sw;
+            char what[160];
+            std::snprintf(what, sizeof what, "%s E%d T%d %s cs%d",
+                          o == 0 ? "gate" : o == 1 ? "down" : "swiglu", c.sh.e, c.sh.tokens,
+                          variant_name(v), cs);
+            const double t = watched(what, [&] { return time_graph(p, variant(v, cs), 5, 7); });
+            if (t < 0) {
+              std::printf("  sweep %s refused\n", what);
+              continue;
             }
-      }
-      std::printf("%s\n", bulk == 0 ? "best of the cp.async variants:" : "best of all variants:");
-      for (size_t ci = 0; ci < cases.size(); ++ci)
-        for (int o = 0; o < 2; ++o) {
-          const Case& c = cases[ci];
-          const Problem& p = o == 0 ? c.gate : c.down;
-          std::printf("best %s E%-3d T%-3d %-34s %8.1f us %5.2fx (production %5.2fx)\n",
-                      o == 0 ? "gate" : "down", c.sh.e, c.sh.tokens, best[ci][o].second.c_str(),
-                      best[ci][o].first, best[ci][o].first / p.bound_us(),
-                      (o == 0 ? c.tg : c.td) / p.bound_us());
-        }
+            std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, t, t / p.bound_us());
+            if (t < best[ci][o].first)
+              best[ci][o] = {t, std::string(variant_name(v)) + " cs" + std::to_string(cs)};
+          }
       std::fflush(stdout);
     }
+    std::printf("best variant per shape (production: the package's tile for the shape):\n");
+    for (size_t ci = 0; ci < cases.size(); ++ci)
+      for (int o = 0; o < 3; ++o) {
+        const Case& c = cases[ci];
+        const Problem& p = o == 0 ? c.gate : o == 1 ? c.down : c.sw;
+        const double prod = o == 0 ? c.tg : o == 1 ? c.td : c.ts;
+        std::printf("best %-6s E%-3d T%-3d %-34s %8.1f us %5.2fx (production %5.2fx)\n",
+                    o == 0 ? "gate" : o == 1 ? "down" : "swiglu", c.sh.e, c.sh.tokens,
+                    best[ci][o].second.c_str(), best[ci][o].first,
+                    best[ci][o].first / p.bound_us(), prod / p.bound_us());
+      }
   }
   for (Case& c : cases) {
     c.gate.free_all();

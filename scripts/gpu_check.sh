@@ -42,6 +42,11 @@
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh raggedbig ragged_all_to_all's chunked path, kernel harness on GPU 0
+#                                      (virtual ranks 1/2/4/8/16; no package build): chunked cases
+#                                      (outputs up to 70 x max_message_bytes, graph replays) and
+#                                      error cases, memcheck on a subset, the world-1 A/B chunked
+#                                      vs one round in $OUT/raggedbig/ab.txt (~2.5 min)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -117,7 +122,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | raggedbig) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -448,6 +453,24 @@ benchragged)  # nvc.ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes, ev
   step bench_ragged 560 $PY -m jax_nvcomm.bench ragged --out "$OUT/ragged" --reps 7
   grep -A40 "^## ragged_all_to_all" "$OUT/all.log" | grep -v "^\[" | tee -a "$OUT/summary.txt"
   ;;
+raggedbig)  # ragged_all_to_all's chunked path (any output size in the communicator's memory):
+  # the harness rebuilt from this tree, its chunked cases and error cases (child processes), the
+  # one-round graph/mixed cases beside them, memcheck on small chunked cases, then the A/B
+  # table (world 1: chunked within 10% of one round; 2 / 4 virtual ranks with a slot sweep)
+  mkdir -p build "$OUT/raggedbig"
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step raggedbig_build 120 $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu \
+    csrc/cuda/ragged.cu
+  step raggedbig_cases 120 build/ragged_h --only "chunked|W8 graph|W4 150|W2 k=70|W1 self"
+  grep -A60 "=== raggedbig_cases" "$OUT/all.log" | grep -E "PASS|FAIL|failure" \
+    > "$OUT/raggedbig/cases.txt"
+  step raggedbig_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    build/ragged_h --no-fork --only "chunked W2 k=1|k=200 0/1|chunked W4 all|chunked W2 graph|chunked, bad slice, send|chunked, recv_sizes disagree (own"
+  step raggedbig_ab 90 build/ragged_h --ab
+  grep -A30 "=== raggedbig_ab" "$OUT/all.log" | grep -vE "^===" > "$OUT/raggedbig/ab.txt"
+  grep -E "FAIL|failure" "$OUT/raggedbig/cases.txt" | tee -a "$OUT/summary.txt"
+  cat "$OUT/raggedbig/ab.txt" | tee -a "$OUT/summary.txt"
+  ;;
 stepragged)  # bench step's ep-ragged layout beside high-throughput, both presets, one process;
   # then 2 processes sharing GPU 0 (jax_nvcomm's steps only)
   step step_ragged 360 $PY -m jax_nvcomm.bench step --layouts ep-ragged high-throughput \
@@ -471,7 +494,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -91,10 +91,13 @@
 // round r waits only for consumption of round r - 2 (done), and every receive of round r only
 // for the peer's send of round r (which waits for nothing more): by induction all finish.
 // Failure in the chunked path (any: a bad slice, a size mismatch, a wait that failed): before
-// recording, the block raises the poison descriptor flag and ragged_count(s, kRaggedPoison) in
-// ragged_data and ragged_ack of every block at every peer, so no peer waits for it until its
-// deadline; a counter wait that sees ragged_count(s, kRaggedPoison) fails with kErrMismatch
-// naming that peer. A counter value of a later call (seq part > s) also satisfies a wait: a
+// recording, the block raises ragged_count(s, kRaggedPoison) in ragged_data and ragged_ack of
+// every block at every peer (a bad slice of step 1, found before any round-0 flag went out,
+// also the poison descriptor flags), so no peer waits for it until its deadline; a counter
+// wait that sees ragged_count(s, kRaggedPoison) fails with kErrMismatch naming that peer.
+// After step 1 the descriptor flags stay the real ones (every block publishes round 0 before
+// it waits for anything), so a peer still reading them names the rank whose failure started
+// the cascade, not one that followed it. A counter value of a later call (seq part > s) also satisfies a wait: a
 // peer only gets there after it finished this call's part of the pair.
 // Why the counters need no parity: a value written during call s is ragged_count(s, .), larger
 // than every value of an earlier call, and a rank writes call s + 1's values only after it has

@@ -77,12 +77,14 @@ void walk(Cursor& c, int64_t k, int64_t lo, int64_t hi, Len len, F f) {
   }
 }
 
-// Every flag and counter a peer of this call may wait for, poisoned at every peer.
-void poison_chunked(const CommView& v, uint64_t seq) {
+// The round counters a peer of this call may wait for, poisoned at every peer; with `flags`
+// (step 1 only: before any round-0 flag went out) the descriptor flags too (the kernel's
+// ragged_poison_chunked says why not after).
+void poison_chunked(const CommView& v, uint64_t seq, bool flags = false) {
   const uint64_t f = make_flag(seq, kRaggedPoisonDesc), c = ragged_count(seq, kRaggedPoison);
   for (int r = 0; r < v.world; ++r) {
     if (r == v.rank) continue;
-    store_release(&v.peer_ctrl(r)->flags[seq & 1][0][v.rank][0], f);
+    if (flags) store_release(&v.peer_ctrl(r)->flags[seq & 1][0][v.rank][0], f);
     store_release(&v.peer_ctrl(r)->ragged_data[v.rank][0], c);
     store_release(&v.peer_ctrl(r)->ragged_ack[v.rank][0], c);
   }
@@ -150,7 +152,7 @@ std::string ragged_chunked(const CommView& v, const RaggedHostArgs& a) {
   for (int64_t i = 0; i < K; ++i) {
     const int f = bad_field(a, i);
     if (f < 0) continue;
-    poison_chunked(v, seq);
+    poison_chunked(v, seq, true);
     return record_error(v, kErrRaggedSlice, desc, me, seq, ragged_slice_detail(i, uint32_t(f))) +
            slice_numbers(a, i, int(i / k));
   }

@@ -92,8 +92,9 @@
 //     within [0, M)), the block copies its piece slot -> out (ld.cg), then if the sender still
 //     needs the slot (r + 2 < rounds) __syncthreads and thread 0 acks (st.release.sys).
 //   finish_call.
-// Every failure poisons first (thread 0, ragged_poison_chunked: the descriptor flag, ragged_data
-// and ragged_ack of every block at every peer), then records, and the block returns.
+// Every failure poisons first (thread 0, ragged_poison_chunked: ragged_data and ragged_ack of
+// every block at every peer, the descriptor flags too when it is step 1's, before any round-0
+// flag went out), then records, and the block returns.
 // Register and shared-memory use: the staging arrays (RaggedSegs, 1.5 KiB), 4 x kMaxWorld
 // cursors and round counts: about 2.5 KiB of shared memory per block.
 #pragma once
@@ -360,15 +361,19 @@ __device__ __forceinline__ uint32_t poll_count(const CommView& v, const uint64_t
   }
 }
 
-// One thread: the descriptor flag and both round counters of every block < nblocks of this rank
-// at every peer, poisoned (no release: they publish no data).
-__device__ __forceinline__ void ragged_poison_chunked(const CommView& v, uint64_t s, int nblocks) {
+// One thread: both round counters of every block < nblocks of this rank at every peer
+// poisoned, with `flags` also the descriptor flags (no release: they publish no data). Only a
+// failure before round 0's sends (validation) poisons the descriptor flags: after them every
+// block has published its real round-0 flags, and overwriting them would make a peer that has
+// not read one yet name this rank instead of the rank whose failure this one follows.
+__device__ __forceinline__ void ragged_poison_chunked(const CommView& v, uint64_t s, int nblocks,
+                                                      bool flags = false) {
   const uint64_t f = make_flag(s, kRaggedPoisonDesc), c = ragged_count(s, kRaggedPoison);
   for (int r = 0; r < v.world; ++r) {
     if (r == v.rank) continue;
     Ctrl* pc = v.peer_ctrl(r);
     for (int b = 0; b < nblocks; ++b) {
-      st_relaxed_sys(&pc->flags[s & 1][0][v.rank][b], f);
+      if (flags) st_relaxed_sys(&pc->flags[s & 1][0][v.rank][b], f);
       st_relaxed_sys(&pc->ragged_data[v.rank][b], c);
       st_relaxed_sys(&pc->ragged_ack[v.rank][b], c);
     }
@@ -475,7 +480,7 @@ __global__ void __launch_bounds__(kRaggedThreads, 1)
   if (__syncthreads_or(bad || dead)) {
     bool report = false;
     if (t == 0 && !comm_failed(v)) {
-      ragged_poison_chunked(v, seq, G);
+      ragged_poison_chunked(v, seq, G, true);
       report = true;
     }
     if (__syncthreads_or(report)) {

@@ -47,6 +47,11 @@
 #                                      (outputs up to 70 x max_message_bytes, graph replays) and
 #                                      error cases, memcheck on a subset, the world-1 A/B chunked
 #                                      vs one round in $OUT/raggedbig/ab.txt (~2.5 min)
+#   bash scripts/gpu_check.sh raggedbig2 the chunked path through the package (needs the package
+#                                      build): tests/gpu/test_gpu_ragged.py's outputs of 64 x
+#                                      max_message_bytes (world 1, all GPUs), world 1's named
+#                                      error, the CUDA-graph runs of ragged_mp.py (1 process, 2
+#                                      sharing GPU 0, with its big-output section) (~2 min)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -471,6 +476,15 @@ raggedbig)  # ragged_all_to_all's chunked path (any output size in the communica
   grep -E "FAIL|failure" "$OUT/raggedbig/cases.txt" | tee -a "$OUT/summary.txt"
   cat "$OUT/raggedbig/ab.txt" | tee -a "$OUT/summary.txt"
   ;;
+raggedbig2)  # the chunked path through the package: big outputs in-process (world 1, all
+  # GPUs), world 1's bad send size named, ragged_mp.py under command buffers (its big section)
+  mkdir -p "$OUT/raggedbig2"
+  step raggedbig2_pytest 240 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider \
+    -rfEs -m gpu tests/gpu/test_gpu_ragged.py \
+    -k "outputs_many_times or world1_bad or command_buffers"
+  grep -A40 "=== raggedbig2_pytest" "$OUT/all.log" | grep -E "passed|failed|FAILED|PASS" |
+    tail -12 | tee "$OUT/raggedbig2/result.txt" | tee -a "$OUT/summary.txt"
+  ;;
 stepragged)  # bench step's ep-ragged layout beside high-throughput, both presets, one process;
   # then 2 processes sharing GPU 0 (jax_nvcomm's steps only)
   step step_ragged 360 $PY -m jax_nvcomm.bench step --layouts ep-ragged high-throughput \
@@ -494,7 +508,7 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|raggedbig2|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -65,10 +65,15 @@
 // The k slices src sends to d, concatenated in slice order, form the pair's STREAM of
 // S = row_bytes x sum_j send_sizes[d k + j] bytes; slice j is stream bytes [P_j, P_j + len_j),
 // P_j its prefix sum. The receiver computes the same S from recv_sizes once round 0's header
-// check passed. Round r (0 <= r < R = ragged_rounds(S, C), at least one round, so that the
-// header and the descriptor travel even when S = 0) carries stream bytes [r C, min(S, r C + C))
-// in slot r & 1, at slot byte (x - r C); block b of G carries ragged_cut of that range, as
-// above (the pieces tile it, each 16-byte aligned in the slot). Every (sender, receiver, block)
+// check passed. The pair runs R = ragged_rounds(S, C) rounds (at least one, so that the header
+// and the descriptor travel even when S = 0) of c = ragged_round_bytes(S, C) <= C bytes (S
+// spread evenly over the rounds, 256-byte multiples); round r carries stream bytes
+// [r c, min(S, r c + c)) in slot r & 1, at slot byte (x - r c). Block b of G owns the same
+// bytes [ragged_cut(0, c, G, b), ragged_cut(0, c, G, b + 1)) of the slot in every round (16-byte
+// aligned) and carries the stream bytes that land there: so when it reuses the slot two rounds
+// later, after ITS receiver block's acknowledgement, it overwrites only bytes that block read
+// (pieces cut from each round's own range would move between blocks in a shorter last round,
+// onto bytes another receiver block may still be reading). Every (sender, receiver, block)
 // runs its own sequence of rounds; no rank needs another pair's round count, and there is no
 // grid-wide or rank-wide agreement on the number of rounds.
 //   sender, round r, for each peer d with r < R(me -> d):
@@ -209,6 +214,13 @@ inline const char* ragged_size_problem(size_t max_message_bytes, int world, int6
 // Rounds of a pair whose stream is s bytes: at least 1.
 NVC_HD int64_t ragged_rounds(int64_t s, int64_t chunk) {
   return s <= 0 ? 1 : (s + chunk - 1) / chunk;
+}
+// Bytes per round of such a pair: s spread over its rounds, rounded up to 256 (<= chunk, as chunk
+// is a multiple of 256; (rounds - 1) x it < s, so no round is empty but for s = 0).
+NVC_HD int64_t ragged_round_bytes(int64_t s, int64_t chunk) {
+  if (s <= 0) return int64_t(kRaggedSlotAlign);
+  const int64_t r = ragged_rounds(s, chunk);
+  return int64_t(align_up(size_t((s + r - 1) / r), kRaggedSlotAlign));
 }
 // Block b's (of g) share of a slice at frame bytes [a, e) is [ragged_cut(a, e, g, b),
 // ragged_cut(a, e, g, b + 1)): the g near-equal parts of [a, e), each cut rounded down to a

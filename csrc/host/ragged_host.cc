@@ -160,6 +160,7 @@ std::string ragged_chunked(const CommView& v, const RaggedHostArgs& a) {
   // the rounds of every pair: from my send_sizes (validated) and my recv_sizes (checked
   // against the senders' header at round 0; a negative entry counts as 0 until then)
   int64_t rs_send[kMaxWorld] = {}, rs_recv[kMaxWorld] = {}, rounds = 1;
+  int64_t ss_bytes[kMaxWorld] = {}, rr_bytes[kMaxWorld] = {};
   for (int d = 0; d < W; ++d) {
     int64_t ss = 0, rr = 0;
     for (int64_t j = 0; j < k; ++j) {
@@ -167,8 +168,10 @@ std::string ragged_chunked(const CommView& v, const RaggedHostArgs& a) {
       const int64_t x = at(a.recv_sizes, w64, d * k + j);
       rr += x > 0 ? x : 0;
     }
-    rs_send[d] = ragged_rounds(ss * rb, C);
-    rs_recv[d] = ragged_rounds(rr * rb, C);
+    ss_bytes[d] = ss * rb;
+    rr_bytes[d] = rr * rb;
+    rs_send[d] = ragged_rounds(ss_bytes[d], C);
+    rs_recv[d] = ragged_rounds(rr_bytes[d], C);
     if (d != me) rounds = std::max(rounds, std::max(rs_send[d], rs_recv[d]));
   }
   Cursor sc[kMaxWorld], rc[kMaxWorld];
@@ -187,8 +190,8 @@ std::string ragged_chunked(const CommView& v, const RaggedHostArgs& a) {
       }
       char* half = v.half(d, p);
       char* slot = ragged_slot(half, W, k, C, me, int(r & 1));
-      const int64_t lo = r * C;
-      walk(sc[d], k, lo, lo + C,
+      const int64_t c = ragged_round_bytes(ss_bytes[d], C), lo = r * c;
+      walk(sc[d], k, lo, lo + c,
            [&](int64_t j) { return at(a.send_sizes, w64, d * k + j) * rb; },
            [&](int64_t j, int64_t in_slice, int64_t n, int64_t x) {
              std::memcpy(slot + (x - lo),
@@ -244,8 +247,8 @@ std::string ragged_chunked(const CommView& v, const RaggedHostArgs& a) {
           }
         }
       const char* slot = ragged_slot(mine, W, k, C, src, int(r & 1));
-      const int64_t lo = r * C;
-      walk(rc[src], k, lo, lo + C,
+      const int64_t c = ragged_round_bytes(rr_bytes[src], C), lo = r * c;
+      walk(rc[src], k, lo, lo + c,
            [&](int64_t j) { return load_relaxed(&my_hdr[src * k + j].size) * rb; },
            [&](int64_t j, int64_t in_slice, int64_t n, int64_t x) {
              std::memcpy(row(a.out, load_relaxed(&my_hdr[src * k + j].offset), rb) + in_slice,

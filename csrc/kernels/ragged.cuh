@@ -80,8 +80,9 @@
 //     (negative entries as 0: the header check catches them) into shared memory: the rounds of
 //     each pair, and the rank's number of rounds (their maximum over peers).
 //   round r: sends to me+1, me+2, ... (skipping pairs that are done): thread 0 waits for the
-//     ack of round r - 2 (r >= 2; poll_count), the block copies its ragged_cut piece of the
-//     round's stream range operand -> slot (segments staged by thread 0: ragged_stage_walk,
+//     ack of round r - 2 (r >= 2; poll_count), the block copies its piece of the round (the
+//     stream bytes that land on its own slot bytes, the same in every round: ragged_layout.h;
+//     ragged_cut of the round's own range would move in a shorter last round) operand -> slot (segments staged by thread 0: ragged_stage_walk,
 //     which walks the pair's slices with a cursor in shared memory that only moves forward, so
 //     the walk costs O(k + rounds) per pair and call), round 0 also the header entries; then
 //     __syncthreads and thread 0 publishes (round 0 the descriptor flag, else ragged_data).
@@ -345,6 +346,8 @@ struct RaggedChunkState {
   int64_t recv_j[kMaxWorld], recv_p[kMaxWorld];
 };
 
+__device__ __forceinline__ int64_t ragged_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
 // Poll (one thread) until *p >= ragged_count(seq, n): kErrNone; the peer's poison
 // (kErrMismatch), the deadline or another failure of this rank (kErrTimeout); *seen the value.
 __device__ __forceinline__ uint32_t poll_count(const CommView& v, const uint64_t* p, uint64_t seq,
@@ -517,13 +520,15 @@ __global__ void __launch_bounds__(kRaggedThreads, 1)
 
   char* mine = v.half(me, p);
   const longlong2* my_hdr = reinterpret_cast<const longlong2*>(ragged_header(mine));
+  // block b's part of a pair's round: slot bytes [cut_lo, cut_hi) of the round's c bytes
+  // (ragged_layout.h: the same slot bytes in every round)
   for (int64_t r = 0; r < rounds; ++r) {
-    const int64_t lo_r = r * C;
     // sends of round r
     for (int q = 1; q < W; ++q) {
       const int d = (me + q) % W;
       const int64_t S = cs.send_bytes[d];
       if (r >= ragged_rounds(S, C)) continue;
+      const int64_t c = ragged_round_bytes(S, C), lo_r = r * c;
       if (r >= 2) {
         uint32_t code = kErrNone;
         uint64_t seen = 0;
@@ -546,11 +551,10 @@ __global__ void __launch_bounds__(kRaggedThreads, 1)
                                   ragged_index<I>(a.send, int64_t(d) * k + j));
       }
       char* slot = ragged_slot(h, W, k, C, me, int(r & 1));
-      const int64_t e_r = S < lo_r + C ? S : lo_r + C;
       const int64_t dk = int64_t(d) * k;
+      const int64_t hi = ragged_min(S, lo_r + ragged_cut(0, c, G, b + 1));
       ragged_move_piece<false>(
-          sg, cs.send_j[d], cs.send_p[d], k, ragged_cut(lo_r, e_r, G, b),
-          ragged_cut(lo_r, e_r, G, b + 1),
+          sg, cs.send_j[d], cs.send_p[d], k, ragged_min(hi, lo_r + ragged_cut(0, c, G, b)), hi,
           [&](int64_t j) { return ragged_index<I>(a.send, dk + j) * rb; },
           [&](int64_t j, int64_t off, int64_t x, char** dst, const char** src) {
             *dst = slot + (x - lo_r);
@@ -573,6 +577,7 @@ __global__ void __launch_bounds__(kRaggedThreads, 1)
       const int64_t S = cs.recv_bytes[src];
       const int64_t R = ragged_rounds(S, C);
       if (r >= R) continue;
+      const int64_t c = ragged_round_bytes(S, C), lo_r = r * c;
       uint32_t code = kErrNone;
       uint64_t seen = 0;
       if (t == 0) {
@@ -590,11 +595,11 @@ __global__ void __launch_bounds__(kRaggedThreads, 1)
       }
       if (r == 0 && !ragged_check_header<I>(v, seq, st, a, my_hdr, src)) return;
       const char* slot = ragged_slot(mine, W, k, C, src, int(r & 1));
-      const int64_t e_r = S < lo_r + C ? S : lo_r + C;
       const longlong2* ph = my_hdr + int64_t(src) * k;
+      const int64_t hi = ragged_min(S, lo_r + ragged_cut(0, c, G, b + 1));
       ragged_move_piece<true>(
-          sg, cs.recv_j[src], cs.recv_p[src], k, ragged_cut(lo_r, e_r, G, b),
-          ragged_cut(lo_r, e_r, G, b + 1), [&](int64_t j) { return __ldcg(ph + j).y * rb; },
+          sg, cs.recv_j[src], cs.recv_p[src], k, ragged_min(hi, lo_r + ragged_cut(0, c, G, b)),
+          hi, [&](int64_t j) { return __ldcg(ph + j).y * rb; },
           [&](int64_t j, int64_t off, int64_t x, char** dst, const char** srcp) {
             *dst = a.out + __ldcg(ph + j).x * rb + off;
             *srcp = slot + (x - lo_r);

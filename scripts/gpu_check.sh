@@ -476,7 +476,7 @@ raggedbig)  # ragged_all_to_all's chunked path (any output size in the communica
   step raggedbig_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
     build/ragged_h --no-fork --only "chunked W2 k=1|k=200 0/1|chunked W4 all|chunked W2 graph|chunked, bad slice, send|chunked, recv_sizes disagree (own"
   step raggedbig_ab 90 build/ragged_h --ab
-  grep -A30 "=== raggedbig_ab" "$OUT/all.log" | grep -vE "^===" > "$OUT/raggedbig/ab.txt"
+  grep -A60 "=== raggedbig_ab" "$OUT/all.log" | grep -vE "^===" > "$OUT/raggedbig/ab.txt"
   grep -E "FAIL|failure" "$OUT/raggedbig/cases.txt" | tee -a "$OUT/summary.txt"
   cat "$OUT/raggedbig/ab.txt" | tee -a "$OUT/summary.txt"
   ;;

@@ -34,8 +34,14 @@ Transformations:
   with the roles swapped (input and output offsets exchanged among the ranks, which is one
   more call of this op moving K two-integer rows); the output's cotangent is the result's,
   zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
-  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp)
-  is not supported.
+  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp,
+  jacfwd, check_grads' "fwd") where the call is traced under it (`_with_tangents`): the op is
+  linear, its tangent is the op on the tangents, and one kernel call carries primal and
+  tangent rows. jax.jvp of a program that was traced before (jax.jvp(jax.jit(f))) meets the
+  custom_vjp in its jaxpr and is refused by JAX ("can't apply forward-mode autodiff (jvp) to
+  a custom_vjp function"): put the jvp inside the jit (jax.jit(lambda *a: jax.jvp(f, ...))).
+- axis_index_groups (lax's): one call over the communicator's axis in which the slots of
+  ranks outside the caller's group have size 0 (`expand_groups`).
 - jax.vmap (`_shard.batching` under the custom_vjp): one call for the whole batch, as lax's
   batching rule does it: the batch is folded into the slices per peer (k -> k * B, offsets
   shifted by b * N and b * M).
@@ -393,15 +399,21 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         one element.
       output: [M, ...] with operand's dtype and trailing dims: the values the result starts
         from (its buffer is reused for the result where XLA can).
-      input_offsets: [K] int32 or int64, K a multiple of world_size (k slices per peer).
-      send_sizes: [K], the same integer dtype.
-      output_offsets: [K], the same integer dtype, in the receivers' frames.
-      recv_sizes: [K], the same integer dtype.
+      input_offsets: [K] integers, K a multiple of world_size (k slices per peer; with
+        axis_index_groups a multiple of the group size, peers numbered within the group).
+      send_sizes: [K] integers.
+      output_offsets: [K] integers, in the receivers' frames.
+      recv_sizes: [K] integers. The four may have different integer dtypes, as lax takes
+        them: they are brought to int64 when one is 64-bit, else to int32 (checked in lax's
+        order and words: integer type, then rank 1 with a positive size).
       comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
         shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
       axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
         as lax takes it; the communicator is the one registered for it (the innermost
         `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
+      axis_index_groups: as lax's: None, or a partition of the axis indices 0 .. world_size - 1
+        into groups of one size; each group exchanges within itself (rank = position in its
+        group). Also under jax.vmap (lax refuses that).
       strategy: "auto" (the kernel: one round when the output fits the landing frame, the
         chunked path else), "chunked" (the kernel's chunked path at every size: benchmarks)
         or "xla" (`lax.ragged_all_to_all`; on CPU devices its emulation from dense
@@ -409,8 +421,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
-      (reverse mode, lax's transpose rule; see the module docstring), batched by jax.vmap into
-      one call; in a partially manual shard_map the dims after the rows split over the auto
+      (reverse mode, lax's transpose rule; forward mode where the call is traced under
+      jax.jvp; see the module docstring), batched by jax.vmap into one call; in a partially manual shard_map the dims after the rows split over the auto
       mesh axes where they divide.
 
     Raises:

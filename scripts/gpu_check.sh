@@ -68,6 +68,10 @@
 #                                      all-reduce kernels: the all-reduce harness rebuilt, its
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
 #                                      in the time left (no package build; ~150 s)
+#   bash scripts/gpu_check.sh opforms  the ops' new forms on the package (built if needed): axis_name=,
+#                                      tuple-axes communicator, fused [B, S, H] / odd widths /
+#                                      float32 weights (both kernels), ragged groups / int16 sizes /
+#                                      jvp; world 1, then 2 processes sharing GPU 0 (~100 s + build)
 # The 2-GPU run (2 x H200), each part under 10 minutes, in this order:
 #   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
 #                                      times), the cluster A/B
@@ -530,7 +534,16 @@ opforms1)  # the fused all-reduce kernels with a float32 weight (16-bit x) and z
   { echo "--- opforms1 (float32 weight / padded widths)"; grep -E "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log";
     [ -f "$d/quick.log" ] && { echo "--- --quick"; grep -E "FAIL|RESULT|bitwise" "$d/quick.log" | tail -8; }; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|raggedbig2|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1]..." >&2; exit 2 ;;
+opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built package: world 1
+  # (the fused ops' world-1 kernels), then 2 processes sharing GPU 0 (one-shot, two-shot and the
+  # cluster kernel, ragged over the shared GPU); logs in $OUT/opforms
+  local d="$OUT/opforms"
+  mkdir -p "$d"
+  step opf_w1 120 bash -c "$PY tests/mp/opforms_mp.py > $d/w1.log 2>&1; rc=\$?; cat $d/w1.log; exit \$rc"
+  step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
+  { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|raggedbig2|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|opforms]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

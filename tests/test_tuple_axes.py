@@ -192,3 +192,24 @@ def test_ragged_over_tuple(mesh24, rng):
     for r in range(Wd):
         for s in range(Wd):
             np.testing.assert_array_equal(got[r, s * n:(s + 1) * n], op[s, r * n:(r + 1) * n])
+
+
+def test_moe_over_tuple(rng):
+    """A MoECommunicator over ("X", "Y") of a 2 x 2 mesh: dispatch + combine equal the dense
+    float64 sum over the routed experts."""
+    mesh = make_mesh((2, 2), ("X", "Y"))
+    T, K, E, H = 4, 2, 8, 16
+    moe = nvc.register(nvc.MoECommunicator(mesh, ("X", "Y"), num_experts=E, top_k=K,
+                                           max_tokens=T, hidden=H, dtype=jnp.float32))
+    assert moe.world_size == 4 and moe.num_local_experts == 2
+    x = rng.standard_normal((4 * T, H)).astype(np.float32)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(4 * T)]).astype(np.int32)
+    w = rng.random((4 * T, K)).astype(np.float32)
+
+    def f(x, ids, w):
+        d = nvc.moe_dispatch(x, ids, axis_name=("X", "Y"))
+        return nvc.moe_combine(d.expert_x * 3.0, w, d.handle, axis_name=("X", "Y"))
+
+    y = smap(f, mesh, (P(("X", "Y")),) * 3, P(("X", "Y")))(x, ids, w)
+    want = 3.0 * (w[..., None] * x[:, None, :].astype(np.float64)).sum(1)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)

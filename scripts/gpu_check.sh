@@ -61,6 +61,11 @@
 #                                      docs/guide.md, the three small examples; the guide's
 #                                      launcher script with 2 and 4 processes sharing GPU 0 and,
 #                                      with 2+ GPUs, one process per GPU (~4 min)
+#   bash scripts/gpu_check.sh wheel    the wheel users install: scripts/build_wheel.sh here (sm_90a
+#                                      only, to fit; retagged, no network), installed into a fresh
+#                                      venv that sees this machine's jax (a .pth file),
+#                                      then from /tmp: import, CUDA_BUILT, which libcudart the
+#                                      process holds, one all_reduce on the GPUs (~2.5 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -135,7 +140,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | raggedbig | opforms1) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | raggedbig | opforms1 | wheel) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -516,6 +521,58 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
+wheel)  # build the wheel here, install it into a fresh venv, import it and run one op
+  rm -rf /tmp/nvc_dist /tmp/nvc_wheel_venv
+  step wheel_build 200 env JAX_NVCOMM_CUDA=ON JAX_NVCOMM_CUDA_ARCHS=90a AUDITWHEEL=off \
+    PYTHON="$PY" DIST=/tmp/nvc_dist bash scripts/build_wheel.sh
+  local whl t0
+  whl=$(ls /tmp/nvc_dist/jax_nvcomm-*.whl 2>/dev/null | head -1)
+  say "wheel: ${whl:-NONE} ($(grep -o 'built jax_nvcomm.* in [0-9]* s' "$OUT/all.log" | tail -1))"
+  [ -n "$whl" ] || return 0
+  t0=$SECONDS
+  # a venv without pip of its own (ensurepip may be missing) that sees $PY's packages (jax, pip)
+  # after its own, through a .pth file (--system-site-packages would show the base
+  # interpreter's, not those of a venv that $PY may be); no index (no network)
+  local vsp
+  $PY -m venv --without-pip /tmp/nvc_wheel_venv &&
+    vsp=$(/tmp/nvc_wheel_venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") &&
+    $PY -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+      >"$vsp/outer_packages.pth" &&
+    env -u PYTHONPATH /tmp/nvc_wheel_venv/bin/python -m pip install -q --no-index --no-deps \
+      "$whl" >>"$OUT/all.log" 2>&1
+  say "wheel: installed into a fresh venv in $((SECONDS - t0)) s (rc $?)"
+  cat >/tmp/nvc_wheel_check.py <<'PY'
+import time
+t = time.time()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_nvcomm as nvc
+from jax_nvcomm import _ffi
+print(f"wheel import: {time.time() - t:.1f} s; {nvc.__file__}")
+print("wheel CUDA_BUILT", nvc.CUDA_BUILT, _ffi._cuda.compiled_archs() if nvc.CUDA_BUILT
+      else _ffi.CUDA_IMPORT_ERROR)
+maps = open("/proc/self/maps").read().splitlines()
+print("wheel cudart loaded:", sorted({l.split()[-1] for l in maps if "libcudart" in l}))
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+comm = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20)
+f = jax.jit(jax.shard_map(lambda x: nvc.all_reduce(x, comm, strategy="oneshot"), mesh=mesh,
+                          in_specs=P("x"), out_specs=P()))
+W = mesh.size
+x = jax.random.normal(jax.random.key(0), (W * 8, 1024), jnp.float32)
+calls = sorted(set(__import__("re").findall(r"nvc_\w+", f.lower(x).as_text())))
+y = np.asarray(f(x))
+ref = np.asarray(x, np.float64).reshape(W, 8, 1024).sum(0)
+err = float(np.max(np.abs(y - ref)))
+comm.check()
+comm.close()
+print(f"wheel all_reduce on {W} GPU(s): custom calls {calls}; max |ours - numpy| {err:.1e}; "
+      f"{'PASS' if err < 1e-4 and calls else 'FAIL'}")
+PY
+  # from /tmp and without this script's PYTHONPATH (the checkout would shadow the install)
+  step wheel_run 120 env -u PYTHONPATH -u PYTHONSAFEPATH bash -c \
+    "cd /tmp && /tmp/nvc_wheel_venv/bin/python /tmp/nvc_wheel_check.py"
+  grep -E "^wheel |Traceback|Error" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  ;;
 opforms1)  # the fused all-reduce kernels with a float32 weight (16-bit x) and zero-padded odd
   # widths (csrc/kernels/rmsnorm.cuh, rmsnorm_regs.cuh, allreduce_oneshot_cluster.cuh): the
   # all-reduce harness rebuilt from this tree (its two translation units in parallel), --wtail
@@ -543,7 +600,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|raggedbig2|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|opforms]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|raggedbig|raggedbig2|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|opforms|wheel]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -22,9 +22,18 @@ SUBCOMMANDS = {
 }
 
 
+def _description() -> str:
+    """The package docstring for --help: without its own list of the subcommands (argparse
+    lists them once, with SUBCOMMANDS' lines) and its note for readers of the code."""
+    head, rest = _DOC.split("\n\n", 1)
+    rest = rest.split("\n\n", 1)[1]
+    rest = rest.split("\n\nThis module is not imported")[0]
+    return head.rstrip(":") + ".\n\n" + rest.rstrip() + "\n"
+
+
 def _parser():
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench", description=_DOC,
+    p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench", description=_description(),
                                 formatter_class=raw)
     sub = p.add_subparsers(dest="what", required=True, metavar="SUBCOMMAND")
     for name, (module, line) in SUBCOMMANDS.items():

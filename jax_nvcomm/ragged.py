@@ -99,12 +99,19 @@ def _row_bytes(shape, dtype) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) * jnp.dtype(dtype).itemsize
 
 
-def _too_big(comm, m_rows, row_bytes, k, batch=1):
-    """Only the slice header can outgrow the buffers (the chunked path serves any output)."""
-    batched = f" (a vmap batch of {batch} folded into one call)" if batch > 1 else ""
+def _enough_bytes(comm, k) -> int:
+    """The smallest max_message_bytes (a power of two from 4 KiB) whose flag half holds the
+    slice header of k slices per peer beside 256-byte slots (the chunked path's least)."""
     need = 4096
     while int(_ffi._host.ragged_chunk_max(need, comm.world_size, k)) < 256:
         need *= 2
+    return need
+
+
+def _too_big(comm, m_rows, row_bytes, k, batch=1):
+    """Only the slice header can outgrow the buffers (the chunked path serves any output)."""
+    batched = f" (a vmap batch of {batch} folded into one call)" if batch > 1 else ""
+    need = _enough_bytes(comm, k)
     return ValueError(
         f"jax_nvcomm: {_WHAT}: the call{batched} does not fit the communicator's buffers: "
         f"k={k} slices per peer over {comm.world_size} ranks need a slice header of "
@@ -255,10 +262,11 @@ def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
         return kernel(operand, output, io, ss, oo, rs, tok)
     if comm.backend == "host":
         raise _too_big(comm, m, row, k, batch)
-    _warn.warn_once(f"jax_nvcomm: {_WHAT}: an output of {m} rows x {row} bytes with {k} slices "
-                    f"per peer does not fit the communicator's buffers (max_message_bytes "
-                    f"{comm.max_message_bytes}, >= {_enough_bytes(comm, m, row, k)} would): "
-                    "lax.ragged_all_to_all runs instead of the kernel")
+    _warn.warn_once(f"jax_nvcomm: {_WHAT}: the slice header of {k} slices per peer over "
+                    f"{comm.world_size} ranks does not fit the communicator's buffers "
+                    f"(max_message_bytes {comm.max_message_bytes}, >= "
+                    f"{_enough_bytes(comm, k)} would): lax.ragged_all_to_all runs instead of "
+                    "the kernel")
     return _xla(operand, output, io, ss, oo, rs, comm), tok
 
 

@@ -7,6 +7,8 @@
              (loop)
   ragged     ragged_all_to_all against lax.ragged_all_to_all at MoE shapes, balanced and
              skewed routing (loop)
+  moelayer   an MoE layer's expert compute at decode shapes on one device: nvc.ragged_dot
+             against lax.ragged_dot, each row with its weight-read bound
   step       whole jitted model steps of the example model, jax_nvcomm against XLA, with the
              no-communication bound
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, moe, ragged, step, varlen
+from . import allreduce, moe, moelayer, ragged, step, varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -18,6 +18,8 @@ SUBCOMMANDS = {
                        "psum (loop benchmark)"),
     "ragged": (ragged, "ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes (loop "
                        "benchmark)"),
+    "moelayer": (moelayer, "an MoE layer's expert compute at decode shapes on one device: "
+                           "nvc.ragged_dot vs lax.ragged_dot, each with its weight-read bound"),
     "step": (step, "whole jitted steps of the example model, jax_nvcomm vs XLA's collectives"),
 }
 
@@ -47,6 +49,8 @@ def main(argv=None):
     if a.what == "step":
         return step.run_step(a)
     _setup_env()
+    if a.what == "moelayer":
+        return moelayer.run_moelayer(a)
     loop_defaults(a)
     if a.what == "allreduce":
         return allreduce.run_allreduce(a)

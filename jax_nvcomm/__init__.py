@@ -8,6 +8,7 @@ from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
+from ._jit import close_all, jit
 from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
@@ -27,5 +28,5 @@ __all__ = [
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
-    "ragged_all_to_all",
+    "ragged_all_to_all", "jit", "close_all",
 ]

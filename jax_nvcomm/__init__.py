@@ -4,11 +4,12 @@ variable-length gather / reduce-scatter and ragged all-to-all as XLA FFI custom 
 repository, docs/API.md; how to use them in model code: docs/guide.md."""
 from . import _ffi  # registers the FFI targets
 from ._dist import distributed_initialize
+from ._registry import close_all, communicators, register, unregister
 from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
-from ._jit import close_all, jit
+from ._jit import jit
 from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
@@ -28,5 +29,6 @@ __all__ = [
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
-    "ragged_all_to_all", "jit", "close_all",
+    "ragged_all_to_all", "communicators", "close_all",
+    "register", "unregister", "jit",
 ]

@@ -19,6 +19,13 @@ def source_of(eqn) -> str:
     return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
 
 
+def site_of(eqn) -> tuple[str, int] | None:
+    """(file name, line) of the user frame that made `eqn`, or None."""
+    tb = eqn.source_info.traceback
+    frame = None if tb is None else source_info_util.user_frame(tb)
+    return None if frame is None else (frame.file_name, frame.start_line)
+
+
 def like(y, aval):
     """y with the weak type of the value it replaces (loop carries and branches compare
     types exactly)."""

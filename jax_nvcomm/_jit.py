@@ -199,13 +199,3 @@ def jit(fun=None, **jax_jit_kwargs):
         return functools.partial(jit, **jax_jit_kwargs)
     return Jitted(fun, jax_jit_kwargs)
 
-
-def close_all() -> None:
-    """Close every communicator `jit` made and every one registered for the ops'
-    `axis_name=` form (collective: every process calls it). Later `jit` calls make new ones."""
-    _pool.close()
-    try:
-        from . import _registry
-    except ImportError:  # pragma: no cover - the registry not in this build
-        return
-    _registry.close_all()

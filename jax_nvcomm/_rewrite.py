@@ -22,9 +22,6 @@ rewrite itself, given the communicators).
 from __future__ import annotations
 
 import dataclasses
-import os
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +32,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from . import _norm
 from ._eqn import like as _like
-from ._eqn import source_of
+from ._eqn import site_of, source_of
 
 PSUMS = ("psum", "psum_invariant")
 COLLECTIVES = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all",
@@ -63,25 +60,23 @@ class Site:
     fused_with: str = ""    # e.g. "add (model.py:12) + rms_norm (norm.py:30)"
     reason: str = ""
     fixable: bool = False   # a reason the user can act on (warned once per call site)
+    where: tuple | None = dataclasses.field(default=None, repr=False)  # (file, line)
 
     def row(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-_warned: set = set()
+        d = dataclasses.asdict(self)
+        d.pop("where")
+        return d
 
 
 def _warn(site: Site) -> None:
     """A fallback the user could fix: one warning per call site (JAX_NVCOMM_QUIET=1: none)."""
-    if not site.fixable or os.environ.get("JAX_NVCOMM_QUIET", "0") == "1":
+    if not site.fixable:
         return
-    key = (site.source, site.op, site.reason)
-    if key in _warned:
-        return
-    _warned.add(key)
-    warnings.warn(f"jax_nvcomm.jit: {site.op} at {site.source} ({site.dtype}{list(site.shape)} "
-                  f"over {site.axes}) stays XLA's: {site.reason} (JAX_NVCOMM_QUIET=1 silences "
-                  "this)", stacklevel=2)
+    from . import _warn as warn
+    warn.warn_once(f"jax_nvcomm.jit: {site.op} at {site.source} ({site.dtype}{list(site.shape)} "
+                   f"over {site.axes}) stays XLA's: {site.reason} (JAX_NVCOMM_QUIET=1 "
+                   "silences this)", tag=f"jit:{site.op}:{site.reason}",
+                   site=site.where or ("<unknown>", 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +401,8 @@ def _record(ctx, site):
 
 def _site(eqn, aval, ctx):
     return Site(op=_LAX_NAME.get(eqn.primitive.name, eqn.primitive.name), source=source_of(eqn),
-                shape=tuple(aval.shape), dtype=str(aval.dtype), axes=_axes_of(eqn))
+                shape=tuple(aval.shape), dtype=str(aval.dtype), axes=_axes_of(eqn),
+                where=site_of(eqn))
 
 
 def _comm_for(eqn, site, ctx):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _fallback, _order, _shard
+from . import _fallback, _order, _registry, _shard
 
 
 def _gather0(x, tok, comm):
@@ -62,7 +62,7 @@ def gather_call(comm, nb=0):
     return _shard.batching(call, rule)
 
 
-def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
+def all_gather(x, comm=None, *, axis_name=None, axis: int = 0, tiled: bool = True):
     """Gather `x` from every rank of `comm`'s axis (= `lax.all_gather(x, comm.axis_name,
     axis=axis, tiled=tiled)`), through the communicator's buffers.
 
@@ -77,7 +77,11 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
 
     Args:
       x: the local shard, any dtype; rank >= 1 when tiled.
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       axis: where the ranks' pieces go, in [-x.ndim, x.ndim) (tiled) or [-x.ndim - 1, x.ndim]
         (not tiled).
       tiled: concatenate along `axis` (True) or stack on a new axis there (False).
@@ -90,6 +94,7 @@ def all_gather(x, comm, *, axis: int = 0, tiled: bool = True):
       ValueError: a scalar with tiled=True, or `axis` out of range.
     """
     what = "all_gather"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     if x.ndim == 0:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _fallback, _order, _shard
+from . import _fallback, _order, _registry, _shard
 from .reference import add_rms_norm, rms_norm_reference, xla_all_reduce_rms_norm
 from .strategy import select_strategy
 
@@ -113,7 +113,7 @@ def _as_rows(x):
     return flat.reshape(rows, cols), lambda y: y.reshape(-1)[:n].reshape(x.shape)
 
 
-def all_reduce(x, comm, *, strategy: str = "auto"):
+def all_reduce(x, comm=None, *, axis_name=None, strategy: str = "auto"):
     """Sum of `x` over the communicator's axis (= `lax.psum(x, comm.axis_name)`).
 
     Call inside `jax.shard_map` over `comm`'s mesh, one call per device on its local shard.
@@ -128,7 +128,11 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
 
     Args:
       x: the local shard, bfloat16, float16 or float32, any shape.
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       strategy: "auto" (`select_strategy`, from the static shape, dtype, world size and the
         communicator's tuning table), "oneshot", "twoshot" or "xla" (`lax.psum`). Messages
         larger than `comm.max_message_bytes` use "xla". Sizes are those of each device's call
@@ -144,6 +148,7 @@ def all_reduce(x, comm, *, strategy: str = "auto"):
       RuntimeError: the communicator was closed.
     """
     what = "all_reduce"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     _check_dtype(x, "x", what)
@@ -198,7 +203,7 @@ def check_fused_args(x, residual, weight, eps, what):
     return x, residual, weight, eps
 
 
-def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
+def all_reduce_rms_norm(x, residual, weight, comm=None, *, axis_name=None, eps: float = 1e-6,
                         strategy: str = "auto"):
     """All-reduce fused with the residual add and RMSNorm that follow it, in one device pass.
 
@@ -218,7 +223,11 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
       residual: [tokens, hidden], same float types.
       weight: [hidden] RMSNorm weight, same float types. Mixed dtypes are not fused: they run
         `lax.psum` + XLA's add + RMSNorm.
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       eps: >= 0, added to the mean square.
       strategy: as in `all_reduce`.
 
@@ -231,6 +240,7 @@ def all_reduce_rms_norm(x, residual, weight, comm, *, eps: float = 1e-6,
         (the message names the argument, the expected and the actual value).
     """
     what = "all_reduce_rms_norm"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
     strat = _resolve(comm, strategy, local_rows(comm, x), x.dtype, what)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _order, _shard
+from . import _order, _registry, _shard
 from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_call,
                         fused_result_vmas, local_rows)
 from .reference import rms_norm_reference
@@ -63,7 +63,8 @@ def _no_grad(fn):
     return f
 
 
-def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
+def all_reduce_rms_norm_quant(x, residual, weight, comm=None, *, axis_name=None,
+                              eps: float = 1e-6,
                               out_dtype=jnp.float8_e4m3fn, strategy: str = "auto"):
     """All-reduce + residual add + RMSNorm + per-token FP8 quantisation, in one device pass.
 
@@ -91,7 +92,11 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
       residual: [tokens, hidden], same float types.
       weight: [hidden] RMSNorm weight, same float types. Mixed dtypes run `lax.psum` + XLA's
         add + RMSNorm + quantisation (the "xla" strategy).
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       eps: >= 0, added to the mean square.
       out_dtype: jnp.float8_e4m3fn (the only one supported).
       strategy: as in `all_reduce`; "xla" computes the same definition with `lax.psum` and
@@ -107,6 +112,7 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm, *, eps: float = 1e-6,
       TypeError: when differentiated (jax.grad, jax.jvp): it has no gradient.
     """
     what = "all_reduce_rms_norm_quant"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     try:
         od = jnp.dtype(out_dtype)

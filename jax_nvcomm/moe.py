@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _fallback, _ffi, _inflight, _order, _shard
+from . import _fallback, _ffi, _inflight, _order, _registry, _shard
 from .communicator import _Base
 from .moe_types import Dispatched, MoEHandle
 
@@ -139,6 +139,34 @@ class MoECommunicator(_Base):
 
 # ---------------------------------------------------------------------------------------------
 # validation
+
+def resolve_moe(moe, axis_name, what, *, max_tokens=None, hidden=None, top_k=None, dtype=None,
+                num_local_experts=None):
+    """The MoECommunicator of a call: `moe`, or the registered one for `axis_name`
+    (`_registry.find`, kind "moe") whose sizes fit the call's arrays (the facts given here;
+    None: not checked). Then checks that it is a MoECommunicator."""
+    def fits(c):
+        return ((max_tokens is None or c.max_tokens == max_tokens)
+                and (hidden is None or c.hidden == hidden)
+                and (top_k is None or c.top_k == top_k)
+                and (dtype is None or c.dtype == jnp.dtype(dtype))
+                and (num_local_experts is None or c.num_local_experts == num_local_experts))
+
+    moe = _registry.resolve(moe, axis_name, kind="moe", what=what, accept=fits,
+                            comm_name="moe")
+    if not isinstance(moe, MoECommunicator):
+        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
+                        f"{type(moe).__name__}")
+    return moe
+
+
+def _shape(a, i):
+    """Dim i of a's shape, None when a has no such dim (the argument checks name it later)."""
+    try:
+        return np.shape(a)[i]
+    except (IndexError, TypeError, ValueError):
+        return None
+
 
 def _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what="moe_dispatch"):
     T, H, K = moe.max_tokens, moe.hidden, moe.top_k
@@ -322,7 +350,8 @@ def _check_combine_args(expert_y, topk_weights, moe, what):
 # ---------------------------------------------------------------------------------------------
 # public functions
 
-def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatched:
+def moe_dispatch(x, topk_ids, moe=None, *, axis_name=None, num_tokens=None,
+                 x_scale=None) -> Dispatched:
     """Send each token once to every rank that owns one of its top_k experts.
 
     Rank r owns experts [r * L, (r + 1) * L), L = moe.num_local_experts. A token goes once to
@@ -338,6 +367,9 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
       topk_ids: int32 [max_tokens, top_k]: expert ids in [0, num_experts), distinct in a row;
         -1 marks an unused slot (sent nowhere).
       moe: a `MoECommunicator` over one axis of the surrounding shard_map's mesh.
+      axis_name: in place of moe (exactly one of the two): the axis of a registered
+        MoECommunicator (`jax_nvcomm.register`) whose max_tokens,
+        hidden, top_k and dtype fit x and topk_ids.
       num_tokens: optional int32 scalar (may be traced) in [0, max_tokens]: only rows
         < num_tokens are sent. Default: all.
       x_scale: float32 [max_tokens, scale_cols], required when moe.scale_cols > 0 (e.g. FP8
@@ -360,9 +392,8 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
         the tokens, or call once per micro-batch. The same for moe_combine and the split halves.
     """
     what = "moe_dispatch"
-    if not isinstance(moe, MoECommunicator):
-        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
-                        f"{type(moe).__name__}")
+    moe = resolve_moe(moe, axis_name, what, max_tokens=_shape(x, 0), hidden=_shape(x, -1),
+                      top_k=_shape(topk_ids, -1), dtype=getattr(x, "dtype", None))
     _shard.check_context(moe, what)
     x, topk_ids = jnp.asarray(x), jnp.asarray(topk_ids)
     x_scale = None if x_scale is None else jnp.asarray(x_scale)
@@ -393,7 +424,7 @@ def moe_dispatch(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dispatch
     return Dispatched(ex, cnt, exs if moe.scale_cols > 0 else None, MoEHandle(td, es, cnt))
 
 
-def moe_combine(expert_y, topk_weights, handle, moe):
+def moe_combine(expert_y, topk_weights, handle, moe=None, *, axis_name=None):
     """Send the expert outputs back to their tokens and sum them with the router weights.
 
     y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)], accumulated in float32 in k
@@ -407,6 +438,8 @@ def moe_combine(expert_y, topk_weights, handle, moe):
       topk_weights: float32 [max_tokens, top_k].
       handle: `d.handle` of the `moe_dispatch` whose rows expert_y holds.
       moe: the `MoECommunicator` of that dispatch.
+      axis_name: in place of moe: its axis (the registered MoECommunicator that fits the
+        arrays' sizes, as for `moe_dispatch`).
 
     Returns:
       y: [max_tokens, hidden] in expert_y.dtype, varying across the axis.
@@ -417,9 +450,9 @@ def moe_combine(expert_y, topk_weights, handle, moe):
       NotImplementedError: under jax.vmap (as moe_dispatch).
     """
     what = "moe_combine"
-    if not isinstance(moe, MoECommunicator):
-        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
-                        f"{type(moe).__name__}")
+    moe = resolve_moe(moe, axis_name, what, max_tokens=_shape(topk_weights, 0),
+                      top_k=_shape(topk_weights, -1), hidden=_shape(expert_y, -1),
+                      num_local_experts=_shape(expert_y, 0))
     if not isinstance(handle, MoEHandle):
         raise TypeError(f"jax_nvcomm: {what}: handle must be the MoEHandle of a moe_dispatch "
                         f"(d.handle), got {type(handle).__name__}")

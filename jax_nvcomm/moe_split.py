@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _fallback, _inflight, _order, _shard
-from .moe import (Dispatched, MoECommunicator, MoEHandle, _check_combine_args,
-                  _check_dispatch_args, _combine_grads, _dispatch_cotangents, moe_call,
-                  scales_in, scales_of)
+from .moe import (Dispatched, MoEHandle, _check_combine_args, _check_dispatch_args,
+                  _combine_grads, _dispatch_cotangents, _shape, moe_call, resolve_moe, scales_in,
+                  scales_of)
 
 
 @jax.tree_util.register_dataclass
@@ -70,11 +70,12 @@ class _FallbackSent:
     kind: str = dataclasses.field(metadata=dict(static=True))
 
 
-def _check_moe(moe, what):
-    if not isinstance(moe, MoECommunicator):
-        raise TypeError(f"jax_nvcomm: {what}: moe must be a MoECommunicator, got "
-                        f"{type(moe).__name__}")
+def _check_moe(moe, axis_name, what, **sizes):
+    """The call's MoECommunicator (`resolve_moe`: `moe` or the one registered for axis_name
+    that fits `sizes`), checked for the context."""
+    moe = resolve_moe(moe, axis_name, what, **sizes)
     _shard.check_context(moe, what)
+    return moe
 
 
 def _after(tree, after):
@@ -106,7 +107,8 @@ def overlap(sent, *xs):
 # ---------------------------------------------------------------------------------------------
 # dispatch
 
-def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> DispatchSent:
+def moe_dispatch_send(x, topk_ids, moe=None, *, axis_name=None, num_tokens=None,
+                      x_scale=None) -> DispatchSent:
     """Send half of `moe_dispatch`: starts moving this rank's tokens and returns at once.
 
     Args: as `moe_dispatch`. Returns a `DispatchSent` (arrays) for `moe_dispatch_recv`, which
@@ -118,7 +120,8 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
         fails, naming the count).
     """
     what = "moe_dispatch_send"
-    _check_moe(moe, what)
+    moe = _check_moe(moe, axis_name, what, max_tokens=_shape(x, 0), hidden=_shape(x, -1),
+                     top_k=_shape(topk_ids, -1), dtype=getattr(x, "dtype", None))
     x, topk_ids = jnp.asarray(x), jnp.asarray(topk_ids)
     x_scale = None if x_scale is None else jnp.asarray(x_scale)
     _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what)
@@ -158,12 +161,14 @@ def moe_dispatch_send(x, topk_ids, moe, *, num_tokens=None, x_scale=None) -> Dis
     return DispatchSent(seq, td, x, x_scale)
 
 
-def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
+def moe_dispatch_recv(sent, moe=None, *, axis_name=None, after=None) -> Dispatched:
     """Receive half of `moe_dispatch`: waits for the peers' tokens of the send `sent`.
 
     Args:
       sent: what `moe_dispatch_send` returned (the oldest outstanding send of `moe`).
       moe: the `MoECommunicator` of that send.
+      axis_name: in place of moe: its axis (the registered MoECommunicator that fits the
+        arrays' sizes, as for `moe_dispatch`).
       after: optional pytree of arrays the receive is scheduled after (work to overlap).
 
     Returns:
@@ -174,7 +179,9 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
         repeated, where the trace shows it (on the device: the call fails).
     """
     what = "moe_dispatch_recv"
-    _check_moe(moe, what)
+    sx = sent.args[0] if isinstance(sent, _FallbackSent) else getattr(sent, "x", None)
+    moe = _check_moe(moe, axis_name, what, max_tokens=_shape(sx, 0), hidden=_shape(sx, -1),
+                     dtype=getattr(sx, "dtype", None))
     if isinstance(sent, _FallbackSent) and sent.kind == "dispatch":
         x, ids, nt, xs = sent.args
         return _fallback.moe_dispatch(_after(x, after), ids, moe, nt, xs)
@@ -219,13 +226,15 @@ def moe_dispatch_recv(sent, moe, *, after=None) -> Dispatched:
 # ---------------------------------------------------------------------------------------------
 # combine
 
-def moe_combine_send(expert_y, handle, moe) -> CombineSent:
+def moe_combine_send(expert_y, handle, moe=None, *, axis_name=None) -> CombineSent:
     """Send half of `moe_combine`: starts moving the expert outputs back to their tokens.
 
     Args:
       expert_y: as `moe_combine`.
       handle: `d.handle` of the dispatch whose rows expert_y holds.
       moe: the `MoECommunicator` of that dispatch.
+      axis_name: in place of moe: its axis (the registered MoECommunicator that fits the
+        arrays' sizes, as for `moe_dispatch`).
 
     Returns a `CombineSent` (arrays) for `moe_combine_recv`, which returns the y of
     `moe_combine` (bitwise).
@@ -235,7 +244,9 @@ def moe_combine_send(expert_y, handle, moe) -> CombineSent:
         in this trace.
     """
     what = "moe_combine_send"
-    _check_moe(moe, what)
+    td = getattr(handle, "token_dest", None)
+    moe = _check_moe(moe, axis_name, what, max_tokens=_shape(td, 0), top_k=_shape(td, -1),
+                     hidden=_shape(expert_y, -1), num_local_experts=_shape(expert_y, 0))
     if not isinstance(handle, MoEHandle):
         raise TypeError(f"jax_nvcomm: {what}: handle must be the MoEHandle of a moe_dispatch "
                         f"(d.handle), got {type(handle).__name__}")
@@ -271,13 +282,15 @@ def moe_combine_send(expert_y, handle, moe) -> CombineSent:
     return CombineSent(seq, expert_y, handle)
 
 
-def moe_combine_recv(csent, topk_weights, moe, *, after=None):
+def moe_combine_recv(csent, topk_weights, moe=None, *, axis_name=None, after=None):
     """Receive half of `moe_combine`: waits for the rows of the send `csent` and sums them.
 
     Args:
       csent: what `moe_combine_send` returned (the oldest outstanding send of `moe`).
       topk_weights: float32 [max_tokens, top_k].
       moe: the `MoECommunicator` of that send.
+      axis_name: in place of moe: its axis (the registered MoECommunicator that fits the
+        arrays' sizes, as for `moe_dispatch`).
       after: optional pytree of arrays the receive is scheduled after (work to overlap).
 
     Returns:
@@ -287,7 +300,10 @@ def moe_combine_recv(csent, topk_weights, moe, *, after=None):
       TypeError / ValueError: as `moe_combine`; a receive out of send order or repeated.
     """
     what = "moe_combine_recv"
-    _check_moe(moe, what)
+    ey = csent.args[0] if isinstance(csent, _FallbackSent) else getattr(csent, "expert_y", None)
+    moe = _check_moe(moe, axis_name, what, max_tokens=_shape(topk_weights, 0),
+                     top_k=_shape(topk_weights, -1), hidden=_shape(ey, -1),
+                     num_local_experts=_shape(ey, 0))
     topk_weights = jnp.asarray(topk_weights)
     _check_combine_args(None, topk_weights, moe, what)
     if isinstance(csent, _FallbackSent) and csent.kind == "combine":

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _ffi, _order, _shard, reference
+from . import _ffi, _order, _registry, _shard, reference
 from .communicator import Communicator
 
 _STRATEGIES = ("auto", "xla")
@@ -260,7 +260,7 @@ def _with_gradient(comm, kernel, n_rows):
 # public function
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      comm, *, strategy: str = "auto"):
+                      comm=None, *, axis_name=None, strategy: str = "auto"):
     """`lax.ragged_all_to_all` over `comm`'s axis, on the communicator's buffers.
 
     Call inside `jax.shard_map` over `comm`'s mesh (a Communicator over one axis of a larger
@@ -283,7 +283,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       send_sizes: [K], the same integer dtype.
       output_offsets: [K], the same integer dtype, in the receivers' frames.
       recv_sizes: [K], the same integer dtype.
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       strategy: "auto" (the kernel when the call fits the buffers) or "xla"
         (`lax.ragged_all_to_all`; on CPU devices its emulation from dense collectives).
 
@@ -304,6 +308,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         ranks disagreeing on the sizes (naming the receiver, the sender, the slice and both
         counts); a peer that never arrives fails after the communicator's timeout_s, naming it.
     """
+    comm = _registry.resolve(comm, axis_name, what=_WHAT)
     if strategy not in _STRATEGIES:
         raise ValueError(f"jax_nvcomm: {_WHAT}: strategy must be one of {_STRATEGIES}, got "
                          f"{strategy!r}")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _order, _shard
+from . import _order, _registry, _shard
 
 _RS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEADER = 256  # kVarlenHeaderBytes (csrc/common/varlen_layout.h)
@@ -240,7 +240,7 @@ def _my_rows(ct, offsets, nr, axis):
 # ---------------------------------------------------------------------------------------------
 # public functions
 
-def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
+def all_gather_v(x, num_rows, comm=None, *, axis_name=None, zero_tail: bool = True):
     """Gather the first `num_rows` rows of every rank, concatenated in rank order.
 
     Call inside `jax.shard_map` over `comm`'s mesh. Each rank moves only its own rows (no
@@ -255,7 +255,11 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
       num_rows: int32 scalar (may be traced), 0 <= num_rows <= max_rows: how many leading rows
         of x to send. A traced value out of range fails the call on the device with a named
         error (kernel path) or is clipped (XLA path).
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
       zero_tail: zero the rows of gathered from total on (default). False leaves them
         unspecified (API.md) and saves a local memset of (world * max_rows - total) rows, which
         dominates a decode step gathered into a prefill-sized buffer; only safe when nothing
@@ -279,6 +283,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
       NotImplementedError: jax.vmap with a batched num_rows.
     """
     what = "all_gather_v"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     x = jnp.asarray(x)
     if x.ndim < 1:
@@ -324,7 +329,7 @@ def all_gather_v(x, num_rows, comm, *, zero_tail: bool = True):
     return g, off, tot
 
 
-def reduce_scatter_v(y, offsets, comm):
+def reduce_scatter_v(y, offsets, comm=None, *, axis_name=None):
     """Sum the ranks' partial results of every rank's rows and give each rank its own rows.
 
     The transpose of `all_gather_v`: y holds partial results in the gathered layout (rank r's
@@ -339,7 +344,11 @@ def reduce_scatter_v(y, offsets, comm):
       y: [world_size * max_rows, ...], bfloat16, float16 or float32.
       offsets: int32 [world_size + 1] as returned by `all_gather_v` (the same on every rank;
         ranks passing different offsets fail with a named error on the kernel path).
-      comm: a `Communicator` over one axis of the surrounding shard_map's mesh.
+      comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
+        shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
+      axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
+        as lax takes it; the communicator is the one registered for it (the innermost
+        `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
 
     Partially manual shard_map and jax.vmap as `all_gather_v` (batched offsets:
     NotImplementedError).
@@ -354,6 +363,7 @@ def reduce_scatter_v(y, offsets, comm):
       NotImplementedError: jax.vmap with batched offsets.
     """
     what = "reduce_scatter_v"
+    comm = _registry.resolve(comm, axis_name, what=what)
     _shard.check_context(comm, what)
     y, offsets = jnp.asarray(y), jnp.asarray(offsets)
     axis, W = comm.axis_name, comm.world_size

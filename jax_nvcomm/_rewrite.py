@@ -22,6 +22,8 @@ rewrite itself, given the communicators).
 from __future__ import annotations
 
 import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,15 +70,29 @@ class Site:
         return d
 
 
+_warned: set = set()
+
+
 def _warn(site: Site) -> None:
-    """A fallback the user could fix: one warning per call site (JAX_NVCOMM_QUIET=1: none)."""
-    if not site.fixable:
-        return
+    """A fallback the user could fix: one warning per call site (JAX_NVCOMM_QUIET=1: none),
+    issued at the collective's own source line."""
     from . import _warn as warn
-    warn.warn_once(f"jax_nvcomm.jit: {site.op} at {site.source} ({site.dtype}{list(site.shape)} "
-                   f"over {site.axes}) stays XLA's: {site.reason} (JAX_NVCOMM_QUIET=1 "
-                   "silences this)", tag=f"jit:{site.op}:{site.reason}",
-                   site=site.where or ("<unknown>", 0))
+    if not site.fixable or warn.quiet():
+        return
+    file, line = site.where or ("<unknown>", 0)
+    key = (file, line, site.op, site.reason)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn_explicit(
+        f"jax_nvcomm.jit: {site.op} at {site.source} ({site.dtype}{list(site.shape)} over "
+        f"{site.axes}) stays XLA's: {site.reason} (JAX_NVCOMM_QUIET=1 silences this)",
+        warn.XlaPathWarning, file, line)
+
+
+def reset_warnings() -> None:
+    """Forget which call sites warned (tests)."""
+    _warned.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +247,7 @@ class Ctx:
 
 
 def _bind(eqn, invals, params=None):
-    params = eqn.params if params is None else params
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
           eqn.ctx.manager):
@@ -366,6 +382,14 @@ def evaluate(jaxpr, consts, args, ctx):
                     continue
             note = fused.note if fused is not None else ""
             outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note)
+        elif name in SERVED:  # no shard_map around it in this program: called inside one
+            site = _site(eqn, eqn.invars[0].aval, ctx)
+            site.reason = ("nvc.jit was applied inside a shard_map body, where its program has "
+                           "no shard_map to rewrite: apply nvc.jit to the function that calls "
+                           "shard_map")
+            site.fixable = True
+            _record(ctx, site)
+            outs = _bind(eqn, [read(v) for v in eqn.invars])
         elif name == "shard_map" and has_collectives(eqn.params["jaxpr"]):
             outs = _shard_map(eqn, [read(v) for v in eqn.invars], ctx)
         elif name in _CALLS and ctx.mesh is not None and \

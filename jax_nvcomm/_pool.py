@@ -5,8 +5,10 @@ when a message does not fit, closed by `close_all()` or at exit.
 Made collectively: every process runs the same program, so every process asks for the same
 communicators in the same order (the program order of their first collective, `_rewrite.needs`)
 and makes them together. Sizes: `max_message_bytes` is the largest message of the program
-rounded up to a power of two (at least 64 KiB), capped by JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES
-(default 256 MiB): larger messages stay XLA's, and `explain` says so.
+rounded up to a power of two (at least 64 KiB, and enough for the one-shot slot to hold the
+largest all-reduce as a default Communicator's would: `_size`), capped by
+JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES (default 256 MiB): larger messages stay XLA's, and `explain`
+says so.
 """
 from __future__ import annotations
 
@@ -37,9 +39,22 @@ def cap_bytes() -> int:
     return int(os.environ.get("JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES", str(256 << 20)))
 
 
-def _size(nbytes: int) -> int:
+_SLOT_CAP = 1 << 20  # the one-shot (Lamport) slot of a default-sized Communicator
+
+
+def _size(need) -> int:
+    """max_message_bytes for a need: a power of two holding its largest message, and large
+    enough that the one-shot slot (about a sixth of it) holds its largest all-reduce up to
+    the slot a default Communicator has, so nvc.jit picks the strategies hand-written code on
+    a default Communicator gets; capped by cap_bytes()."""
+    from . import _ffi
+    world = 1
+    for a in need.axes:
+        world *= int(need.mesh.shape[a])
+    slot_want = min(need.allreduce_bytes, _SLOT_CAP)
     size = _MIN_BYTES
-    while size < nbytes:
+    while size < need.nbytes or \
+            int(_ffi._host.layout(size, max(world, 1))["lamport_slot"]) < slot_want:
         size *= 2
     return min(size, max(cap_bytes(), 4096))
 
@@ -98,7 +113,7 @@ def ensure(needs) -> None:
         for need in needs:
             key = (need.mesh, need.axes)
             comm = _comms.get(key)
-            want = _size(need.nbytes)
+            want = _size(need)
             if _usable(comm) and comm.max_message_bytes >= want:
                 continue
             if key in _refused and not _usable(comm):
@@ -140,7 +155,7 @@ def ready(needs) -> bool:
         for need in needs:
             key = (need.mesh, need.axes)
             comm = _comms.get(key)
-            if _usable(comm) and comm.max_message_bytes >= _size(need.nbytes):
+            if _usable(comm) and comm.max_message_bytes >= _size(need):
                 continue
             if key in _refused and not _usable(comm):
                 continue

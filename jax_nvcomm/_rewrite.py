@@ -167,6 +167,8 @@ class Need:
     axes: tuple             # mesh axes, size-1 axes left out
     nbytes: int             # the largest message bytes per rank
     order: int              # program order of its first collective
+    allreduce_bytes: int = 0  # the largest all-reduce message (the one-shot slot should hold
+                              # it, as it would on a default-sized Communicator)
 
 
 def _message_bytes(eqn, mesh, axes) -> int:
@@ -217,10 +219,11 @@ def needs(jaxpr) -> list[Need]:
                 if nb <= 0:
                     continue
                 key = (mesh, axes)
-                if key in found:
-                    found[key].nbytes = max(found[key].nbytes, nb)
-                else:
-                    found[key] = Need(mesh, axes, nb, counter[0])
+                if key not in found:
+                    found[key] = Need(mesh, axes, 0, counter[0])
+                found[key].nbytes = max(found[key].nbytes, nb)
+                if name in PSUMS:
+                    found[key].allreduce_bytes = max(found[key].allreduce_bytes, nb)
                 continue
             for _, _, sub in sub_jaxprs(eqn.params):
                 if has_collectives(sub):

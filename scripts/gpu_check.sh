@@ -54,6 +54,10 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
+#   bash scripts/gpu_check.sh jit      nvc.jit on unchanged model code (tests/tp_decoder.py, the MoE
+#                                      layer on lax's collectives): world 1 (vs jax.jit, hand calls,
+#                                      dense), then 2 processes sharing GPU 0; our calls in the
+#                                      program, loop time nvc.jit vs hand-written (~2 min + build)
 # The 2-GPU run (2 x H200), each part under 10 minutes, in this order:
 #   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
 #                                      times), the cluster A/B
@@ -471,7 +475,14 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.py): world 1, then
+  # 2 processes sharing GPU 0 (our kernels only: NCCL refuses shared GPUs, so no jax.jit row)
+  step jit_w1 150 $PY tests/mp/jit_check.py
+  step jit_sh2 150 $L -n 2 --share-gpu --timeout 145 tests/mp/jit_check.py
+  grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)" "$OUT/all.log" | tail -30 | \
+    tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

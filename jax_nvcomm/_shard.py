@@ -14,17 +14,28 @@ import numpy as np
 from jax import lax
 
 
+def axes(axis_name) -> frozenset:
+    """The mesh axes of a communicator's axis_name (one axis or a tuple of them), as a set."""
+    return frozenset((axis_name,) if isinstance(axis_name, str) else axis_name)
+
+
+def axis_tuple(axis_name) -> tuple:
+    """axis_name as a tuple of axes, in its order."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
 def check_context(comm, what: str) -> None:
-    """Raise unless we are inside shard_map over the communicator's mesh axis."""
+    """Raise unless we are inside shard_map over the communicator's mesh axis (every axis of
+    its tuple of axes)."""
     comm.check_usable(what)
     am = jax.sharding.get_abstract_mesh()
-    axis = comm.axis_name
-    if am is None or am.empty or axis not in am.axis_names:
-        raise ValueError(f"jax_nvcomm: {what} must be called inside jax.shard_map over a mesh "
-                         f"with axis {axis!r}")
-    if axis not in am.manual_axes:
-        raise ValueError(f"jax_nvcomm: {what}: axis {axis!r} is not manual here; call it inside "
-                         f"shard_map over {axis!r}")
+    for axis in axis_tuple(comm.axis_name):
+        if am is None or am.empty or axis not in am.axis_names:
+            raise ValueError(f"jax_nvcomm: {what} must be called inside jax.shard_map over a "
+                             f"mesh with axis {axis!r}")
+        if axis not in am.manual_axes:
+            raise ValueError(f"jax_nvcomm: {what}: axis {axis!r} is not manual here; call it "
+                             f"inside shard_map over {axis!r}")
     want = dict(comm.mesh.shape)
     have = dict(am.shape)
     if want != have:
@@ -33,11 +44,14 @@ def check_context(comm, what: str) -> None:
 
 
 def host_slot(comm):
-    """int32 scalar: group * world + rank of this device (host backend registry slot)."""
+    """int32 scalar: group * world + rank of this device (host backend registry slot): the
+    group over the other mesh axes in mesh order, the rank over the communicator's axes as
+    lax linearises them (_symmetric.groups_of)."""
     mesh = comm.mesh
+    mine = axes(comm.axis_name)
     g = jnp.int32(0)
     for name in mesh.axis_names:
-        if name == comm.axis_name:
+        if name in mine:
             continue
         g = g * jnp.int32(mesh.shape[name]) + lax.axis_index(name).astype(jnp.int32)
     r = lax.axis_index(comm.axis_name).astype(jnp.int32)
@@ -54,11 +68,14 @@ def vma_of(x) -> frozenset:
 
 
 def varying(x, axis):
-    """x, marked varying over `axis` when check_vma tracks it (no-op otherwise)."""
-    if axis in vma_of(x):
+    """x, marked varying over `axis` (one axis or a tuple of them) when check_vma tracks it
+    (no-op otherwise)."""
+    have = vma_of(x)
+    missing = tuple(a for a in axis_tuple(axis) if a not in have)
+    if not missing:
         return x
     try:
-        return lax.pcast(x, axis, to="varying")
+        return lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
     except (ValueError, TypeError, NameError):
         return x
 
@@ -274,7 +291,8 @@ def per_device(comm, fn, args, tok, in_dims, out_dims):
         return fn(*args) if tok is None else fn(*args, tok)
     whole = jax.sharding.PartitionSpec()
     toks = () if tok is None else (tok,)
-    tracked = comm.axis_name in vma_of(varying(args[0], comm.axis_name) if tok is None else tok)
+    tracked = axes(comm.axis_name) <= vma_of(varying(args[0], comm.axis_name) if tok is None
+                                            else tok)
     if in_dims is None:  # every argument and result whole
         in_dims, out_specs = ((),) * len(args), whole
     lead = next((i for i, d in enumerate(in_dims) if d), None)

@@ -2,8 +2,9 @@
 peer of the group, allocated once and held until close().
 
 Groups: the mesh's devices with `axis_name` moved last and the other axes flattened in mesh
-order: row g is group g, column r is rank r. The traced program computes the same (g, r) from
-`lax.axis_index`, so a host-backend handler finds its context by slot = g * world + r; a CUDA
+order: row g is group g, column r is rank r. A tuple of axes is moved last in the tuple's
+order, so r is the linearised index over them as `lax.axis_index(tuple)` gives it (the first
+axis major). The traced program computes the same (g, r) from `lax.axis_index`, so a host-backend handler finds its context by slot = g * world + r; a CUDA
 handler finds it by device ordinal.
 
 Transports: CUDA devices of this process: the pointer itself (+ peer access between devices);
@@ -32,10 +33,13 @@ from . import _exchange, _ffi
 
 
 def groups_of(mesh, axis_name) -> np.ndarray:
-    """[num_groups, world] array of devices."""
-    axis = mesh.axis_names.index(axis_name)
-    devs = np.moveaxis(np.asarray(mesh.devices), axis, -1)
-    return devs.reshape(-1, devs.shape[-1])
+    """[num_groups, world] array of devices; axis_name: one mesh axis or a tuple of them."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    idx = [mesh.axis_names.index(a) for a in axes]
+    others = [i for i in range(len(mesh.axis_names)) if i not in idx]
+    devs = np.transpose(np.asarray(mesh.devices), others + idx)
+    world = int(np.prod([mesh.devices.shape[i] for i in idx], dtype=np.int64))
+    return devs.reshape(-1, world)
 
 
 class SymmetricBuffers:

@@ -64,8 +64,9 @@ def warn_once(message: str, *, tag: str | None = None, category=XlaPathWarning,
         if key in _seen:
             return False
         _seen.add(key)
-    warnings.warn_explicit(message, category, filename, lineno, module=None,
-                           registry=None)
+    # a fresh registry: the deduplication is ours (Python's own per-module registry would
+    # also hide the warning from pytest.warns / catch_warnings after its first showing)
+    warnings.warn_explicit(message, category, filename, lineno, registry={})
     return True
 
 

@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _fallback, _order, _registry, _shard
+from . import _fallback, _order, _registry, _shard, _warn
 from .reference import add_rms_norm, rms_norm_reference, xla_all_reduce_rms_norm
 from .strategy import select_strategy
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _STRATEGY_CODE = {"oneshot": 0, "twoshot": 1}
+MAX_FUSED_HIDDEN = 32768  # csrc/cuda/allreduce.h max_fused_hidden (after padding, below)
 
 
 def _check_dtype(x, name, what):
@@ -38,10 +39,15 @@ def _resolve(comm, strategy, shape, dtype, what):
         raise ValueError(f"jax_nvcomm: {what}: strategy must be 'auto', 'oneshot', 'twoshot' or "
                          f"'xla', got {strategy!r}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+    if strategy != "xla" and nbytes > comm.max_message_bytes:
+        # API.md: messages larger than max_message_bytes use "xla"; the caller can fix that
+        _warn.warn_once(f"jax_nvcomm: {what}: a message of {nbytes} bytes per device exceeds the "
+                        f"communicator's max_message_bytes {comm.max_message_bytes}: XLA's "
+                        "collective runs instead of the kernel (a Communicator with "
+                        f"max_message_bytes >= {nbytes} serves it)")
+        return "xla"
     if strategy == "auto":
         return select_strategy(comm, shape, dtype, op=what)
-    if strategy != "xla" and nbytes > comm.max_message_bytes:
-        return "xla"  # API.md: messages larger than max_message_bytes use "xla"
     if strategy == "oneshot" and nbytes > comm.lamport_slot_bytes:
         raise ValueError(f"jax_nvcomm: {what}: strategy='oneshot' takes messages up to "
                          f"{comm.lamport_slot_bytes} bytes on this communicator, got {nbytes}")
@@ -93,7 +99,7 @@ def _kernel_all_reduce(x2, tok, comm, strategy):
     (the sum, invariant over the axis; the call's order token)."""
     axis = comm.axis_name
     x2 = _shard.varying(x2, axis)
-    vma = _shard.vma_of(x2) - {axis}
+    vma = _shard.vma_of(x2) - _shard.axes(axis)
     rt = _shard.result_type(x2, x2.shape, x2.dtype, vma)
     return _shard.ffi_call(comm, "all_reduce", rt, x2, order=tok,
                            cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
@@ -180,27 +186,64 @@ def all_reduce(x, comm=None, *, axis_name=None, strategy: str = "auto"):
 
 def check_fused_args(x, residual, weight, eps, what):
     """The argument checks of the fused ops; returns (x, residual, weight) as arrays and eps as
-    a float, or raises naming the argument, the expected and the actual value."""
+    a float, or raises naming the argument, the expected and the actual value. A weight of
+    another float dtype than x's comes back as float32 (an exact widening: the kernels read a
+    float32 weight as it is)."""
     x, residual, weight = jnp.asarray(x), jnp.asarray(residual), jnp.asarray(weight)
     _check_dtype(x, "x", what)
     _check_dtype(residual, "residual", what)
     _check_dtype(weight, "weight", what)
-    if x.ndim != 2:
-        raise ValueError(f"jax_nvcomm: {what}: x must be [tokens, hidden], got shape {x.shape}")
+    if x.ndim < 1:
+        raise ValueError(f"jax_nvcomm: {what}: x must be [..., hidden], got a scalar")
     if residual.shape != x.shape:
         raise ValueError(f"jax_nvcomm: {what}: residual must have x's shape {x.shape}, got "
                          f"{residual.shape}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"jax_nvcomm: {what}: weight must have shape ({x.shape[1]},), got "
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"jax_nvcomm: {what}: weight must have shape ({x.shape[-1]},), got "
                          f"{weight.shape}")
-    vec = 16 // x.dtype.itemsize
-    if x.shape[1] % vec != 0:
-        raise ValueError(f"jax_nvcomm: {what}: hidden must be a multiple of {vec} for {x.dtype} "
-                         f"(16-byte vectors), got {x.shape[1]}")
     eps = float(eps)
     if not eps >= 0:
         raise ValueError(f"jax_nvcomm: {what}: eps must be >= 0, got {eps}")
+    if weight.dtype != x.dtype:
+        weight = weight.astype(jnp.float32)
     return x, residual, weight, eps
+
+
+def padded_cols(hidden: int, dtype) -> int:
+    """hidden rounded up to whole 16-byte vectors of dtype: the width of the kernel's rows
+    (`pad_cols`)."""
+    vec = 16 // jnp.dtype(dtype).itemsize
+    return -(-int(hidden) // vec) * vec
+
+
+def pad_cols(x, residual, weight):
+    """x, residual [rows, hidden] and weight [hidden], zero-padded to `padded_cols` columns
+    (a no-op when hidden is a multiple of the vector width). The kernels divide the mean
+    square by the true width (their norm_hidden), and a zero adds +0.0 to the sum of squares
+    (exact), so the padded columns change nothing but come out as zeros, sliced off by the
+    caller."""
+    hidden = x.shape[-1]
+    extra = padded_cols(hidden, x.dtype) - hidden
+    if extra == 0:
+        return x, residual, weight
+    cols = [(0, 0)] * (x.ndim - 1) + [(0, extra)]
+    return jnp.pad(x, cols), jnp.pad(residual, cols), jnp.pad(weight, [(0, extra)])
+
+
+def fused_unfit(x, residual, what) -> str | None:
+    """Why a fused call cannot take the kernel (XLA's path then, with a warning), or None."""
+    if residual.dtype != x.dtype:
+        return (f"residual's dtype {residual.dtype} differs from x's {x.dtype} (the kernel "
+                "reads and writes the residual in x's dtype: cast one of them)")
+    if padded_cols(x.shape[-1], x.dtype) > MAX_FUSED_HIDDEN:
+        return (f"hidden {x.shape[-1]} is above the fused kernel's {MAX_FUSED_HIDDEN} (all_reduce"
+                " and XLA's norm, or split the rows' columns)")
+    return None
+
+
+def warn_xla_path(what, why, ops):
+    _warn.warn_once(f"jax_nvcomm: {what}: {why}; it runs {ops} in XLA instead of the fused "
+                    "kernel (JAX_NVCOMM_QUIET=1 silences this)")
 
 
 def all_reduce_rms_norm(x, residual, weight, comm=None, *, axis_name=None, eps: float = 1e-6,
@@ -217,12 +260,23 @@ def all_reduce_rms_norm(x, residual, weight, comm=None, *, axis_name=None, eps: 
     with a batched weight (or an unbatched x and a batched residual) ONE all_reduce of x, then
     XLA's add + RMSNorm (the "xla" strategy's arithmetic, not fused).
 
+    Shapes and dtypes as model code has them: x [..., hidden] (the leading dims are rows:
+    reshaped to [rows, hidden] inside and back); any hidden >= 1 (a width that is not a whole
+    number of 16-byte vectors is zero-padded inside to one and sliced back: the mean divides by
+    the true hidden, and a zero adds exactly nothing to the sum of squares, so the results are
+    those of the unpadded rows); a weight of another float dtype than x's, e.g. float32 norm
+    weights with bfloat16 activations, is read by the kernel in float32 as it is (bf16 / f16
+    weights widened exactly): normed = x.dtype((r * rsqrt(...)) * float32 weight), the float32
+    upcast + float32 weight + cast of JetStream-style norms, except that r is the float32 sum,
+    not the residual stream rounded to residual.dtype first (within one rounding of x.dtype).
+    What the kernel cannot serve takes XLA's path (psum + add + RMSNorm) with a warning once
+    per call site (JAX_NVCOMM_QUIET=1 silences it): a residual of another dtype than x's, a
+    padded hidden above 32768, a message above `comm.max_message_bytes`.
+
     Args:
-      x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a
-        multiple of 16 bytes (8 elements of 16 bits, 4 of float32).
-      residual: [tokens, hidden], same float types.
-      weight: [hidden] RMSNorm weight, same float types. Mixed dtypes are not fused: they run
-        `lax.psum` + XLA's add + RMSNorm.
+      x: [..., hidden] partial sums of this rank; bfloat16, float16 or float32.
+      residual: x's shape, bfloat16, float16 or float32 (x's dtype for the kernel).
+      weight: [hidden] RMSNorm weight, bfloat16, float16 or float32.
       comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
         shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
       axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
@@ -232,8 +286,8 @@ def all_reduce_rms_norm(x, residual, weight, comm=None, *, axis_name=None, eps: 
       strategy: as in `all_reduce`.
 
     Returns:
-      (normed, residual_out): normed in x.dtype, residual_out in residual.dtype, both
-      [tokens, hidden] and invariant across the axis.
+      (normed, residual_out): normed in x.dtype, residual_out in residual.dtype, both of x's
+      shape and invariant across the axis.
 
     Raises:
       TypeError / ValueError: a dtype, shape, hidden width, eps or strategy outside the above
@@ -247,9 +301,10 @@ def all_reduce_rms_norm(x, residual, weight, comm=None, *, axis_name=None, eps: 
     if comm.xla_fallback:  # groups beyond one host / peer access: _fallback.py
         return _fallback.all_reduce_rms_norm(x, residual, weight, comm, eps)
     axis = comm.axis_name
-    mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
-    if strat == "xla" or mixed:
-        # Mixed dtypes are not fused (documented): psum + XLA's own add + RMSNorm.
+    unfit = None if strat == "xla" else fused_unfit(x, residual, what)
+    if unfit:
+        warn_xla_path(what, unfit, "lax.psum + the add + RMSNorm")
+    if strat == "xla" or unfit:  # psum + XLA's own add + RMSNorm
         return xla_all_reduce_rms_norm(x, residual, weight, axis, eps)
 
     call = fused_call(comm, strategy, eps, _kernel_fused, add_rms_norm, 2, what)
@@ -278,7 +333,7 @@ def _local_fused(x, res, w, tok, comm, strategy, eps, kernel, finish, what):
     fold into rows. Returns (*outs, tok), outs shaped [..., tokens, last dim of the kernel's]."""
     lead, hidden = x.shape[:-1], x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), res.reshape(-1, hidden)
-    strat = _pick(comm, strategy, x2.shape, x2.dtype, what)
+    strat = _pick(comm, strategy, (x2.shape[0], padded_cols(hidden, x2.dtype)), x2.dtype, what)
     if strat == "xla":  # lax.psum, then XLA's add + norm
         outs = finish(lax.psum(x2, comm.axis_name), r2, w, eps)
     else:
@@ -324,24 +379,29 @@ def fused_call(comm, strategy, eps, kernel, finish, n_outs, what):
 
 
 def local_rows(comm, x):
-    """The shape of each device's share of the fused ops' x [tokens, hidden]: the rows split
-    over auto mesh axes as `fused_call` splits them (all of x unless they do)."""
-    return _shard.local_shape(comm, x, tuple(range(x.ndim - 1)))
+    """The shape of each device's kernel message for the fused ops' x [..., hidden]: the rows
+    split over auto mesh axes as `fused_call` splits them (all of x unless they do), the
+    columns padded to whole 16-byte vectors (`pad_cols`)."""
+    shape = _shard.local_shape(comm, x, tuple(range(x.ndim - 1)))
+    return tuple(shape[:-1]) + (padded_cols(shape[-1], x.dtype),)
 
 
 def fused_result_vmas(x, residual, weight, axis):
     """(x marked varying over `axis`, vma of the normed outputs, vma of residual_out) for the
     fused calls: the sum is invariant over `axis`, the residual and weight bring their own."""
     x = _shard.varying(x, axis)
-    vma_res = (_shard.vma_of(x) - {axis}) | _shard.vma_of(residual)
+    vma_res = (_shard.vma_of(x) - _shard.axes(axis)) | _shard.vma_of(residual)
     return x, vma_res | _shard.vma_of(weight), vma_res
 
 
 def _kernel_fused(x, residual, weight, tok, comm, strategy, eps):
+    hidden = x.shape[-1]
+    x, residual, weight = pad_cols(x, residual, weight)
     x, vma_norm, vma_res = fused_result_vmas(x, residual, weight, comm.axis_name)
     rt_n = _shard.result_type(x, x.shape, x.dtype, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
     (normed, res_out), tok = _shard.ffi_call(
         comm, "all_reduce_rms", (rt_n, rt_r), x, residual, weight, order=tok,
-        eps=np.float32(eps), cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
-    return normed, res_out, tok
+        eps=np.float32(eps), norm_hidden=np.int64(hidden),
+        cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
+    return normed[:, :hidden], res_out[:, :hidden], tok

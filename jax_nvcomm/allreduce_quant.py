@@ -14,7 +14,7 @@ from jax import lax
 
 from . import _order, _registry, _shard
 from .allreduce import (_STRATEGY_CODE, _resolve, check_fused_args, fused_call,
-                        fused_result_vmas, local_rows)
+                        fused_result_vmas, fused_unfit, local_rows, pad_cols, warn_xla_path)
 from .reference import rms_norm_reference
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -87,11 +87,12 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm=None, *, axis_name=None,
     RMSNorm + quantisation).
 
     Args:
-      x: [tokens, hidden] partial sums of this rank; bfloat16, float16 or float32; hidden a
-        multiple of 16 bytes (8 elements of 16 bits, 4 of float32) and > 0.
-      residual: [tokens, hidden], same float types.
-      weight: [hidden] RMSNorm weight, same float types. Mixed dtypes run `lax.psum` + XLA's
-        add + RMSNorm + quantisation (the "xla" strategy).
+      x: [..., hidden] partial sums of this rank; bfloat16, float16 or float32; hidden > 0
+        (any width: as in `all_reduce_rms_norm`, padded inside and sliced back).
+      residual: x's shape, float types as x (x's dtype for the kernel; another runs the "xla"
+        strategy with a warning once per call site).
+      weight: [hidden] RMSNorm weight, bfloat16, float16 or float32 (another dtype than x's is
+        read by the kernel in float32, as in `all_reduce_rms_norm`).
       comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
         shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
       axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
@@ -103,8 +104,8 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm=None, *, axis_name=None,
         XLA's ops.
 
     Returns:
-      (q, scale, residual_out): q float8_e4m3fn [tokens, hidden], scale float32 [tokens, 1],
-      residual_out in residual.dtype [tokens, hidden]; all invariant across the axis.
+      (q, scale, residual_out): q float8_e4m3fn of x's shape, scale float32 [..., 1] (one per
+      row), residual_out in residual.dtype of x's shape; all invariant across the axis.
 
     Raises:
       TypeError / ValueError: a dtype, out_dtype, shape, hidden width, eps or strategy outside
@@ -121,12 +122,14 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm=None, *, axis_name=None,
     if od != FP8_DTYPE:
         raise TypeError(f"jax_nvcomm: {what}: out_dtype must be float8_e4m3fn, got {out_dtype!r}")
     x, residual, weight, eps = check_fused_args(x, residual, weight, eps, what)
-    if x.shape[1] == 0:
+    if x.shape[-1] == 0:
         raise ValueError(f"jax_nvcomm: {what}: hidden must be > 0, got shape {x.shape}")
     strat = _resolve(comm, strategy, local_rows(comm, x), x.dtype, what)
     axis = comm.axis_name
-    mixed = residual.dtype != x.dtype or weight.dtype != x.dtype
-    if comm.xla_fallback or strat == "xla" or mixed:
+    unfit = None if strat == "xla" or comm.xla_fallback else fused_unfit(x, residual, what)
+    if unfit:
+        warn_xla_path(what, unfit, "lax.psum + the add + RMSNorm + quantisation")
+    if comm.xla_fallback or strat == "xla" or unfit:
         # XLA fallback (groups beyond one host), "xla", or mixed dtypes (not fused): XLA's ops.
         return _no_grad(lambda v, res, w: xla_all_reduce_rms_norm_quant(v, res, w, axis, eps))(
             x, residual, weight)
@@ -139,11 +142,14 @@ def all_reduce_rms_norm_quant(x, residual, weight, comm=None, *, axis_name=None,
 
 
 def _kernel_fused_quant(x, residual, weight, tok, comm, strategy, eps):
+    hidden = x.shape[-1]
+    x, residual, weight = pad_cols(x, residual, weight)
     x, vma_norm, vma_res = fused_result_vmas(x, residual, weight, comm.axis_name)
     rt_q = _shard.result_type(x, x.shape, FP8_DTYPE, vma_norm)
     rt_s = _shard.result_type(x, (x.shape[0], 1), jnp.float32, vma_norm)
     rt_r = _shard.result_type(residual, residual.shape, residual.dtype, vma_res)
     (q, scale, res_out), tok = _shard.ffi_call(
         comm, "all_reduce_rms_quant", (rt_q, rt_s, rt_r), x, residual, weight, order=tok,
-        eps=np.float32(eps), cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
-    return q, scale, res_out, tok
+        eps=np.float32(eps), norm_hidden=np.int64(hidden),
+        cuda_attrs={"strategy": np.int64(_STRATEGY_CODE[strategy])})
+    return q[:, :hidden], scale, res_out[:, :hidden], tok

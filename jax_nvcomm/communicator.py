@@ -46,12 +46,40 @@ def _check_not_traced(what):
 
 
 def _check_mesh_axis(mesh, axis_name, what):
+    """axis_name as the communicator keeps it (a str, or a tuple of two or more str; a 1-tuple
+    becomes its one axis), checked against the mesh."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"jax_nvcomm: {what}: mesh must be a jax.sharding.Mesh, got "
                         f"{type(mesh).__name__}")
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    if isinstance(axis_name, tuple):
+        if not axis_name or not all(isinstance(a, str) for a in axis_name):
+            raise TypeError(f"jax_nvcomm: {what}: axis_name must be a mesh axis name or a "
+                            f"non-empty tuple of them, got {axis_name!r}")
+        if len(set(axis_name)) != len(axis_name):
+            raise ValueError(f"jax_nvcomm: {what}: axis_name {axis_name!r} names an axis twice")
+        for a in axis_name:
+            if a not in mesh.axis_names:
+                raise ValueError(f"jax_nvcomm: {what}: axis {a!r} of axis_name {axis_name!r} is "
+                                 f"not an axis of the mesh (axes: {tuple(mesh.axis_names)})")
+        return axis_name[0] if len(axis_name) == 1 else axis_name
     if axis_name not in mesh.axis_names:
         raise ValueError(f"jax_nvcomm: {what}: axis_name {axis_name!r} is not an axis of the mesh "
                          f"(axes: {tuple(mesh.axis_names)})")
+    return axis_name
+
+
+def axis_size(mesh, axis_name) -> int:
+    """Devices along axis_name (the product over a tuple of axes); 1 when mesh is not a Mesh
+    or names none of them (the setup checks report that)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return 1
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    try:
+        return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+    except (KeyError, TypeError):
+        return 1
 
 
 def resolve_backend(mesh, backend, what):
@@ -108,11 +136,11 @@ class _Base:
                lamport_range=(0, 0), zero_bytes=None, multicast_capable=False, tuned=False):
         what = type(self).__name__
         _check_not_traced(what)
-        _check_mesh_axis(mesh, axis_name, what)
+        axis_name = _check_mesh_axis(mesh, axis_name, what)
         self._mesh = mesh
         self._axis_name = axis_name
         self._backend = resolve_backend(mesh, backend, what)
-        self._world = int(mesh.shape[axis_name])
+        self._world = axis_size(mesh, axis_name)
         self._timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         if not self._timeout_s > 0:
             raise ValueError(f"jax_nvcomm: {what}: timeout_s must be > 0, got {timeout_s!r}")
@@ -394,8 +422,7 @@ class Communicator(_Base):
                              f"{max_message_bytes}")
         self._closed = True
         self._max_message_bytes = int(max_message_bytes)
-        world = int(mesh.shape[axis_name]) if isinstance(mesh, jax.sharding.Mesh) and \
-            axis_name in mesh.axis_names else 1
+        world = axis_size(mesh, axis_name)
         lay = _ffi._host.layout(self._max_message_bytes, max(world, 1))
         self._layout = dict(lay)
         self._setup(mesh, axis_name, backend, lay["total"], self._max_message_bytes, timeout_s,

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from . import _fallback, _ffi, _inflight, _order, _registry, _shard
-from .communicator import _Base
+from .communicator import _Base, axis_size
 from .moe_types import Dispatched, MoEHandle
 
 _PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
@@ -86,13 +86,10 @@ class MoECommunicator(_Base):
         if dt not in _PAYLOAD:
             raise TypeError(f"jax_nvcomm: {what}: dtype must be bfloat16, float16, float32 or "
                             f"float8_e4m3fn, got {dt}")
-        if isinstance(mesh, jax.sharding.Mesh) and axis_name in mesh.axis_names:
-            world = int(mesh.shape[axis_name])
-            if num_experts % world:
-                raise ValueError(f"jax_nvcomm: {what}: num_experts must be divisible by the axis "
-                                 f"size {world}, got {num_experts}")
-        else:
-            world = 1
+        world = axis_size(mesh, axis_name)
+        if num_experts % world:
+            raise ValueError(f"jax_nvcomm: {what}: num_experts must be divisible by the axis "
+                             f"size {world}, got {num_experts}")
         if top_k > num_experts:
             raise ValueError(f"jax_nvcomm: {what}: top_k must be <= num_experts "
                              f"({num_experts}), got {top_k}")

@@ -28,8 +28,14 @@ Transformations:
   with the roles swapped (input and output offsets exchanged among the ranks, which is one
   more call of this op moving K two-integer rows); the output's cotangent is the result's,
   zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
-  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp)
-  is not supported.
+  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp,
+  jacfwd, check_grads' "fwd") where the call is traced under it (`_with_tangents`): the op is
+  linear, its tangent is the op on the tangents, and one kernel call carries primal and
+  tangent rows. jax.jvp of a program that was traced before (jax.jvp(jax.jit(f))) meets the
+  custom_vjp in its jaxpr and is refused by JAX ("can't apply forward-mode autodiff (jvp) to
+  a custom_vjp function"): put the jvp inside the jit (jax.jit(lambda *a: jax.jvp(f, ...))).
+- axis_index_groups (lax's): one call over the communicator's axis in which the slots of
+  ranks outside the caller's group have size 0 (`expand_groups`).
 - jax.vmap (`_shard.batching` under the custom_vjp): one call for the whole batch, as lax's
   batching rule does it: the batch is folded into the slices per peer (k -> k * B, offsets
   shifted by b * N and b * M).
@@ -43,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.interpreters import ad
 
 from . import _ffi, _order, _registry, _shard, reference
 from .communicator import Communicator
@@ -85,7 +92,62 @@ def _too_big(comm, m_rows, row_bytes, k, batch=1):
 # ---------------------------------------------------------------------------------------------
 # argument checks
 
-def _check_args(operand, output, index, comm):
+def check_index(index):
+    """The four offset / size arrays checked as lax checks them, in lax's order and words
+    (each an integer array, then each rank 1 with a positive size), and brought to one dtype
+    the kernels take: int64 when any of them is 64-bit, else int32 (lax takes any integer
+    dtypes, mixed; the values are the same)."""
+    index = [jnp.asarray(a) for a in index]
+    for name, a in zip(_INDEX_NAMES, index):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"jax_nvcomm: {_WHAT} {name} must be integer type. (got "
+                             f"{a.dtype}{list(a.shape)})")
+    for name, a in zip(_INDEX_NAMES, index):
+        if a.ndim != 1 or a.shape[0] < 1:
+            raise ValueError(f"jax_nvcomm: {_WHAT} {name} must be rank 1 with positive "
+                             f"dimension size, but got shape {a.shape}")
+    wide = any(jnp.dtype(a.dtype).itemsize == 8 for a in index)
+    dt = jnp.dtype(jnp.int64 if wide else jnp.int32)
+    return [a if a.dtype == dt else a.astype(dt) for a in index]
+
+
+def check_groups(axis_index_groups, world):
+    """axis_index_groups as lax takes them (a partition of the axis indices 0 .. world - 1
+    into groups of one size), as a tuple of tuples; None stays None."""
+    if axis_index_groups is None:
+        return None
+    try:
+        groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+    except TypeError:
+        raise TypeError(f"jax_nvcomm: {_WHAT}: axis_index_groups must be a sequence of "
+                        f"sequences of axis indices, got {axis_index_groups!r}") from None
+    flat = sorted(i for g in groups for i in g)
+    if not groups or flat != list(range(world)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(f"jax_nvcomm: {_WHAT}: axis_index_groups must split the {world} "
+                         f"indices of the axis into groups of one size, each index once, got "
+                         f"{axis_index_groups!r}")
+    return groups
+
+
+def expand_groups(index, groups, comm):
+    """The group-local offset and size arrays ([k * group size]: slot j * k + t for the j-th
+    rank of this rank's group) as arrays over the whole axis ([k * world_size]): the slots of
+    ranks outside the group have size 0 (and offset 0), so one call over the communicator's
+    axis moves exactly what the grouped call moves."""
+    W, g = comm.world_size, len(groups[0])
+    k = index[0].shape[0] // g
+    grp = np.empty(W, np.int32)
+    pos = np.empty(W, np.int32)
+    for gi, members in enumerate(groups):
+        for j, r in enumerate(members):
+            grp[r], pos[r] = gi, j
+    take = (pos[:, None] * k + np.arange(k)[None, :]).reshape(-1)        # [W * k], static
+    me = lax.axis_index(comm.axis_name)
+    mine = (jnp.asarray(grp)[me] == jnp.asarray(np.repeat(grp, k)))      # [W * k]
+    return [jnp.where(mine, a[take], jnp.zeros((), a.dtype)) for a in index]
+
+
+def _check_args(operand, output, index, comm, groups=None):
     if not isinstance(comm, Communicator):
         raise TypeError(f"jax_nvcomm: {_WHAT}: comm must be a jax_nvcomm.Communicator, got "
                         f"{type(comm).__name__}")
@@ -106,28 +168,17 @@ def _check_args(operand, output, index, comm):
     if bits % 8:
         raise TypeError(f"jax_nvcomm: {_WHAT}: operand's dtype must take whole bytes, got "
                         f"{operand.dtype} ({bits} bits)")
-    index = [jnp.asarray(a) for a in index]
-    for name, a in zip(_INDEX_NAMES, index):
-        if a.ndim != 1 or not jnp.issubdtype(a.dtype, jnp.integer):
-            raise ValueError(f"jax_nvcomm: {_WHAT}: {name} must be a 1-D integer array, got "
-                             f"{a.dtype}{list(a.shape)}")
-        if a.dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.int64)):
-            raise TypeError(f"jax_nvcomm: {_WHAT}: {name} must be int32 or int64, got {a.dtype}")
-    kinds = {str(a.dtype) for a in index}
-    if len(kinds) != 1:
-        raise TypeError(f"jax_nvcomm: {_WHAT}: input_offsets, send_sizes, output_offsets and "
-                        "recv_sizes must share one dtype (all int32 or all int64), got "
-                        + ", ".join(f"{n} {a.dtype}" for n, a in zip(_INDEX_NAMES, index)))
+    index = check_index(index)
     K = index[0].shape[0]
     for name, a in zip(_INDEX_NAMES[1:], index[1:]):
         if a.shape[0] != K:
             raise ValueError(f"jax_nvcomm: {_WHAT}: {name} must have input_offsets' length {K},"
                              f" got {a.shape[0]}")
-    W = comm.world_size
-    if K < 1 or K % W:
+    W = comm.world_size if groups is None else len(groups[0])
+    what_w = "world_size" if groups is None else "group size"
+    if K % W:
         raise ValueError(f"jax_nvcomm: {_WHAT}: the offset and size arrays must hold k * "
-                         f"world_size entries (world_size={W}, k >= 1 slices per peer), got "
-                         f"{K}")
+                         f"{what_w} entries ({what_w}={W}, k >= 1 slices per peer), got {K}")
     if index[0].dtype == jnp.int32 and max(operand.shape[0], output.shape[0]) >= 2 ** 31:
         raise ValueError(f"jax_nvcomm: {_WHAT}: int32 offsets cannot address {operand.shape[0]}"
                          f" / {output.shape[0]} rows: pass int64 offsets and sizes (x64)")
@@ -256,11 +307,45 @@ def _with_gradient(comm, kernel, n_rows):
     return op
 
 
+def _forward_mode(*args) -> bool:
+    """Whether the call is traced under forward-mode differentiation (jax.jvp, jacfwd,
+    check_grads' "fwd"): an argument is a JVP tracer. A custom_vjp function cannot be
+    differentiated forward, so those calls take `_with_tangents`."""
+    return any(isinstance(a, ad.JVPTracer) for a in args)
+
+
+def _with_tangents(op):
+    """op (the custom_vjp call) as a custom_jvp function for forward mode: the op is linear in
+    (operand, output), so the tangent is the op on the tangents with the same offsets and
+    sizes. Primal and tangent rows travel in ONE call (each row carries both: [N, 2, ...]),
+    so the kernel calls stay one per op and in program order. The rule's call is the
+    custom_vjp one: reverse mode over it (jacfwd of a gradient, ...) keeps working."""
+    @jax.custom_jvp
+    def fop(operand, output, io, ss, oo, rs, tok):
+        return op(operand, output, io, ss, oo, rs, tok)
+
+    @fop.defjvp
+    def rule(primals, tangents):
+        operand, output, io, ss, oo, rs, tok = primals
+        t_op, t_out = tangents[:2]
+        if not jnp.issubdtype(operand.dtype, jnp.inexact):  # integer rows: no tangents
+            out, tok = op(*primals)
+            return (out, tok), (np.zeros(out.shape, jax.dtypes.float0),
+                                _order.zero_tangent(tok))
+        both, tok = op(jnp.stack([operand, t_op.astype(operand.dtype)], axis=1),
+                       jnp.stack([output, t_out.astype(output.dtype)], axis=1),
+                       io, ss, oo, rs, tok)
+        return (both[:, 0], tok), (both[:, 1], _order.zero_tangent(tok))
+
+    return fop
+
+
 # ---------------------------------------------------------------------------------------------
 # public function
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      comm=None, *, axis_name=None, strategy: str = "auto"):
+                      comm=None, *, axis_name=None, axis_index_groups=None,
+                      strategy: str = "auto"):
     """`lax.ragged_all_to_all` over `comm`'s axis, on the communicator's buffers.
 
     Call inside `jax.shard_map` over `comm`'s mesh (a Communicator over one axis of a larger
@@ -279,22 +364,28 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         one element.
       output: [M, ...] with operand's dtype and trailing dims: the values the result starts
         from (its buffer is reused for the result where XLA can).
-      input_offsets: [K] int32 or int64, K a multiple of world_size (k slices per peer).
-      send_sizes: [K], the same integer dtype.
-      output_offsets: [K], the same integer dtype, in the receivers' frames.
-      recv_sizes: [K], the same integer dtype.
+      input_offsets: [K] integers, K a multiple of world_size (k slices per peer; with
+        axis_index_groups a multiple of the group size, peers numbered within the group).
+      send_sizes: [K] integers.
+      output_offsets: [K] integers, in the receivers' frames.
+      recv_sizes: [K] integers. The four may have different integer dtypes, as lax takes
+        them: they are brought to int64 when one is 64-bit, else to int32 (checked in lax's
+        order and words: integer type, then rank 1 with a positive size).
       comm: a `Communicator` over an axis (or a tuple of axes) of the surrounding
         shard_map's mesh; an axis name (a str or tuple of str) here counts as axis_name.
       axis_name: in place of comm (exactly one of the two): the mesh axis or tuple of axes,
         as lax takes it; the communicator is the one registered for it (the innermost
         `jax_nvcomm.communicators` block, or jax_nvcomm.jit's).
+      axis_index_groups: as lax's: None, or a partition of the axis indices 0 .. world_size - 1
+        into groups of one size; each group exchanges within itself (rank = position in its
+        group). Also under jax.vmap (lax refuses that).
       strategy: "auto" (the kernel when the call fits the buffers) or "xla"
         (`lax.ragged_all_to_all`; on CPU devices its emulation from dense collectives).
 
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
-      (reverse mode, lax's transpose rule; see the module docstring), batched by jax.vmap into
-      one call; in a partially manual shard_map the dims after the rows split over the auto
+      (reverse mode, lax's transpose rule; forward mode where the call is traced under
+      jax.jvp; see the module docstring), batched by jax.vmap into one call; in a partially manual shard_map the dims after the rows split over the auto
       mesh axes where they divide.
 
     Raises:
@@ -312,19 +403,24 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     if strategy not in _STRATEGIES:
         raise ValueError(f"jax_nvcomm: {_WHAT}: strategy must be one of {_STRATEGIES}, got "
                          f"{strategy!r}")
+    groups = check_groups(axis_index_groups, getattr(comm, "world_size", 0))
     operand, output, index = _check_args(
-        operand, output, (input_offsets, send_sizes, output_offsets, recv_sizes), comm)
+        operand, output, (input_offsets, send_sizes, output_offsets, recv_sizes), comm, groups)
     _shard.check_context(comm, _WHAT)
+    if groups is not None:  # one call over the whole axis, zero-size slots outside the group
+        index = expand_groups(index, groups, comm)
     if strategy == "xla" or comm.xla_fallback:
         return _xla(operand, output, *index, comm)
     axis = comm.axis_name
     # operand and output vary over every axis any argument varies over (and the axis), like
     # the result, so that their cotangents come back typed like them (JAX adds the transposes
     # of these casts: psums over the axes they did not vary over)
-    vma = frozenset({axis}).union(*map(_shard.vma_of, [operand, output] + index))
+    vma = _shard.axes(axis).union(*map(_shard.vma_of, [operand, output] + index))
     for a in sorted(vma, key=str):
         operand, output = _shard.varying(operand, a), _shard.varying(output, a)
     op = _with_gradient(comm, _kernel(comm), operand.shape[0])
+    if _forward_mode(operand, output, *index):
+        op = _with_tangents(op)
     out, tok = op(operand, output, *index, _order.token(axis))
     _order.record(tok)
     return out

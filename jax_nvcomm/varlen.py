@@ -130,9 +130,9 @@ def _gather_call(x, nr, tok, comm, zero_tail=True):
     axis, W = comm.axis_name, comm.world_size
     x = _shard.varying(x, axis)
     nr = _shard.varying(nr, axis)
-    vma_n = _shard.vma_of(nr) - {axis}  # the offsets and total depend on the counts only
+    vma_n = _shard.vma_of(nr) - _shard.axes(axis)  # the offsets and total depend on the counts only
     rts = (_shard.result_type(x, (W * x.shape[0],) + tuple(x.shape[1:]), x.dtype,
-                              (_shard.vma_of(x) - {axis}) | vma_n),
+                              (_shard.vma_of(x) - _shard.axes(axis)) | vma_n),
            _shard.result_type(x, (W + 1,), jnp.int32, vma_n),
            _shard.result_type(x, (), jnp.int32, vma_n))
     return _shard.ffi_call(comm, "all_gather_v", rts, x, nr, order=tok,

@@ -58,6 +58,14 @@
 #                                      layer on lax's collectives): world 1 (vs jax.jit, hand calls,
 #                                      dense), then 2 processes sharing GPU 0; our calls in the
 #                                      program, loop time nvc.jit vs hand-written (~2 min + build)
+#   bash scripts/gpu_check.sh opforms1 float32 RMSNorm weights and zero-padded widths in the fused
+#                                      all-reduce kernels: the all-reduce harness rebuilt, its
+#                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
+#                                      in the time left (no package build; ~150 s)
+#   bash scripts/gpu_check.sh opforms  the ops' new forms on the package (built if needed): axis_name=,
+#                                      tuple-axes communicator, fused [B, S, H] / odd widths /
+#                                      float32 weights (both kernels), ragged groups / int16 sizes /
+#                                      jvp; world 1, then 2 processes sharing GPU 0 (~100 s + build)
 # The 2-GPU run (2 x H200), each part under 10 minutes, in this order:
 #   bash scripts/gpu_check.sh twogpu1  GPU suite on 2 GPUs, kernel targets (harness graph and device
 #                                      times), the cluster A/B
@@ -121,7 +129,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | opforms1) ;; *) ensure_built ;; esac  # harnesses alone: no package
 
 run_part() {
 case "$1" in
@@ -482,7 +490,34 @@ jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.p
   grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)" "$OUT/all.log" | tail -30 | \
     tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend]..." >&2; exit 2 ;;
+opforms1)  # the fused all-reduce kernels with a float32 weight (16-bit x) and zero-padded odd
+  # widths (csrc/kernels/rmsnorm.cuh, rmsnorm_regs.cuh, allreduce_oneshot_cluster.cuh): the
+  # all-reduce harness rebuilt from this tree (its two translation units in parallel), --wtail
+  # (the float64 reference with the float32 weight and the mean over the true width; a float32
+  # weight holding dt values gives the dt weight's bytes, plain and FP8; every epilogue variant
+  # the shapes reach; W = 1, 2, 4, 8 virtual ranks on GPU 0; validation of the new arguments),
+  # then --quick (every earlier case: the dt-weight paths unchanged) in the time left
+  local t0=$SECONDS d="$OUT/opforms1"
+  mkdir -p build "$d"
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step opf_build 150 bash -c "$NV -c -o build/opf_h.o tests/cuda_harness/allreduce_harness.cu &
+    $NV -c -o build/opf_ar.o csrc/cuda/allreduce.cu & wait; $NV -o build/opf_h build/opf_h.o build/opf_ar.o"
+  step opf_wtail 90 bash -c "build/opf_h --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
+  local left=$((170 - (SECONDS - t0)))
+  [ "$left" -gt 20 ] && step opf_quick "$left" bash -c "build/opf_h --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
+  { echo "--- opforms1 (float32 weight / padded widths)"; grep -E "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log";
+    [ -f "$d/quick.log" ] && { echo "--- --quick"; grep -E "FAIL|RESULT|bitwise" "$d/quick.log" | tail -8; }; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built package: world 1
+  # (the fused ops' world-1 kernels), then 2 processes sharing GPU 0 (one-shot, two-shot and the
+  # cluster kernel, ragged over the shared GPU); logs in $OUT/opforms
+  local d="$OUT/opforms"
+  mkdir -p "$d"
+  step opf_w1 120 bash -c "$PY tests/mp/opforms_mp.py > $d/w1.log 2>&1; rc=\$?; cat $d/w1.log; exit \$rc"
+  step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
+  { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend|opforms1|opforms]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -187,10 +187,8 @@ def test_argument_errors(comms, rng):
         _call(c, x, res[:, :32], w)
     with pytest.raises(ValueError, match=r"weight must have shape \(64,\), got \(32,\)"):
         _call(c, x, res, w[:32])
-    with pytest.raises(ValueError, match=r"x must be \[tokens, hidden\], got shape \(2, 2, 32\)"):
-        _call(c, x.reshape(4, 2, 32), res.reshape(2, 2, 32), w[:32])
-    with pytest.raises(ValueError, match="hidden must be a multiple of 8 for bfloat16"):
-        _call(c, x[:, :60], res[:, :60], w[:60])
+    with pytest.raises(ValueError, match=r"weight must have shape \(32,\), got \(64,\)"):
+        _call(c, x.reshape(4, 2, 32), res.reshape(2, 2, 32), w)
     with pytest.raises(ValueError, match="eps must be >= 0, got -1.0"):
         _call(c, *ok, eps=-1.0)
     with pytest.raises(ValueError, match="strategy must be 'auto'"):

@@ -193,3 +193,15 @@ def test_moe_ops_by_axis_name_pick_the_fitting_communicator(rng):
              (P("ep"), P("ep")), P("ep"))(x_bad, ids)
     for m in moes:
         assert not m.closed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_new_forms_across_processes(n):
+    """tests/mp/opforms_mp.py: axis_name=, the tuple-axes communicator, the fused forms and the
+    ragged forms, one CPU device per process (the script's GPU runs: scripts/gpu_check.sh
+    opforms)."""
+    from test_multiprocess import launch
+    rc, out = launch(n, "opforms_mp.py", timeout=500)
+    assert rc == 0, out[-4000:]
+    assert out.count("PASS opforms") == n, out[-3000:]

@@ -506,17 +506,16 @@ def test_argument_errors(comm8):
          ValueError, "k \\* world_size entries \\(world_size=8, k >= 1 slices per peer\\), got 5"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0, :4], i[0], i[0], comm8),
          ValueError, "send_sizes must have input_offsets' length 8, got 4"),
-        (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0].astype(jnp.int16), i[0], i[0],
-                                               i[0], comm8),
-         TypeError, "input_offsets must be int32 or int64, got int16"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0].astype(jnp.float32),
                                                i[0], i[0], comm8),
-         ValueError, r"send_sizes must be a 1-D integer array, got float32\[8\]"),
+         ValueError, r"ragged_all_to_all send_sizes must be integer type\."),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], comm8,
                                                strategy="fast"),
          ValueError, "strategy must be one of \\('auto', 'xla'\\), got 'fast'"),
-        (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], "x"),
-         TypeError, "comm must be a jax_nvcomm.Communicator, got str"),
+        (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], "y"),
+         ValueError, r"no Communicator \(kind='tp'\) for axis_name 'y'"),  # lax's positional form
+        (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], 3),
+         TypeError, "comm must be a jax_nvcomm.Communicator, got int"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0, 0, 0], o[0], i[0], i[0], i[0], i[0], comm8),
          ValueError, r"operand and output must be arrays \[N, ...\] and \[M, ...\]"),
     ]
@@ -525,14 +524,7 @@ def test_argument_errors(comm8):
             lower(fn, x, out, idx)
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         nvc.ragged_all_to_all(x[0], out[0], idx[0], idx[0], idx[0], idx[0], comm8)
-    jax.config.update("jax_enable_x64", True)
-    try:
-        with pytest.raises(TypeError, match="must share one dtype.*input_offsets int64, "
-                                            "send_sizes int32"):
-            lower(lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0].astype(jnp.int64),
-                                                        i[0], i[0], i[0], comm8), x, out, idx)
-    finally:
-        jax.config.update("jax_enable_x64", False)
+    # mixed integer dtypes (lax takes them) are accepted: test_ragged_forms.py
 
 
 @pytest.mark.multiprocess

@@ -149,6 +149,14 @@ cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+ArTensors tensors_of(const AllReduceArgs& a) {
+  ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
+              a.tokens, a.hidden, a.eps,      a.scale};
+  t.norm_hidden = a.norm_hidden;
+  t.w_f32 = a.dtype != kF32 && a.weight_dtype == kF32;
+  return t;
+}
+
 }  // namespace
 
 size_t dtype_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
@@ -196,6 +204,10 @@ const char* all_reduce_check(const CommView& v, const AllReduceArgs& a, Strategy
     if (!aligned16(a.residual) || !aligned16(a.residual_out) || !aligned16(a.weight))
       return "residual, residual_out and weight must be 16-byte aligned";
     if (a.hidden > max_fused_hidden(a.dtype)) return "hidden too large for the fused kernel";
+    if (a.weight_dtype != -1 && a.weight_dtype != a.dtype && a.weight_dtype != kF32)
+      return "weight must have x's dtype or float32";
+    if (a.norm_hidden < 0 || a.norm_hidden > a.hidden)
+      return "norm_hidden must be in [1, hidden] (0: hidden)";
   } else if (a.scale != nullptr) {
     return "scale (FP8 output) needs a fused call (residual, residual_out, weight)";
   }
@@ -214,8 +226,7 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
   if (a.tokens == 0) return cudaSuccess;  // every rank skips alike: no counter moves
   const bool fused = a.residual != nullptr;
   const int grid = all_reduce_grid(a.tokens, a.hidden, a.dtype, v.world, s, fused, sm_count);
-  ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
-              a.tokens, a.hidden, a.eps,      a.scale};
+  const ArTensors t = tensors_of(a);
   // Bit 3 tells the quantised epilogue apart, so ranks disagreeing on it are reported.
   const uint32_t desc = make_desc(fused ? kOpAllReduceRms : kOpAllReduce, uint64_t(a.tokens),
                                   (uint64_t(a.hidden) << 4) | (uint64_t(a.scale != nullptr) << 3) |
@@ -245,8 +256,7 @@ cudaError_t local_variant(const ArTensors& t, int dtype, bool rows, cudaStream_t
 cudaError_t all_reduce_local_variant(const AllReduceArgs& a, bool rows, cudaStream_t stream,
                                      int sm_count) {
   if (a.residual == nullptr || a.tokens < 1) return cudaErrorInvalidValue;
-  const ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
-                    a.tokens, a.hidden, a.eps,      a.scale};
+  const ArTensors t = tensors_of(a);
   const bool q = a.scale != nullptr;
   switch (a.dtype) {
     case kF32: return q ? local_variant<float, true>(t, a.dtype, rows, stream, sm_count)

@@ -12,7 +12,8 @@
 //   graph and replayed. The symmetric buffer must have been initialised once (Ctrl all zero,
 //   every 32-bit word of the Lamport region 0x80000000; see layout.h).
 // - Tensors: x, out, residual, residual_out, weight are device pointers of x's dtype, 16-byte
-//   aligned, row-major [tokens, hidden] ([hidden] for weight). out may alias x and
+//   aligned, row-major [tokens, hidden] ([hidden] for weight; weight may be float32 with a
+//   16-bit x: weight_dtype). out may alias x and
 //   residual_out may alias residual. hidden must be a multiple of 8 (16-bit types) or 4 (f32);
 //   fused calls need hidden <= max_fused_hidden(dtype) (32768).
 // - Quantised fused calls (scale != nullptr): out is float8_e4m3fn [tokens, hidden] (1 byte per
@@ -46,6 +47,9 @@ struct AllReduceArgs {
   int dtype;              // DType
   float eps;
   float* scale = nullptr;  // fused only: non-null => out is e4m3fn q, scale float32 [tokens]
+  int weight_dtype = -1;   // fused only: DType of weight, dtype or kF32 (-1: dtype)
+  int64_t norm_hidden = 0;  // fused only: the mean's divisor, 1..hidden: the row width before
+                            // the caller's zero padding to whole 16-byte vectors (0: hidden)
 };
 
 enum class Strategy : int { kOneShot = 0, kTwoShot = 1 };

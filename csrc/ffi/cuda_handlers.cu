@@ -60,16 +60,17 @@ ffi::Error AllReduceRmsCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                                 ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
                                 ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> residual_out, OrderOut, int64_t comm_id,
-                                float eps, int64_t strategy) {
+                                float eps, int64_t norm_hidden, int64_t strategy) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
+  if (auto e = check_rms("all_reduce_rms_norm", x, residual, weight, norm_hidden); e.failure())
+    return e;
   auto dims = x.dimensions();
-  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm expects [T, H]");
-  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
-    return precondition("jax_nvcomm: all_reduce_rms_norm: residual and weight must have x's dtype");
   cuda::AllReduceArgs a{x.untyped_data(), normed->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
                         dims[0], dims[1], dtype_code(x.element_type()), eps};
+  a.weight_dtype = dtype_code(weight.element_type());
+  a.norm_hidden = norm_hidden;
   return run_all_reduce(*ctx, stream, a, strategy);
 }
 
@@ -79,15 +80,18 @@ ffi::Error AllReduceRmsQuantCudaImpl(cudaStream_t stream, int32_t device, ffi::A
                                      ffi::Result<ffi::AnyBuffer> q,
                                      ffi::Result<ffi::Buffer<ffi::F32>> scale,
                                      ffi::Result<ffi::AnyBuffer> residual_out, OrderOut,
-                                     int64_t comm_id, float eps, int64_t strategy) {
+                                     int64_t comm_id, float eps, int64_t norm_hidden,
+                                     int64_t strategy) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
-  if (auto e = check_quant(x, residual, weight, *q, *scale); e.failure()) return e;
+  if (auto e = check_quant(x, residual, weight, *q, *scale, norm_hidden); e.failure()) return e;
   auto dims = x.dimensions();
   cuda::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
                         dims[0], dims[1], dtype_code(x.element_type()), eps,
                         scale->typed_data()};
+  a.weight_dtype = dtype_code(weight.element_type());
+  a.norm_hidden = norm_hidden;
   return run_all_reduce(*ctx, stream, a, strategy);
 }
 

@@ -37,15 +37,34 @@ inline int dtype_code(ffi::DataType t) {
   }
 }
 
+// The operands of both fused all-reduces (the host and CUDA handlers alike): x [T, H],
+// residual of x's dtype and shape, weight [H] of x's dtype or float32, 1 <= norm_hidden <= H.
+inline ffi::Error check_rms(const char* what, const ffi::AnyBuffer& x,
+                            const ffi::AnyBuffer& residual, const ffi::AnyBuffer& weight,
+                            int64_t norm_hidden) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return precondition(std::string("jax_nvcomm: ") + what + " expects [T, H]");
+  if (residual.element_type() != x.element_type() ||
+      residual.element_count() != x.element_count())
+    return precondition(std::string("jax_nvcomm: ") + what +
+                        ": residual must have x's dtype and shape");
+  if ((weight.element_type() != x.element_type() && weight.element_type() != ffi::DataType::F32) ||
+      int64_t(weight.element_count()) != dims[1])
+    return precondition(std::string("jax_nvcomm: ") + what +
+                        ": weight must be [H] of x's dtype or float32");
+  if (norm_hidden < 1 || norm_hidden > dims[1])
+    return precondition(std::string("jax_nvcomm: ") + what + ": norm_hidden must be in [1, H]");
+  return ffi::Error::Success();
+}
+
 // Shapes and dtypes of the fused FP8-output all-reduce (the host and CUDA handlers alike).
 inline ffi::Error check_quant(const ffi::AnyBuffer& x, const ffi::AnyBuffer& residual,
                               const ffi::AnyBuffer& weight, const ffi::AnyBuffer& q,
-                              const ffi::Buffer<ffi::F32>& scale) {
+                              const ffi::Buffer<ffi::F32>& scale, int64_t norm_hidden) {
+  if (auto e = check_rms("all_reduce_rms_norm_quant", x, residual, weight, norm_hidden);
+      e.failure())
+    return e;
   auto dims = x.dimensions();
-  if (dims.size() != 2) return precondition("jax_nvcomm: all_reduce_rms_norm_quant expects [T, H]");
-  if (residual.element_type() != x.element_type() || weight.element_type() != x.element_type())
-    return precondition("jax_nvcomm: all_reduce_rms_norm_quant: residual and weight must have "
-                        "x's dtype");
   if (q.element_type() != ffi::DataType::F8E4M3FN || q.element_count() != x.element_count())
     return precondition("jax_nvcomm: all_reduce_rms_norm_quant: q must be float8_e4m3fn of x's "
                         "shape");

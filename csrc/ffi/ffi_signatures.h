@@ -38,14 +38,16 @@ template <class P> auto rms_operands(P prefix) {
       .template Arg<ffi::AnyBuffer>();      // order_in
 }
 
-// x, residual, weight -> normed, residual_out
+// x, residual, weight -> normed, residual_out. weight: x's dtype or float32; norm_hidden: the
+// mean's divisor, the row width before the caller's zero padding (1..hidden).
 template <class P> auto all_reduce_rms(P prefix) {
   return rms_operands(prefix)
       .template Ret<ffi::AnyBuffer>()       // normed
       .template Ret<ffi::AnyBuffer>()       // residual_out
       .template Ret<ffi::AnyBuffer>()       // order_out
       .template Attr<int64_t>("comm_id")
-      .template Attr<float>("eps");
+      .template Attr<float>("eps")
+      .template Attr<int64_t>("norm_hidden");
 }
 
 // x, residual, weight -> q (float8_e4m3fn [T, H]), scale (float32 [T, 1]), residual_out
@@ -56,7 +58,8 @@ template <class P> auto all_reduce_rms_quant(P prefix) {
       .template Ret<ffi::AnyBuffer>()       // residual_out
       .template Ret<ffi::AnyBuffer>()       // order_out
       .template Attr<int64_t>("comm_id")
-      .template Attr<float>("eps");
+      .template Attr<float>("eps")
+      .template Attr<int64_t>("norm_hidden");  // as all_reduce_rms
 }
 
 // x, x_scale, topk_ids, num_tokens -> expert_x, expert_counts, expert_x_scale, and the handle

@@ -36,15 +36,17 @@ ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
                                 ffi::AnyBuffer residual, ffi::AnyBuffer weight, OrderIn,
                                 ffi::Result<ffi::AnyBuffer> normed,
                                 ffi::Result<ffi::AnyBuffer> residual_out, OrderOut, int64_t comm_id,
-                                float eps) {
+                                float eps, int64_t norm_hidden) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
+  if (auto e = check_rms("all_reduce_rms_norm", x, residual, weight, norm_hidden); e.failure())
+    return e;
   auto dims = x.dimensions();
-  int64_t hidden = dims.back();
-  int64_t tokens = int64_t(x.element_count()) / hidden;
   host::AllReduceArgs a{x.untyped_data(), normed->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
-                        tokens, hidden, dtype_code(x.element_type()), eps};
+                        dims[0], dims[1], dtype_code(x.element_type()), eps};
+  a.weight_dtype = dtype_code(weight.element_type());
+  a.norm_hidden = norm_hidden;
   std::string err = host::all_reduce(ctx->view, a);
   return from_text(err);
 }
@@ -55,15 +57,17 @@ ffi::Error AllReduceRmsQuantHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer 
                                      ffi::Result<ffi::AnyBuffer> q,
                                      ffi::Result<ffi::Buffer<ffi::F32>> scale,
                                      ffi::Result<ffi::AnyBuffer> residual_out, OrderOut,
-                                     int64_t comm_id, float eps) {
+                                     int64_t comm_id, float eps, int64_t norm_hidden) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
-  if (auto e = check_quant(x, residual, weight, *q, *scale); e.failure()) return e;
+  if (auto e = check_quant(x, residual, weight, *q, *scale, norm_hidden); e.failure()) return e;
   auto dims = x.dimensions();
   host::AllReduceArgs a{x.untyped_data(), q->untyped_data(), residual.untyped_data(),
                         residual_out->untyped_data(), weight.untyped_data(),
                         dims[0], dims[1], dtype_code(x.element_type()), eps,
                         scale->typed_data()};
+  a.weight_dtype = dtype_code(weight.element_type());
+  a.norm_hidden = norm_hidden;
   return from_text(host::all_reduce(ctx->view, a));
 }
 

@@ -47,6 +47,8 @@ std::string all_reduce(const CommView& v, const AllReduceArgs& a) {
   std::vector<const void*> src(v.world);
   for (int r = 0; r < v.world; ++r) src[r] = v.half(r, seq);
   std::vector<float> row(size_t(a.hidden));
+  const int wdt = a.weight_dtype < 0 ? a.dtype : a.weight_dtype;
+  const int64_t norm_cols = a.norm_hidden > 0 ? a.norm_hidden : a.hidden;
   for (int64_t t = 0; t < a.tokens; ++t) {
     const size_t base = size_t(t) * size_t(a.hidden);
     for (int64_t h = 0; h < a.hidden; ++h) {
@@ -65,16 +67,16 @@ std::string all_reduce(const CommView& v, const AllReduceArgs& a) {
       ss += r * r;
       store_f32(a.residual_out, a.dtype, base + h, r);
     }
-    const float inv = 1.0f / std::sqrt(ss / float(a.hidden) + a.eps);
+    const float inv = 1.0f / std::sqrt(ss / float(norm_cols) + a.eps);
     if (!quant) {
       for (int64_t h = 0; h < a.hidden; ++h)
-        store_f32(a.out, a.dtype, base + h, row[h] * inv * load_f32(a.weight, a.dtype, h));
+        store_f32(a.out, a.dtype, base + h, row[h] * inv * load_f32(a.weight, wdt, h));
       continue;
     }
     // FP8 output (fp8.h): the same float32 normed, kept in float32; NaN-propagating amax on bits.
     uint32_t amax = 0;
     for (int64_t h = 0; h < a.hidden; ++h) {
-      const float nv = row[h] * inv * load_f32(a.weight, a.dtype, h);
+      const float nv = row[h] * inv * load_f32(a.weight, wdt, h);
       row[h] = nv;
       uint32_t u;
       std::memcpy(&u, &nv, 4);

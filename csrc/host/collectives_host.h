@@ -24,6 +24,10 @@ struct AllReduceArgs {
   // Fused only: non-null => out is float8_e4m3fn q and scale float32 [tokens], from the float32
   // normed (not rounded to dtype first), as csrc/common/fp8.h defines them.
   float* scale = nullptr;
+  // Fused only: weight's dtype code (dtype or 0 = float32; -1: dtype) and the mean's divisor,
+  // the row width before the caller's zero padding (0: hidden).
+  int weight_dtype = -1;
+  int64_t norm_hidden = 0;
 };
 std::string all_reduce(const CommView& v, const AllReduceArgs& a);
 

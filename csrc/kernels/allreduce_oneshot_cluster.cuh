@@ -21,8 +21,9 @@
 // NaN, so every cluster barrier is still met) are those of allreduce_oneshot.cuh over the
 // G * kClThreads threads of the grid. Step 5, cluster c (of nclusters) owns rows c,
 // c + nclusters, ...; block j of the cluster plays virtual lanes l = j * kClThreads +
-// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the lane's columns are loaded into
-// registers before the first row (every row uses the same columns).
+// threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the
+// lane's columns are loaded into registers before the first row (every row uses the same
+// columns); a float32 weight (t.w_f32) is read per row in pass 2 instead (from L1).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
 //     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
 //     order (float32), adds the residual (loaded before the poll), stores residual_out, keeps
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
 #pragma unroll
     for (int c = 0; c < kClMaxCols; ++c) {
       const int col = vl + c * kArThreads;
-      if (col < nvr) wv[c] = ld_nc_v4(wgt + size_t(col) * 16);
+      if (col < nvr && !t.w_f32) wv[c] = ld_nc_v4(wgt + size_t(col) * 16);
     }
   }
   for (int64_t row = cid; row < t.tokens; row += ncl) {
@@ -175,14 +176,15 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
     const float tot = cluster_fold<kVWarps, kWarpsPerBlock>(
         cluster, s_part, [](float a, float b) { return __fadd_rn(a, b); });
     if constexpr (!kQuant) cluster_arrive();  // after the last read of a peer's shared memory
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
     uint32_t am = 0u;
 #pragma unroll
     for (int c = 0; c < kClMaxCols; ++c) {
       const int col = vl + c * kArThreads;
       if (col < nvr) {
         float fw[E], o[E];
-        unpack<T>(wv[c], fw);
+        if (!t.w_f32) unpack<T>(wv[c], fw);
+        else load_weight<T>(wgt, col, true, fw);  // float32: per row, from L1
 #pragma unroll
         for (int e = 0; e < E; ++e) o[e] = __fmul_rn(__fmul_rn(r[c][e], inv), fw[e]);
         if constexpr (kQuant) {

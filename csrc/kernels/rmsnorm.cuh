@@ -2,12 +2,17 @@
 // and the fused residual-add + RMSNorm epilogue. One-shot and two-shot both call these, with the
 // same row configuration for the same (hidden, dtype), so their results are bitwise identical.
 //
-// Semantics (T = x's dtype; residual, weight and outputs are T too):
+// Semantics (T = x's dtype; residual and outputs are T too; weight is T or float32):
 //   sum          = T( x_0 + x_1 + ... + x_{W-1} )     float32, left to right in rank order,
 //                                                     inputs with -0.0 replaced by +0.0
 //   r            = float(sum) + float(residual)        float32
 //   residual_out = T(r)
-//   normed       = T( (r * rsqrt(mean(r^2) + eps)) * float(weight) )
+//   normed       = T( (r * rsqrt(sum(r^2) / n + eps)) * float(weight) )
+// n = t.norm_hidden: the row's true width when the caller zero-padded the rows to a whole number
+// of 16-byte vectors (padding adds +0.0 to the sum of squares: exact), else hidden. A float32
+// weight (t.w_f32, 16-bit T only) is read as float32: 4 * E bytes per vector of the row, the
+// product above with the weight unrounded (as model code that keeps its norm weights in float32
+// computes it); a T weight is widened exactly.
 // The sum is rounded to T before the residual add, exactly as `lax.psum(x)` followed by the
 // add + RMSNorm computes it (and as TensorRT-LLM's fused kernels do). This lets two-shot gather
 // the T-typed sum (M bytes fit the all-gather zone) and run the epilogue on every rank with that
@@ -60,7 +65,36 @@ struct ArTensors {
   int64_t hidden;
   float eps;
   float* scale;            // quantised epilogue: float32 [tokens] row scales (else unused)
+  int64_t norm_hidden = 0;  // the mean's divisor (the width before zero padding); 0: hidden
+  bool w_f32 = false;       // weight is float32 [hidden] (T is 16-bit); else T [hidden]
 };
+
+// The divisor of the mean square (see the semantics above).
+__device__ __forceinline__ float norm_cols(const ArTensors& t) {
+  return float(t.norm_hidden > 0 ? t.norm_hidden : t.hidden);
+}
+
+// Address of the weights of 16-byte vector `col` of a row: 16 bytes of T, or 4 * E bytes of
+// float32 (w_f32).
+template <typename T>
+__device__ __forceinline__ const char* weight_at(const char* wgt, int col, bool w_f32) {
+  return wgt + size_t(col) * (w_f32 ? size_t(Vec<T>::kElems) * 4 : 16);
+}
+
+// The E = Vec<T>::kElems float32 weights of vector `col` (exact widening of a T weight).
+template <typename T>
+__device__ __forceinline__ void load_weight(const char* wgt, int col, bool w_f32, float* fw) {
+  constexpr int E = Vec<T>::kElems;
+  if constexpr (std::is_same<T, float>::value) {
+    unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+  } else if (!w_f32) {
+    unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+  } else {
+    const char* p = weight_at<T>(wgt, col, true);
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) unpack<float>(ld_nc_v4(p + 16 * i), fw + 4 * i);
+  }
+}
 
 constexpr int kEpiPairs = 4;                 // (row, column) vectors in flight per thread
 constexpr size_t kEpiSmemBudget = 64 * 1024;  // shared memory for r when several rows fit
@@ -175,7 +209,7 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
       const int col = c0 + (p / nr) * tpr;
       if (row < row_end && col < nvr) {
         float fw[E];
-        unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+        load_weight<T>(wgt, col, t.w_f32, fw);
         float4* src = grp_r + (size_t(q) * nvr + col) * F4;
 #pragma unroll
         for (int f = 0; f < F4; ++f) {
@@ -297,7 +331,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
 #pragma unroll
     for (int p = 0; p < kP; ++p) {
       const int col = lane + (p / nr) * tpr;
-      if (col < nvr) prefetch_l1(wgt + size_t(col) * 16);
+      if (col < nvr) prefetch_l1(weight_at<T>(wgt, col, t.w_f32));
     }
   }
 
@@ -374,7 +408,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         const float tot = fold_warp_partials<kWarps>(
             s_red + q * kWarps + group * warps_per_group, warps_per_group,
             [](float a, float b) { return __fadd_rn(a, b); });
-        inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+        inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
       }
     }
     float inv[kP];  // pair p's row is p % nr (p is a constant after unrolling: no local memory)
@@ -396,7 +430,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         const int col = c0 + (p / nr) * tpr;
         if (row < row_end && col < nvr) {
           float fw[E], o[E];
-          unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+          load_weight<T>(wgt, col, t.w_f32, fw);
           const float4* src = grp_r + (size_t(q) * nvr + col) * F4;
 #pragma unroll
           for (int f = 0; f < F4; ++f) {

@@ -103,8 +103,9 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     if (col_of(v) < nvr) {
-      if constexpr (kAhead) wv[v] = ld_nc_v4(wgt + size_t(col_of(v)) * 16);
-      else prefetch_l1(wgt + size_t(col_of(v)) * 16);  // registers are short: L1, loaded per row
+      // a float32 weight (t.w_f32) is not held: it is read per row, from L1
+      if (kAhead && !t.w_f32) wv[kAhead ? v : 0] = ld_nc_v4(wgt + size_t(col_of(v)) * 16);
+      else prefetch_l1(weight_at<T>(wgt, col_of(v), t.w_f32));  // registers are short: L1
     }
   }
   auto load_row = [&](int64_t row) {
@@ -152,14 +153,14 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
     group_sync<kGroups>(group);
     const float tot = fold_warp_partials<kVW>(s_part[group][buf], kVW,
                                               [](float a, float b) { return __fadd_rn(a, b); });
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.hidden)), t.eps));
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
     uint32_t am = 0u;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       if (col_of(v) < nvr) {
         float fw[E];
-        if constexpr (kAhead) unpack<T>(wv[v], fw);
-        else unpack<T>(ld_nc_v4(wgt + size_t(col_of(v)) * 16), fw);
+        if (kAhead && !t.w_f32) unpack<T>(wv[kAhead ? v : 0], fw);
+        else load_weight<T>(wgt, col_of(v), t.w_f32, fw);
 #pragma unroll
         for (int e = 0; e < E; ++e) r[v][e] = __fmul_rn(__fmul_rn(r[v][e], inv), fw[e]);
         if constexpr (kQuant) {

@@ -262,6 +262,11 @@ struct Shape {
   bool fused;
   bool specials;
   bool distinct_residual;
+  // Fused only: w32 = 1 a float32 weight of random values, 2 a float32 weight holding values
+  // of dt (then bitwise the dt weight's results); Hn > 0: columns >= Hn of x, residual and
+  // weight are zero (the package's padding of odd widths) and the mean divides by Hn.
+  int w32 = 0;
+  int64_t Hn = 0;
 };
 
 // Inputs of one case for every rank, their device copies and the expected outputs.
@@ -329,17 +334,34 @@ void gen_rw(Case& c, uint64_t seed) {
   const size_t n = size_t(s.T) * s.H;
   Rng g(seed ^ 0xABCDEFull);
   c.res.assign(c.W, HostT{s.dt, std::vector<uint32_t>(n)});
-  c.w = HostT{s.dt, std::vector<uint32_t>(s.H)};
+  c.w = HostT{s.w32 ? 0 : s.dt, std::vector<uint32_t>(s.H)};
   for (size_t i = 0; i < n; ++i) c.res[0].v[i] = rand_val(s.dt, g);
   for (int r = 1; r < c.W; ++r)
     for (size_t i = 0; i < n; ++i)
       c.res[r].v[i] = s.distinct_residual ? rand_val(s.dt, g) : c.res[0].v[i];
-  for (int64_t i = 0; i < s.H; ++i) c.w.v[i] = from_f(s.dt, float(0.5 + g.uni()));
+  for (int64_t i = 0; i < s.H; ++i) {
+    const float wf = float(0.5 + g.uni());
+    c.w.v[i] = s.w32 == 2 ? from_f(0, to_f(s.dt, from_f(s.dt, wf))) : from_f(c.w.dt, wf);
+  }
+}
+
+// The package's zero padding of rows to whole vectors: columns >= Hn hold zeros.
+void zero_tail(Case& c) {
+  const Shape& s = c.sh;
+  if (s.Hn <= 0) return;
+  for (int64_t row = 0; row < s.T; ++row)
+    for (int64_t j = s.Hn; j < s.H; ++j)
+      for (int r = 0; r < c.W; ++r) {
+        c.x[r].v[size_t(row) * s.H + j] = 0u;
+        if (s.fused) c.res[r].v[size_t(row) * s.H + j] = 0u;
+      }
+  for (int64_t j = s.Hn; j < s.H; ++j) c.w.v[j] = 0u;
 }
 
 void gen_inputs(Case& c, uint64_t seed) {
   gen_x(c, seed);
   gen_rw(c, seed);
+  zero_tail(c);
 }
 
 // CPU references: exact float32 emulation and float64.
@@ -395,10 +417,10 @@ void compute_expected(Case& c) {
         rr[j] = r32;  // exact r, as the kernels compute it
         ss += double(r32) * double(r32);
       }
-      const double inv = 1.0 / std::sqrt(ss / double(s.H) + 1e-6);
+      const double inv = 1.0 / std::sqrt(ss / double(s.Hn > 0 ? s.Hn : s.H) + 1e-6);
       for (int64_t j = 0; j < s.H; ++j) {
         const size_t i = size_t(row) * s.H + j;
-        const double o = rr[j] * inv * double(to_f(dt, c.w.v[j]));
+        const double o = rr[j] * inv * double(to_f(c.w.dt, c.w.v[j]));
         c.ref_out[q][i] = o;
         c.tol_out[q][i] = std::fabs(o) * (ulp_rel(dt) + 4e-6) + tiny(dt);
       }
@@ -466,6 +488,8 @@ AllReduceArgs args_of(const Case& c, int r) {
   a.hidden = c.sh.H;
   a.dtype = c.sh.dt;
   a.eps = 1e-6f;
+  a.weight_dtype = c.sh.w32 ? 0 : -1;
+  a.norm_hidden = c.sh.Hn;
   return a;
 }
 
@@ -747,6 +771,116 @@ bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64
 }
 
 // ---------------------------------------------------------------------------------------------
+// float32 weights with 16-bit x (weight_dtype) and zero-padded odd widths (norm_hidden), in
+// every epilogue variant the shapes reach (cluster one-shot for few tokens, the register rows
+// of two-shot and of world 1, the shared-memory rows, the FP8 epilogue): (a) the float64
+// reference with the float32 weight and the mean over Hn (run_case: also one-shot == two-shot
+// bitwise); (b) a float32 weight holding dt values gives the dt weight's bytes exactly (the
+// float32 loads read the same values: addresses, layout); (c) the same for the FP8 epilogue.
+Tally g_wtail;
+
+// One call of c with strategy s on every rank (quantised when scale is set): the output bytes
+// of every rank (out | residual_out | scale).
+std::vector<std::vector<uint8_t>> run_bytes(World& w, Case& c, Strategy s, bool quant) {
+  const size_t n = size_t(c.sh.T) * c.sh.H, rbytes = n * esize(c.sh.dt);
+  const size_t obytes = quant ? n : rbytes;
+  std::vector<float*> d_scale(w.W, nullptr);
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    CK(cudaMemset(c.d_out[r], 0xFF, rbytes));
+    CK(cudaMemset(c.d_rout[r], 0xFF, rbytes));
+    if (quant) CK(cudaMalloc(&d_scale[r], size_t(c.sh.T) * 4));
+  }
+  sync_devices();
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    AllReduceArgs a = args_of(c, r);
+    a.scale = d_scale[r];
+    const cudaError_t e = nvc::cuda::all_reduce(w.r[r].v, a, s, nullptr, w.r[r].st, w.sms);
+    if (e != cudaSuccess) {
+      std::printf("weight/tail all_reduce launch failed: %s (%s)\nRESULT: FAIL\n",
+                  cudaGetErrorName(e), nvc::cuda::all_reduce_check(w.r[r].v, a, s));
+      std::exit(2);
+    }
+  }
+  if (w.W > 1) (s == Strategy::kTwoShot ? w.twoshot_calls : w.oneshot_calls) += 1;
+  sync_world(w);
+  std::vector<std::vector<uint8_t>> got(w.W);
+  for (int r = 0; r < w.W; ++r) {
+    set_dev(r);
+    got[r].resize(obytes + rbytes + (quant ? size_t(c.sh.T) * 4 : 0));
+    CK(cudaMemcpy(got[r].data(), c.d_out[r], obytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(got[r].data() + obytes, c.d_rout[r], rbytes, cudaMemcpyDeviceToHost));
+    if (quant) {
+      CK(cudaMemcpy(got[r].data() + obytes + rbytes, d_scale[r], size_t(c.sh.T) * 4,
+                    cudaMemcpyDeviceToHost));
+      CK(cudaFree(d_scale[r]));
+    }
+  }
+  return got;
+}
+
+// (b) / (c): the float32 weight holding dt values against the dt weight, bytewise, for both
+// strategies (where the message fits) and, with quant, the FP8 epilogue.
+bool w32_same_bytes(World& w, int dt, int64_t T, int64_t H, int64_t Hn, bool quant,
+                    uint64_t seed) {
+  Case a, b;
+  a.sh = Shape{dt, T, H, true, false, false, 0, Hn};
+  b.sh = Shape{dt, T, H, true, false, false, 2, Hn};
+  a.W = b.W = w.W;
+  gen_inputs(a, seed);
+  gen_inputs(b, seed);  // the same x and residual; b's weight: a's values as float32
+  upload(a);
+  upload(b);
+  bool ok = true;
+  const size_t bytes = size_t(T) * H * esize(dt);
+  for (int si = 0; si < 2; ++si) {
+    const Strategy s = si == 0 ? Strategy::kOneShot : Strategy::kTwoShot;
+    if (bytes > (si == 0 ? nvc::cuda::oneshot_max_bytes(w.r[0].v)
+                         : nvc::cuda::twoshot_max_bytes(w.r[0].v)))
+      continue;
+    ok &= run_bytes(w, a, s, quant) == run_bytes(w, b, s, quant);
+  }
+  if (!ok && g_fail_lines++ < 12)
+    std::printf("  FAIL float32 weight of %s values != %s weight bytes W=%d T=%lld H=%lld Hn=%lld%s\n",
+                dtype_name(dt), dtype_name(dt), w.W, (long long)T, (long long)H, (long long)Hn,
+                quant ? " fp8" : "");
+  release(a);
+  release(b);
+  return ok;
+}
+
+bool weight_tail_cases(World& w, uint64_t seed) {
+  struct WT { int64_t T, H, Hn; };
+  // (1, 4096) / (7, 7168): cluster one-shot (W >= 2) and world-1 register rows; (16, 3072):
+  // two-shot register rows; (33, 520) / (1000, 64): shared-memory rows, several per group;
+  // Hn: odd true widths inside the padded H (4100 -> 4104 for 16-bit, 7 -> 8, 1 -> 8)
+  const WT cases[] = {{1, 4096, 0}, {7, 7168, 0}, {16, 3072, 0}, {33, 520, 0}, {1000, 64, 0},
+                      {3, 4104, 4100}, {5, 8, 7}, {9, 8, 1}, {64, 4104, 4100}, {2, 1032, 1025}};
+  bool ok = true;
+  for (int dt = 0; dt < 3; ++dt)
+    for (const WT& c : cases) {
+      for (int w32 = 0; w32 < (dt == 0 ? 1 : 2); ++w32) {  // f32 x: the weight is f32 anyway
+        if (w32 == 0 && c.Hn == 0) continue;              // the plain cases run elsewhere
+        Shape sh{dt, c.T, c.H, true, false, false, w32, c.Hn};
+        if (dt == 0 && c.H % 4) continue;
+        const bool good = run_case(w, sh, ++seed);
+        g_wtail.total++;
+        g_wtail.pass += good;
+        ok &= good;
+      }
+      if (dt != 0)
+        for (int q = 0; q < 2; ++q) {
+          const bool good = w32_same_bytes(w, dt, c.T, c.H, c.Hn, q == 1, ++seed);
+          g_wtail.total++;
+          g_wtail.pass += good;
+          ok &= good;
+        }
+    }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Many queued calls with changing sizes and alternating strategies (no sync in between).
 
 bool stress(World& w, int ncalls, uint64_t seed) {
@@ -971,6 +1105,12 @@ bool validation_ok(World& w) {
   b = a;
   b.hidden = 32768 + 8;
   refused(b, Strategy::kTwoShot, "fused hidden too large");
+  b = a;
+  b.norm_hidden = a.hidden + 1;
+  refused(b, Strategy::kOneShot, "norm_hidden > hidden");
+  b = a;
+  b.weight_dtype = a.dtype == 1 ? 2 : 1;  // a 16-bit weight of the other 16-bit type
+  refused(b, Strategy::kOneShot, "weight of a third dtype");
   b = a;
   b.x = static_cast<const char*>(a.x) + 4;
   refused(b, Strategy::kOneShot, "misaligned x");
@@ -1403,8 +1543,10 @@ void probe_run(int sms) {
 
 int main(int argc, char** argv) {
   bool quick = false, err = false, do_bench = false, do_probe = false, do_local = false;
+  bool wtail = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--wtail")) wtail = true;
     else if (!std::strcmp(argv[i], "--bench")) do_bench = true;
     else if (!std::strcmp(argv[i], "--bench-local")) do_local = true;
     else if (!std::strcmp(argv[i], "--probe")) do_probe = true;
@@ -1413,7 +1555,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--error")) err = true;
     else {
       std::printf("usage: %s [--gpus N] [--ranks N] "
-                  "[--quick | --bench | --bench-local | --probe | --error]\n",
+                  "[--quick | --wtail | --bench | --bench-local | --probe | --error]\n",
                   argv[0]);
       return 2;
     }
@@ -1472,6 +1614,32 @@ int main(int argc, char** argv) {
 
   const size_t M = 8 << 20;  // max_message_bytes: one-shot slot 1 MiB, two-shot 8 MiB
   const uint64_t timeout_ns = 4ull * 1000 * 1000 * 1000;
+  if (wtail) {  // the float32-weight / padded-width cases alone, W = 1, 2, 4, 8 (+ validation)
+    bool ok = true, valid = true;
+    for (int W : {1, 2, 4, 8}) {
+      World w = make_world(W, M, timeout_ns, sms);
+      g_world = &w;
+      ok &= weight_tail_cases(w, 4242 + W);
+      if (W == 2) valid = validation_ok(w);
+      ok &= counters_ok(w);
+      free_world(w);
+      g_world = nullptr;
+    }
+    std::printf("\n W  strategy  dtype  fused (float32 weight / padded widths)\n");
+    for (int W : {1, 2, 4, 8})
+      for (int si = 0; si < 2; ++si)
+        for (int dt = 0; dt < 3; ++dt) {
+          const Tally& f = g_tab[widx(W)][si][dt][1];
+          std::printf("%2d  %-8s  %-5s  %3d/%-3d %s\n", W, si ? "twoshot" : "oneshot",
+                      dtype_name(dt), f.pass, f.total, f.pass == f.total ? "ok" : "FAIL");
+        }
+    std::printf("float32 weight / zero-padded widths (all W): %d/%d %s\n", g_wtail.pass,
+                g_wtail.total, g_wtail.pass == g_wtail.total ? "ok" : "FAIL");
+    std::printf("host validation %s\n", valid ? "ok" : "FAIL");
+    ok &= valid;
+    std::printf("RESULT: %s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 1;
+  }
   struct TH { int64_t T, H; };
   std::vector<TH> shapes = {{1, 64},     {1, 4096},   {1, 16384}, {2, 72},    {3, 1000},
                             {5, 128},    {7, 4096},   {8, 8192},  {16, 2048}, {33, 520},
@@ -1519,6 +1687,7 @@ int main(int argc, char** argv) {
           for (int q = 0; q < 2; ++q)
             if (th.H / vec_elems(dt) <= 1024) all_ok &= local_rows_cross(w, dt, th.T, th.H, q, ++seed);
     }
+    all_ok &= weight_tail_cases(w, 4242 + W);
     stress_ok[widx(W)] = stress(w, nstress, 77 + W);
     const bool inv_ok = batch_invariance(w, 555 + W);
     batch_ok[widx(W)] = inv_ok;
@@ -1552,6 +1721,8 @@ int main(int argc, char** argv) {
   }
   std::printf("W=1  row kernel == one-block epilogue bitwise %d/%d %s\n", g_local_rows.pass,
               g_local_rows.total, g_local_rows.pass == g_local_rows.total ? "ok" : "FAIL");
+  std::printf("float32 weight / zero-padded widths (all W): %d/%d %s\n", g_wtail.pass,
+              g_wtail.total, g_wtail.pass == g_wtail.total ? "ok" : "FAIL");
   std::printf("host validation %s\n", valid_ok ? "ok" : "FAIL");
   std::printf("RESULT: %s\n", all_ok ? "PASS" : "FAIL");
   return all_ok ? 0 : 1;

@@ -9,8 +9,8 @@ Matched (x the psum's operand, r = psum(x) + residual, any leading dims, hidden 
     out = n, converted or not, times the weight (a [H] array, converted and broadcast, not
           computed from r) or no weight, converted or not.
 The new residual r may be used later; the norm's intermediates may not be (they are dropped).
-What it becomes: normed, r = all_reduce_rms_norm(x, residual, weight, eps) with x and the
-residual folded to [rows, H]; `out` is normed in out's dtype. The kernel computes the norm in
+What it becomes: normed, r = all_reduce_rms_norm(x, residual, weight, eps) (x [..., H], any
+H up to the kernel's widest, a float32 weight as it is); `out` is normed in out's dtype. The kernel computes the norm in
 float32 and rounds once, so a norm written in another precision or with the weight applied
 after a cast matches to within that rounding.
 """
@@ -365,25 +365,15 @@ def plan(jaxpr) -> dict:
     return found
 
 
-def _f32_weight_ok() -> bool:
-    """Whether all_reduce_rms_norm fuses a float32 weight with a bf16 / f16 x."""
-    from . import allreduce
-    return bool(getattr(allreduce, "MIXED_WEIGHT_FUSED", False))
-
-
-def _any_width_ok() -> bool:
-    from . import allreduce
-    return bool(getattr(allreduce, "ANY_HIDDEN_FUSED", False))
-
-
 def refuse(fused: Fused) -> str:
     """Why this match cannot take all_reduce_rms_norm ("" when it can)."""
+    from . import allreduce
     x = fused.x.aval
     H = int(x.shape[-1])
-    if (H * x.dtype.itemsize) % 16 and not _any_width_ok():
-        return f"hidden {H} x {x.dtype.itemsize} bytes is not a multiple of 16 bytes"
     if H == 0 or int(np.prod(x.shape)) == 0:
         return "an empty array"
+    if allreduce.padded_cols(H, x.dtype) > allreduce.MAX_FUSED_HIDDEN:
+        return f"hidden {H} is above the fused kernel's {allreduce.MAX_FUSED_HIDDEN}"
     return ""
 
 
@@ -404,12 +394,11 @@ class Fire:
         H = x.shape[-1]
         if f.w is None:
             w = jnp.ones((H,), x.dtype)
-        else:
+        else:  # a float32 weight with 16-bit x goes in as it is (the kernel reads it so)
             w = read(f.w)
-            if w.dtype != x.dtype and not (_f32_weight_ok() and w.dtype == jnp.float32):
-                w = w.astype(x.dtype)
-        normed, r_out = all_reduce_rms_norm(x.reshape(-1, H), res.reshape(-1, H), w,
-                                            self.comm, eps=f.eps)
+            if w.dtype != x.dtype and w.dtype != jnp.float32:
+                w = w.astype(jnp.float32)
+        normed, r_out = all_reduce_rms_norm(x, res, w, self.comm, eps=f.eps)
         env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
         env[f.n] = _like(normed.reshape(f.n.aval.shape).astype(f.n.aval.dtype), f.n.aval)
 

@@ -596,11 +596,6 @@ def _reduce_scatter(eqn, invals, comm, site):
 def _ragged(eqn, invals, comm, site):
     from . import ragged
     operand, output, io, ss, oo, rs = invals
-    idx = {str(a.dtype) for a in (io, ss, oo, rs)}
-    if len(idx) != 1:
-        site.reason = f"mixed index dtypes {sorted(idx)}"
-        site.fixable = True
-        return None
     if comm.xla_fallback:
         site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
         return None

@@ -173,7 +173,8 @@ def jit(fun=None, **jax_jit_kwargs):
       - `lax.psum` / `pmean` of floats -> `all_reduce`;
       - psum -> add of a residual -> RMSNorm (float32 upcast or not, mean of x*x / square /
         x**2, rsqrt or 1/sqrt, any eps, a weight of x's dtype or float32, the norm in another
-        function or jitted helper, the new residual used later) -> one `all_reduce_rms_norm`;
+        function or jitted helper, the new residual used later) -> one `all_reduce_rms_norm`
+        (followed by a per-token FP8 scaling and cast -> `all_reduce_rms_norm_quant`);
       - `lax.all_gather` -> `all_gather`; `lax.psum_scatter` along dim 0 -> `reduce_scatter_v`;
         `lax.ragged_all_to_all` -> `ragged_all_to_all`.
     Collectives our ops cannot serve (integers, sizes XLA does better per the strategy table,

@@ -43,10 +43,14 @@ class Fused:
     skip: frozenset      # eqn indices the fused call replaces
     where: dict          # "add" / "norm" -> source line
     note: str = ""       # why it was not fused, when it was not
+    q: object = None     # a per-token FP8 quantisation of n matched after it (`match_quant`):
+    scale: object = None  # its float8 output and its float32 scale var
 
     def describe(self) -> str:
         w = "" if self.w is not None else ", no weight"
-        return f"add ({self.where['add']}) + rms_norm ({self.where['norm']}, eps={self.eps:g}{w})"
+        q = f" + fp8 quantisation ({self.where['quant']})" if self.q is not None else ""
+        return (f"add ({self.where['add']}) + rms_norm ({self.where['norm']}, eps={self.eps:g}"
+                f"{w}){q}")
 
 
 def _maps(jaxpr):
@@ -346,8 +350,109 @@ class _Matcher:
         first = min(readers, default=len(E))
         if w is not None and self.prod.get(w, -1) >= first:
             return None
-        return Fused(x=x, res=res, r=r, n=out, w=w, eps=float(eps), skip=frozenset(skip),
-                     where={"add": source_of(add), "norm": source_of(E[norm_eqn])})
+        fused = Fused(x=x, res=res, r=r, n=out, w=w, eps=float(eps), skip=frozenset(skip),
+                      where={"add": source_of(add), "norm": source_of(E[norm_eqn])})
+        quant = self.match_quant(out, H, nd, skip)
+        if quant is not None:
+            fused.q, fused.scale, qskip, fused.where["quant"] = quant
+            fused.skip = frozenset(skip | qskip)
+        return fused
+
+    def match_quant(self, n, H, nd, skip):
+        """A per-token FP8 quantisation of the normed value n, as model code writes it:
+            v = n (converted or not);  amax = max(|v|, last axis) (keepdims or broadcast,
+            maybe max(amax, tiny));  scale = amax / 448 (or * (1/448));
+            q = (v / scale) (clipped or not) cast to float8_e4m3fn.
+        Returns (q var, scale var, eqn indices, source line) or None. Everything between n
+        and q but the scale feeds nothing else (n itself included)."""
+        E = self.eqns
+        views = {n}
+        for i in self.users.get(n, []):
+            if E[i].primitive.name in _VIEW:
+                views.add(E[i].outvars[0])
+        chain = set(i for v in views for i in self.users.get(v, []) if v is n and
+                    E[i].primitive.name in _VIEW)
+        absi = [i for v in views for i in self.users.get(v, []) if E[i].primitive.name == "abs"]
+        if len(absi) != 1:
+            return None
+        chain.add(absi[0])
+        v = E[absi[0]].outvars[0]
+
+        def one(v, pred):
+            c = [i for i in self.users.get(v, []) if pred(E[i])]
+            return c[0] if len(c) == 1 and len(self.users.get(v, [])) == 1 and \
+                v not in self.outs else None
+
+        i = one(v, lambda e: e.primitive.name == "reduce_max" and
+                tuple(e.params.get("axes", ())) == (nd - 1,))
+        if i is None:
+            return None
+        chain.add(i)
+        v = E[i].outvars[0]
+        scale_i = None
+        for _ in range(6):
+            i = one(v, lambda e: True)
+            if i is None:
+                return None
+            e = E[i]
+            nm = e.primitive.name
+            lit = next((_lit(o) for o in e.invars if _lit(o) is not None), None)
+            if nm in _SHAPE or (nm == "max" and lit is not None and lit >= 0):
+                chain.add(i)
+                v = e.outvars[0]
+                continue
+            if (nm == "div" and e.invars[0] is v and lit is not None and abs(lit - 448) < 1e-3) \
+                    or (nm == "mul" and lit is not None and abs(lit * 448 - 1) < 1e-6):
+                scale_i = i
+            break
+        if scale_i is None:
+            return None
+        chain.add(scale_i)
+        scale = E[scale_i].outvars[0]
+        if tuple(scale.aval.shape) not in (tuple(n.aval.shape[:-1]) + (1,),
+                                           tuple(n.aval.shape[:-1])):
+            return None
+        # q = view / scale (the scale broadcast or not), clipped or not, cast to float8
+        sviews = {scale}
+        for i in self.users.get(scale, []):
+            if E[i].primitive.name in _SHAPE:
+                sviews.add(E[i].outvars[0])
+                chain.add(i)
+        divs = [i for vv in views for i in self.users.get(vv, []) if E[i].primitive.name ==
+                "div" and E[i].invars[0] is vv and E[i].invars[1] in sviews]
+        if len(divs) != 1:
+            return None
+        chain.add(divs[0])
+        v = E[divs[0]].outvars[0]
+        for _ in range(4):
+            i = one(v, lambda e: True)
+            if i is None:
+                return None
+            e = E[i]
+            chain.add(i)
+            v = e.outvars[0]
+            if e.primitive.name == "convert_element_type":
+                if jnp.dtype(e.params["new_dtype"]) == jnp.dtype(jnp.float8_e4m3fn):
+                    break
+                continue
+            if e.primitive.name not in ("clamp", "max", "min", "round"):
+                return None
+        else:
+            return None
+        q = v
+        if q.aval.dtype != jnp.dtype(jnp.float8_e4m3fn):
+            return None
+        # nothing between n and q feeds anything else (the scale may: it is an output)
+        for i in chain:
+            for o in E[i].outvars:
+                if o is q or o is scale:
+                    continue
+                if o in self.outs or any(u not in chain for u in self.users.get(o, [])):
+                    return None
+        if n in self.outs or any(u not in chain and u not in skip for u in
+                                 self.users.get(n, [])):
+            return None
+        return q, scale, chain, source_of(E[divs[0]])
 
 
 def plan(jaxpr) -> dict:
@@ -383,7 +488,7 @@ class Fire:
 
     def __init__(self, fused: Fused, comm):
         self.fused, self.comm = fused, comm
-        self.binds = (fused.r, fused.n)
+        self.binds = (fused.r, fused.n) if fused.q is None else (fused.r, fused.q, fused.scale)
 
     def fire(self, read, env, lazy):
         from .allreduce import all_reduce_rms_norm
@@ -398,6 +503,14 @@ class Fire:
             w = read(f.w)
             if w.dtype != x.dtype and w.dtype != jnp.float32:
                 w = w.astype(jnp.float32)
+        if f.q is not None:
+            from .allreduce_quant import all_reduce_rms_norm_quant
+            q, scale, r_out = all_reduce_rms_norm_quant(x, res, w, self.comm, eps=f.eps)
+            env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
+            env[f.q] = q.reshape(f.q.aval.shape)
+            env[f.scale] = _like(scale.reshape(f.scale.aval.shape).astype(f.scale.aval.dtype),
+                                 f.scale.aval)
+            return
         normed, r_out = all_reduce_rms_norm(x, res, w, self.comm, eps=f.eps)
         env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
         env[f.n] = _like(normed.reshape(f.n.aval.shape).astype(f.n.aval.dtype), f.n.aval)

@@ -7,7 +7,8 @@ What is replaced (inside a shard_map body, at any depth of pjit / scan / cond / 
 checkpoint / custom_jvp / custom_vjp nesting):
   - `psum` / `psum_invariant` of floats over one axis or a tuple of axes -> `all_reduce`
     (pmean is psum + a division: the division stays);
-  - psum -> add of a residual -> RMSNorm (`_norm.match`) -> one `all_reduce_rms_norm`;
+  - psum -> add of a residual -> RMSNorm (`_norm`) -> one `all_reduce_rms_norm` (with a
+    per-token FP8 cast after it: `all_reduce_rms_norm_quant`);
   - `all_gather` -> `all_gather`; `reduce_scatter` (lax.psum_scatter) along dim 0 ->
     `reduce_scatter_v` with equal segments; `ragged_all_to_all` -> `ragged_all_to_all`.
 Everything else, and every collective our ops cannot serve (integers, sizes XLA does better by
@@ -40,11 +41,14 @@ PSUMS = ("psum", "psum_invariant")
 COLLECTIVES = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all",
                        "ppermute", "pbroadcast", "psum_scatter")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
-SERVED = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all")
+SERVED = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all")
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LAX_NAME = {"psum": "psum", "psum_invariant": "psum", "all_gather": "all_gather",
              "reduce_scatter": "psum_scatter", "ragged_all_to_all": "ragged_all_to_all",
              "all_to_all": "all_to_all", "ppermute": "ppermute"}
+# collectives inside a shard_map body that no op of ours takes: listed by explain, ordered
+# against our calls (`_ordered`)
+UNSERVED = ("ppermute", "pbroadcast", "psum_scatter", "all_gather_invariant", "pgather")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +188,14 @@ def _message_bytes(eqn, mesh, axes) -> int:
         return n * world
     if name == "reduce_scatter":
         return n
+    if name == "all_to_all":
+        from . import _ffi
+        rows = max(int(av.shape[0]), 1) if av.ndim else 1
+        row = n // rows
+        need = 4096
+        while not _ffi._host.ragged_fits(need, world, rows, row, 1) and need < (1 << 40):
+            need *= 2
+        return need
     if name == "ragged_all_to_all":
         from . import _ffi
         out = eqn.invars[1].aval
@@ -385,6 +397,11 @@ def evaluate(jaxpr, consts, args, ctx):
                     continue
             note = fused.note if fused is not None else ""
             outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note)
+        elif name in UNSERVED and ctx.mesh is not None:
+            site = _site(eqn, eqn.invars[0].aval, ctx)
+            site.reason = f"no jax_nvcomm kernel for {site.op}"
+            _record(ctx, site)
+            outs = _ordered(eqn, [read(v) for v in eqn.invars])
         elif name in SERVED:  # no shard_map around it in this program: called inside one
             site = _site(eqn, eqn.invars[0].aval, ctx)
             site.reason = ("nvc.jit was applied inside a shard_map body, where its program has "
@@ -408,6 +425,35 @@ def evaluate(jaxpr, consts, args, ctx):
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _ordered(eqn, invals):
+    """Bind an XLA collective that stays in a shard_map body, in the order chain of our calls
+    (`_order`): its operands depend on the latest call's token and the next call's token on
+    its result, through arithmetic that changes no value (x + t * -0.0 is x for every x).
+    Without this, a device may run it and one of our calls in the other order than its peers
+    (XLA:CPU runs independent ops concurrently), each waiting for the other: a deadlock."""
+    from . import _order
+    axes = [a for a in _axes_of(eqn) if isinstance(a, str)]
+    if not axes or not invals:
+        return _bind(eqn, invals)
+    tok = _order.token(axes[0])
+    zero = tok[0] * jnp.float32(-0.0)
+
+    def tie(x):
+        if not hasattr(x, "dtype") or jnp.size(x) == 0:
+            return x
+        dt = jnp.dtype(x.dtype)
+        if jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer):
+            return x + zero.astype(dt)
+        return x
+
+    outs = _bind(eqn, [tie(x) for x in invals])
+    first = next((o for o in outs if hasattr(o, "dtype") and jnp.size(o) > 0 and (
+        jnp.issubdtype(o.dtype, jnp.floating) or jnp.issubdtype(o.dtype, jnp.integer))), None)
+    if first is not None:
+        _order.record(tok + jnp.reshape(first, (-1,))[:1].astype(jnp.float32) * 0.0)
+    return outs
 
 
 def _call_jaxpr(eqn):
@@ -471,9 +517,11 @@ def _collective(eqn, invals, ctx, note=""):
             out = _reduce_scatter(eqn, invals, comm, site)
         elif name == "ragged_all_to_all":
             out = _ragged(eqn, invals, comm, site)
+        elif name == "all_to_all":
+            out = _all_to_all(eqn, invals, comm, site)
     _record(ctx, site)
     if out is None:
-        return _bind(eqn, invals)
+        return _ordered(eqn, invals)
     return [_like(out, eqn.outvars[0].aval)]
 
 
@@ -506,7 +554,8 @@ def _psum(eqn, invals, ctx, note=""):
         _record(ctx, site)
     rest = [j for j, o in enumerate(outs) if o is None]
     if rest:
-        xla = _bind(eqn, [invals[j] for j in rest])
+        sub = [invals[j] for j in rest]
+        xla = _bind(eqn, sub) if len(rest) < len(invals) else _ordered(eqn, sub)
         for j, o in zip(rest, xla):
             outs[j] = o
     return outs
@@ -529,12 +578,13 @@ def _fused_decision(eqn, fused, ctx, jaxpr):
         return site, None
     hidden = x_aval.shape[-1]
     rows = int(np.prod(x_aval.shape[:-1], dtype=np.int64))
-    choice = _strategy.select_strategy(comm, (rows, hidden), x_aval.dtype,
-                                       op="all_reduce_rms_norm", explain=True)
+    op = "all_reduce_rms_norm" if fused.q is None else "all_reduce_rms_norm_quant"
+    choice = _strategy.select_strategy(comm, (rows, hidden), x_aval.dtype, op=op,
+                                       explain=True)
     if choice.strategy == "xla":
         fused.note = str(choice)
         return site, None
-    site.became = f"all_reduce_rms_norm ({choice.strategy})"
+    site.became = f"{op} ({choice.strategy})"
     site.fused_with = fused.describe()
     site.reason = str(choice)
     return site, _norm.Fire(fused, comm)
@@ -591,6 +641,40 @@ def _reduce_scatter(eqn, invals, comm, site):
     if not p["tiled"]:
         out = out.reshape(eqn.outvars[0].aval.shape)
     return out
+
+
+def _all_to_all(eqn, invals, comm, site):
+    """lax.all_to_all with split_axis == concat_axis == 0 as a ragged_all_to_all of equal
+    slices (a copy: bitwise); other axes stay XLA's (they would need transposes)."""
+    from . import ragged
+    p = eqn.params
+    (x,) = invals
+    W = comm.world_size
+    if p["split_axis"] != 0 or p["concat_axis"] != 0:
+        site.reason = (f"split_axis={p['split_axis']}, concat_axis={p['concat_axis']}: taken "
+                       "for 0, 0 only")
+        return None
+    if comm.xla_fallback:
+        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
+        return None
+    y = x if x.ndim >= 2 else x.reshape(-1, 1)  # chunks along dim 0 (tiled or not: W rows)
+    if y.ndim < 1 or y.shape[0] % W or y.dtype.itemsize == 0:
+        site.reason = f"rows {y.shape} not a multiple of the group of {W}"
+        return None
+    m = y.shape[0] // W
+    row = int(np.prod(y.shape[1:], dtype=np.int64)) * y.dtype.itemsize
+    if not ragged.fits(comm, y.shape[0], row, 1):
+        site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
+        site.fixable = True
+        return None
+    me = lax.axis_index(comm.axis_name).astype(jnp.int32)
+    i = jnp.arange(W, dtype=jnp.int32)
+    sizes = jnp.full((W,), m, jnp.int32)
+    out = ragged.ragged_all_to_all(y, jnp.zeros_like(y), i * m, sizes, jnp.full((W,), m,
+                                                                             jnp.int32) * me,
+                                   sizes, comm)
+    site.became = "ragged_all_to_all (equal slices)"
+    return out.reshape(eqn.outvars[0].aval.shape)
 
 
 def _ragged(eqn, invals, comm, site):

@@ -117,6 +117,24 @@ def test_ragged_mixed_index_dtypes():
     np.testing.assert_array_equal(got, src.transpose(1, 0, 2, 3))
 
 
+def test_all_to_all_of_equal_chunks_bitwise():
+    mesh = mesh_of((8,), ("ep",))
+
+    def body(x, n):
+        return (lax.all_to_all(x, "ep", 0, 0, tiled=True),
+                lax.all_to_all(n.reshape(8, 2), "ep", 0, 0, tiled=False))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=(P("ep"),
+                                                                             P("ep")))
+    (x,) = _data((8 * 16, 4), jnp.float32, 1)
+    n = jnp.arange(8 * 16, dtype=jnp.int32)
+    j = nvc.jit(f)
+    assert targets(j.lower(x, n).as_text()) == {"nvc_ragged_all_to_all": 2}
+    assert xla_collectives(j.lower(x, n).as_text()) == []
+    for a, b in zip(j(x, n), jax.jit(f)(x, n)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_integer_psum_stays_xla_and_explain_says_why():
     mesh = mesh_of((8,), ("tp",))
 
@@ -213,6 +231,35 @@ def test_fused_norm_in_jitted_helper_and_residual_used_later():
     assert targets(j.lower(a, wl, res, wn).as_text()) == {"nvc_all_reduce_rms": 1}
     np.testing.assert_allclose(np.asarray(j(a, wl, res, wn)),
                                np.asarray(jax.jit(f)(a, wl, res, wn)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_cast_after_the_norm_is_the_quant_op(dtype):
+    """psum -> add -> RMSNorm -> per-token FP8 scaling and cast: one
+    all_reduce_rms_norm_quant; q * scale equals XLA's within FP8's rounding."""
+    mesh = mesh_of((8,), ("tp",))
+
+    def body(x, res, w):
+        h = lax.psum(x, "tp") + res
+        n = _rms(h, w).astype(jnp.float32)
+        amax = jnp.max(jnp.abs(n), axis=-1, keepdims=True)
+        scale = jnp.maximum(amax, 1e-12) / 448.0
+        q = (n / scale).astype(jnp.float8_e4m3fn)
+        return q, scale, h
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P(), P()))
+    x, res = _data((8, 64), dtype, 2)
+    (w,) = _data((64,), jnp.float32, 1, seed=2)
+    j = nvc.jit(f)
+    assert targets(j.lower(x, res, w).as_text()) == {"nvc_all_reduce_rms_quant": 1}, \
+        targets(j.lower(x, res, w).as_text())
+    (q, s, h), (q0, s0, h0) = j(x, res, w), jax.jit(f)(x, res, w)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == s0.shape == (8, 1)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(_f64(s), _f64(s0), rtol=tol)
+    deq, deq0 = _f64(q) * _f64(s), _f64(q0) * _f64(s0)
+    np.testing.assert_allclose(deq, deq0, rtol=0, atol=2 ** -3 * np.abs(deq0).max())
+    np.testing.assert_allclose(_f64(h), _f64(h0), rtol=tol, atol=tol)
 
 
 def test_residual_of_another_dtype_is_a_plain_all_reduce():
@@ -344,7 +391,9 @@ def test_moe_layer_grad():
     for a, b in zip(jax.tree.leaves(got_outer), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
     j = nvc.jit(jax.grad(loss(fwd), argnums=(0, 1)))
-    t = targets(j.lower(params, x).as_text())
-    assert t.get("nvc_ragged_all_to_all", 0) >= 4, t
+    text = j.lower(params, x).as_text()
+    t = targets(text)
+    assert t.get("nvc_ragged_all_to_all", 0) >= 4, t   # lax's transposes' all_to_alls too
+    assert xla_collectives(text) == []
     for a, b in zip(jax.tree.leaves(j(params, x)), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

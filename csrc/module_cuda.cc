@@ -17,6 +17,7 @@
 #include "cuda/build_info.h"
 #include "cuda/moe.h"
 #include "cuda/ragged.h"
+#include "cuda/ragged_dot.h"
 #include "cuda/varlen.h"
 #include "transport/cuda_mem.h"
 #include "transport/cuda_multicast.h"
@@ -63,10 +64,23 @@ NB_MODULE(_cuda, m) {
     if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
     for (cudaError_t e : {cuda::all_gather_load_kernels(), cuda::all_reduce_load_kernels(),
                           cuda::moe_load_kernels(), cuda::varlen_load_kernels(),
-                          cuda::ragged_load_kernels()})
+                          cuda::ragged_load_kernels(), cuda::ragged_dot_load_kernels()})
       if (e != cudaSuccess)
         throw std::runtime_error(std::string("jax_nvcomm: loading kernels: ") +
                                  cudaGetErrorString(e));
+  });
+  // The ragged_dot kernels alone on `device` (dynamic shared-memory limits raised, modules
+  // loaded): jax_nvcomm/ragged_dot.py calls it once per device at trace time, so that the first
+  // call, which XLA may record into a CUDA graph, does no module loading.
+  m.def("ragged_dot_load_kernels", [](int device) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+    const cudaError_t e = cuda::ragged_dot_load_kernels();
+    cudaSetDevice(prev);
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string("jax_nvcomm: loading the ragged_dot kernels: ") +
+                               cudaGetErrorString(e));
   });
   m.def("read_u64", [](int device, uint64_t addr) {
     return cuda::read_u64(device, reinterpret_cast<const void*>(addr));

@@ -17,6 +17,7 @@ from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine
                         moe_dispatch_recv, moe_dispatch_send)
 from .moe_split import overlap as moe_overlap
 from .ragged import ragged_all_to_all
+from .ragged_dot import ragged_dot, select_ragged_dot_strategy
 from .strategy import select_strategy
 from .varlen import all_gather_v, reduce_scatter_v
 
@@ -31,5 +32,6 @@ __all__ = [
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
     "ragged_all_to_all", "communicators", "close_all",
-    "register", "unregister", "jit", "explain", "Explanation",
+    "register", "unregister", "ragged_dot", "select_ragged_dot_strategy", "jit", "explain",
+    "Explanation",
 ]

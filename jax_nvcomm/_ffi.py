@@ -5,26 +5,96 @@ Targets are plain (stateless) handlers, so registering them before any backend s
 """
 from __future__ import annotations
 
+import glob
+import importlib.machinery
+import os
+import re
+import sys
+
 import jax
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _missing_extension_message() -> str:
+    """Why `_host` did not import, and what to do: a checkout's source folder (no compiled
+    modules) that shadows an install, or no install at all."""
+    root = os.path.dirname(_HERE)
+    others = [p for p in sys.path if p and os.path.abspath(p) != root]
+    spec = importlib.machinery.PathFinder.find_spec("jax_nvcomm", others)
+    installed = os.path.dirname(spec.origin) if spec is not None and spec.origin else None
+    if installed and glob.glob(os.path.join(installed, "_host*.so")):
+        return (f"jax_nvcomm: Python imported the source folder {_HERE} (it comes first on "
+                f"sys.path: the current directory or the script's), which holds no compiled "
+                f"modules, instead of the install in {installed}. Install the checkout "
+                "editable (pip install -e . in the checkout's root), or run from another folder")
+    return (f"jax_nvcomm: the compiled extension _host is missing from {_HERE}: the package is "
+            "not installed. Install the wheel, or build from the checkout's root: "
+            "pip install -e .  (or bash scripts/dev.sh install)")
+
 
 try:
     from . import _host
-except ImportError as _e:  # a source checkout without the compiled modules shadows the install
-    import os as _os
-    raise ImportError(
-        f"jax_nvcomm: the compiled extension is missing from {_os.path.dirname(__file__)}: "
-        "this is the source folder of a checkout (or a broken install). Install the package "
-        "(bash scripts/dev.sh install, or pip install .) and run Python from outside the "
-        "checkout's root, where the source folder would shadow the installed package") from _e
+except ImportError as _e:
+    raise ImportError(_missing_extension_message()) from _e
 
-try:
-    from . import _cuda  # noqa: F401
-    CUDA_BUILT = True
-    CUDA_IMPORT_ERROR = None
-except ImportError as e:  # built without nvcc, or CUDA runtime unusable
-    _cuda = None
-    CUDA_BUILT = False
-    CUDA_IMPORT_ERROR = str(e)
+
+def _wheel_runtimes(major: str, roots) -> list[str]:
+    """libcudart.so.<major> of the nvidia-cuda-runtime wheel (the one jax's CUDA plugin loads)
+    under each of `roots` (site-packages folders)."""
+    out = [os.path.join(r or ".", sub, f"libcudart.so.{major}") for r in roots
+           for sub in (f"nvidia/cu{major}/lib", "nvidia/cuda_runtime/lib")]
+    return [c for c in dict.fromkeys(out) if os.path.isfile(c)]
+
+
+def _toolkit_runtimes(major: str) -> list[str]:
+    out = [os.path.join(h, "lib64", f"libcudart.so.{major}")
+           for h in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")
+           if h]
+    return [c for c in dict.fromkeys(out) if os.path.isfile(c)]
+
+
+def _import_cuda():
+    """(the _cuda module or None, why not). The module needs the shared CUDA runtime
+    (libcudart.so.12 or .13, whichever nvcc built it against), not a GPU or a driver. Its RPATH
+    finds the nvidia-cuda-runtime wheel installed beside the package; where that wheel lies in
+    another site-packages (a venv made with --system-site-packages) it is loaded from there
+    first, so the process holds the runtime jax's plugin uses; the CUDA toolkit's comes last."""
+    import ctypes
+    import importlib.util
+    spec = importlib.util.find_spec(f"{__package__}._cuda")
+    if spec is None or not spec.origin:
+        return None, "built without the CUDA part (no nvcc, or JAX_NVCOMM_CUDA=OFF)"
+    with open(spec.origin, "rb") as f:
+        m = re.search(rb"libcudart\.so\.(\d+)", f.read())
+    major = m.group(1).decode() if m else None
+    if major and not _wheel_runtimes(major, [os.path.dirname(os.path.dirname(spec.origin))]):
+        for cand in _wheel_runtimes(major, sys.path)[:1]:
+            try:
+                ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
+    try:
+        from . import _cuda as mod
+        return mod, None
+    except ImportError as e:
+        if major is None or f"libcudart.so.{major}" not in str(e):
+            return None, f"the CUDA module did not load: {e}"
+    for cand in _toolkit_runtimes(major):
+        try:
+            ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            from . import _cuda as mod
+            return mod, None
+        except (OSError, ImportError):
+            continue
+    return None, (f"the CUDA module needs the CUDA {major} runtime (libcudart.so.{major}), found "
+                  "neither beside the package nor in the toolkit: install jax with its CUDA "
+                  f"plugin (pip install 'jax[cuda{major}]', which brings nvidia-cuda-runtime), "
+                  "or put the toolkit's lib64 on LD_LIBRARY_PATH")
+
+
+_cuda, CUDA_IMPORT_ERROR = _import_cuda()
+CUDA_BUILT = _cuda is not None
 
 HOST_TARGETS = dict(_host.targets())
 CUDA_TARGETS = dict(_cuda.targets()) if _cuda is not None else {}
@@ -39,8 +109,9 @@ def require_cuda() -> None:
     if _cuda is None:
         raise RuntimeError(
             "jax_nvcomm: the CUDA backend is not available in this build "
-            f"({CUDA_IMPORT_ERROR or 'built without nvcc'}); reinstall on a machine with the CUDA "
-            "toolkit (nvcc on PATH), or use backend='host' with CPU devices, or strategy='xla'")
+            f"({CUDA_IMPORT_ERROR}); install a wheel with the CUDA part, or build on a machine with "
+            "the CUDA toolkit (nvcc on PATH), or use backend='host' with CPU devices, or "
+            "strategy='xla'")
 
 
 def module(backend: str):

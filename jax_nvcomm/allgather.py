@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _fallback, _order, _registry, _shard
+from . import _fallback, _order, _registry, _shard, _warn
 
 
 def _gather0(x, tok, comm):
@@ -120,6 +120,12 @@ def all_gather(x, comm=None, *, axis_name=None, axis: int = 0, tiled: bool = Tru
     # split over auto mesh axes where they divide, as gather_call splits them)
     local = _shard.local_shape(comm, x, tuple(d for d in range(nd) if d != axis or not tiled))
     if comm.world_size == 1 or _too_big(comm, local, x.dtype):
+        if comm.world_size > 1:
+            n = int(np.prod(local, dtype=np.int64)) * x.dtype.itemsize * comm.world_size
+            _warn.warn_once(f"jax_nvcomm: all_gather: gathering {n} bytes per device exceeds "
+                            f"the communicator's max_message_bytes {comm.max_message_bytes}: "
+                            "lax.all_gather runs instead of the kernel (a Communicator with "
+                            f"max_message_bytes >= {n} serves it)")
         return lax.all_gather(x, comm.axis_name, axis=axis, tiled=tiled)
 
     call = gather_call(comm)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax._src import core as _core
 
-from . import _exchange, _ffi, _multicast, topology, tuning
+from . import _exchange, _ffi, _multicast, _report, topology, tuning
 from ._symmetric import SymmetricBuffers
 
 _ids = itertools.count(1)
@@ -182,6 +182,7 @@ class _Base:
                                      DEFAULT_SETUP_TIMEOUT_S, lamport_range, zero_bytes,
                                      alloc=alloc, multicast=mc_req)
         self._closed = False
+        _report._open.add(self)
 
     def _setup_topology(self, prefix, requested, what) -> bool:
         """Gather every rank's host and device facts and decide the transport (topology/).
@@ -274,15 +275,25 @@ class _Base:
                 "link_summary": topology.describe_links(facts, links)}
 
     def check_usable(self, what: str) -> None:
+        """Raise if closed; print (once) a failure of an earlier call that nobody read."""
         if self._closed:
             raise RuntimeError(f"jax_nvcomm: {what}: the {type(self).__name__} was closed")
+        _report.report(self._sym.mod, self._id, f"while tracing {what}")
 
     def errors(self) -> list[str]:
         """Error records of this process's ranks, one line each (empty if none): what `check()`
         raises. A record is readable as soon as the failing kernel wrote it (host-mapped
-        memory), also while the call still runs. After `close()`: the records it had then."""
+        memory), also while the call still runs. After `close()`: the records it had then.
+        Records read here (or through `check()`) are not printed again at the next call, at
+        close() or at exit."""
         if self._closed:
             return list(self._final_errors)
+        out = self._records()
+        if out:
+            self._sym.mod.take_unreported(self._id)  # read by the caller: no report on stderr
+        return out
+
+    def _records(self) -> list[str]:
         out = []
         for slot in self._sym.slots:
             t = self._sym.mod.error_text(self._id, slot)
@@ -334,7 +345,7 @@ class _Base:
         """
         if self._closed:
             return
-        self._final_errors = self.errors()
+        self._final_errors = self._records()
         self._closed = True
         if self._backend == "cuda":
             for dev in self._sym.local_devices():
@@ -342,6 +353,7 @@ class _Base:
                     self._sym.mod.synchronize(dev)
                 except RuntimeError:
                     pass
+        _report.report(self._sym.mod, self._id, "at close()")  # before the records go
         failed = bool(self._final_errors)
         met = False
         try:
@@ -376,7 +388,8 @@ class _Base:
 
 
 class Communicator(_Base):
-    """Symmetric buffers for all_reduce / all_reduce_rms_norm / all_gather over `axis_name`.
+    """Symmetric buffers for all_reduce / all_reduce_rms_norm / all_gather over `axis_name` (one
+    mesh axis or a tuple of them).
 
     Per-rank memory (`nbytes`): 64 KiB control block + 2 halves of
     (W * align256(ceil(M / W)) + align256(M)) + 3 * W * L Lamport slots, with M =
@@ -394,8 +407,10 @@ class Communicator(_Base):
 
     Args:
       mesh: a `jax.sharding.Mesh`.
-      axis_name: the mesh axis to reduce / gather over; the other axes give one independent
-        group per coordinate.
+      axis_name: the mesh axis to reduce / gather over, or a tuple of mesh axes (the group is
+        their product, as for `lax.psum(x, ("X", "Y"))`; a rank's number is
+        `lax.axis_index(axis_name)`, the first axis major); the other axes give one
+        independent group per coordinate.
       max_message_bytes: largest message (bytes per rank) through the buffers, >= 4096; larger
         ones use XLA's collective.
       backend: "auto" (CUDA on GPU devices, host memory on CPU devices), "cuda" or "host".

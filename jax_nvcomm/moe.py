@@ -47,7 +47,7 @@ class MoECommunicator(_Base):
     fallback: `xla_fallback`). Per-rank buffer bytes: `nbytes` (module docstring).
 
     Args:
-      mesh, axis_name, backend, timeout_s: as for `Communicator`.
+      mesh, axis_name, backend, timeout_s: as for `Communicator` (a tuple of axes too).
       num_experts: >= 1, divisible by the axis size.
       top_k: experts per token, 1 <= top_k <= min(num_experts, 32).
       max_tokens: static per-rank token capacity (>= 1).

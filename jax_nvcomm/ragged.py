@@ -51,7 +51,7 @@ import numpy as np
 from jax import lax
 from jax._src.interpreters import ad
 
-from . import _ffi, _order, _registry, _shard, reference
+from . import _ffi, _order, _registry, _shard, _warn, reference
 from .communicator import Communicator
 
 _STRATEGIES = ("auto", "xla")
@@ -220,6 +220,10 @@ def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
         return kernel(operand, output, io, ss, oo, rs, tok)
     if comm.backend == "host":
         raise _too_big(comm, m, row, k, batch)
+    _warn.warn_once(f"jax_nvcomm: {_WHAT}: an output of {m} rows x {row} bytes with {k} slices "
+                    f"per peer does not fit the communicator's buffers (max_message_bytes "
+                    f"{comm.max_message_bytes}, >= {_enough_bytes(comm, m, row, k)} would): "
+                    "lax.ragged_all_to_all runs instead of the kernel")
     return _xla(operand, output, io, ss, oo, rs, comm), tok
 
 

@@ -1,23 +1,23 @@
 """`python -m jax_nvcomm.tune`: measure on the machine at hand where each all-reduce strategy
 beats XLA, and write a tuning file that every `Communicator` of this machine then uses
-(jax_nvcomm/tuning.py; format and precedence: docs/tuning.md).
+(format and precedence: docs/tuning.md).
 
 For each world size (powers of two from 1 to the local devices; a launcher job: the job's
 world), op (all_reduce, all_reduce_rms_norm, all_reduce_rms_norm_quant) and dtype (bfloat16,
 float16, float32), over message sizes from 4 KiB doubling up to --max-bytes (shapes
 [tokens, hidden] with hidden 4096 elements, fewer for the smallest sizes), it times the
 one-shot and the two-shot kernel against XLA's own path (lax.psum, + XLA's add + RMSNorm
-(+ FP8 quantisation)) with the loop programs of `python -m jax_nvcomm.bench allreduce`
-(bench/common.py), and keeps per row:
+(+ FP8 quantisation)) with the loop programs of `python -m jax_nvcomm.bench allreduce`,
+and keeps per row:
   world size >= 2: one-shot up to the last size of the leading run where it is fastest,
-    two-shot up to the last size after it where it beats XLA (bench/allreduce.py `crossover`);
+    two-shot up to the last size after it where it beats XLA;
   world size 1 (no communication): local_min_bytes, the smallest size from which our kernel
-    beats XLA by >= 5% (LOCAL_MARGIN) at every larger measured size (plain all_reduce: never,
+    beats XLA by >= 5% at every larger measured size (plain all_reduce: never,
     lax.psum over one device is compiled away).
 The baseline is XLA under this process's flags (XLA_FLAGS: tune with the flags your jobs
-use); --baseline xla-best takes the fastest of XLA's fast-path flags instead (bench/xla_best.py).
+use); --baseline xla-best takes the fastest of XLA's fast-path flags instead.
 
-Writes the file (default: the cache file of this machine, `tuning.cache_path()`), a summary
+Writes the file (default: this machine's cache file, named under --out), a summary
 table and a PNG of the measurements beside the file. Ranks sharing a GPU are no timing basis:
 it refuses to run there. On CPU devices it runs (--quick for tests) and marks the file as CPU.
 
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 from . import tuning
 from .bench.allreduce import AR_METHODS, BEST, FUSED_METHODS, QUANT_METHODS, crossover
-from .bench.common import _human
+from .bench.common import _human, byte_size
 
 SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 HIDDEN = 4096  # elements per row of the measured shapes
@@ -334,14 +334,14 @@ def _parser():
                    help="ops to measure (default: all three)")
     p.add_argument("--dtypes", nargs="*", choices=tuning.DTYPES, default=None,
                    help="dtypes to measure (default: all three; --quick: bfloat16)")
-    p.add_argument("--min-bytes", type=int, default=4 << 10,
-                   help="smallest message per rank (default 4 KiB)")
-    p.add_argument("--max-bytes", type=int, default=None,
-                   help="largest message (default 64 MiB; --quick 1 MiB; CPU 16 KiB)")
+    p.add_argument("--min-bytes", type=byte_size, default=4 << 10, metavar="SIZE",
+                   help="smallest message per rank, e.g. 4KiB or 4096 (default 4 KiB)")
+    p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="largest message, e.g. 1MiB (default 64 MiB; --quick 1 MiB; CPU 16 KiB)")
     p.add_argument("--baseline", choices=("xla", "xla-best"), default="xla",
                    help="xla: XLA under this process's flags (what strategy 'xla' runs in "
                         "jobs with the same XLA_FLAGS); xla-best: the fastest of XLA's "
-                        "fast-path flags per point (bench/xla_best.py; more compilations)")
+                        "fast-path flags per point (more compilations)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed runs of each program, median taken (default 5; --quick or "
                         "CPU: 3)")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _order, _registry, _shard
+from . import _order, _registry, _shard, _warn
 
 _RS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEADER = 256  # kVarlenHeaderBytes (csrc/common/varlen_layout.h)
@@ -295,6 +295,11 @@ def all_gather_v(x, num_rows, comm=None, *, axis_name=None, zero_tail: bool = Tr
     row = _local_row_bytes(comm, x)  # each device's call's
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0
             or not fits(comm, max_rows, row)):
+        if not (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0):
+            _warn.warn_once(f"jax_nvcomm: {what}: {W} x {max_rows} rows of {row} bytes do not "
+                            f"fit the communicator's buffers (max_message_bytes "
+                            f"{comm.max_message_bytes}): a padded lax.all_gather runs instead "
+                            "of the kernel")
         dims = tuple(range(1, x.ndim))
         return _shard.per_device(comm, lambda a, n: xla_all_gather_v(a, n, axis, W),
                                  (x, jnp.clip(nr, 0, max_rows)), None, (dims, ()),
@@ -380,6 +385,12 @@ def reduce_scatter_v(y, offsets, comm=None, *, axis_name=None):
     row = _local_row_bytes(comm, y)  # each device's call's
     if (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0 or row % 16
             or not fits(comm, max_rows, row)):
+        if not (comm.xla_fallback or W == 1 or max_rows == 0 or row == 0):
+            why = (f"rows of {row} bytes are not a multiple of 16" if row % 16 else
+                   f"{W} x {max_rows} rows of {row} bytes do not fit the communicator's buffers "
+                   f"(max_message_bytes {comm.max_message_bytes})")
+            _warn.warn_once(f"jax_nvcomm: {what}: {why}: a padded lax.psum_scatter runs "
+                            "instead of the kernel")
         dims = tuple(range(1, y.ndim))
         return _shard.per_device(comm, lambda a, o: (xla_reduce_scatter_v(a, o, axis, W),),
                                  (y, offsets), None, (dims, ()), (dims,))[0]

@@ -3,11 +3,15 @@
 #   bash scripts/dev.sh demo [args]   create .venv (Python >= 3.12), install, run the main example
 #   bash scripts/dev.sh test [args]   create .venv, install, run the test suite
 #   bash scripts/dev.sh install       create .venv and install only
+#   bash scripts/dev.sh env           create .venv with the requirements, without the package
 #   bash scripts/dev.sh deps          print the pip requirements `install` would install here,
 #                                     one per line (installs nothing)
-# The CUDA backend is compiled when `nvidia-smi -L` lists a GPU and nvcc is found; on a machine
-# without a GPU only the host backend (CPU devices) is built, which takes seconds instead of
-# minutes. JAX_NVCOMM_CUDA=ON|OFF|AUTO overrides (CI sets ON where nvcc exists: .ci/run).
+# The package is installed editable (pip install -e .): Python started anywhere, the checkout's
+# root included, imports the checkout's code. The CUDA backend is compiled when `nvidia-smi -L`
+# lists a GPU and nvcc is found; on a machine without a GPU only the host backend (CPU devices)
+# is built, which takes seconds instead of minutes. JAX_NVCOMM_CUDA=ON|OFF|AUTO overrides.
+# JAX_NVCOMM_WHEEL=path/to.whl installs that wheel (and the CUDA runtime its CUDA module needs)
+# instead of building (CI: .ci/run builds the wheel once and tests it).
 # jax comes with its CUDA plugin when `nvidia-smi -L` lists a GPU: jax[cuda13] when the driver
 # supports CUDA >= 13 (the "CUDA Version" of plain `nvidia-smi`), else jax[cuda12]; plain jax
 # otherwise (CI, CPU-only machines). The same choice as pyproject.toml's extras cuda13 / cuda12.
@@ -83,16 +87,21 @@ cuda_choice() {
   fi
 }
 
-# pip install of the package itself. With the CUDA part the build's progress lines ([k/N] of
-# ninja) are shown; its whole log goes to $VENV/build.log and its end is printed on failure.
+# pip install of the package itself (args: the pip command after `python -m pip`; default
+# `install --no-build-isolation --no-deps -e .`: editable, so Python run in the checkout's root
+# imports the checkout's code with the compiled modules of the install). With the CUDA part the
+# build's progress lines ([k/N] of ninja) are shown; its whole log goes to $BUILD_LOG
+# ($VENV/build.log) and its end is printed on failure. VENV_PY: the python to run pip with.
 build_package() {
-  local pip=("$VENV/bin/python" -m pip install --no-build-isolation --no-deps)
+  local args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(install --no-build-isolation --no-deps -e .)
+  local pip=("${VENV_PY:-$VENV/bin/python}" -m pip "${args[@]}")
   if [ "$JAX_NVCOMM_CUDA" = OFF ]; then
-    "${pip[@]}" -q .
+    "${pip[@]}" -q
     return
   fi
-  local log="$VENV/build.log"
-  "${pip[@]}" -v . >"$log" 2>&1 </dev/null &
+  local log="${BUILD_LOG:-$VENV/build.log}"
+  "${pip[@]}" -v >"$log" 2>&1 </dev/null &
   local pid=$! shown=0 rc=0 steps='^ *\[[0-9]*/[0-9]*\] '  # ninja's lines, as pip -v indents them
   show() {  # the progress lines of the log not shown yet
     local n
@@ -112,7 +121,28 @@ build_package() {
   fi
 }
 
-install() {
+# The requirement that brings the CUDA runtime a built wheel's _cuda module needs (the module
+# names libcudart.so.<major>); nothing for a wheel without it.
+wheel_cuda_runtime() {
+  local major
+  major=$("${VENV_PY:-$VENV/bin/python}" - "$1" <<'EOF'
+import re, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for n in z.namelist():
+        if "/_cuda" in n and n.endswith(".so"):
+            m = re.search(rb"libcudart\.so\.(\d+)", z.read(n))
+            print(m.group(1).decode() if m else "")
+EOF
+)
+  case "$major" in
+    "") ;;
+    12) echo "nvidia-cuda-runtime-cu12>=12.8,<13" ;;
+    *) echo "nvidia-cuda-runtime>=$major,<$((major + 1))" ;;
+  esac
+}
+
+# $VENV with the requirements, without the package
+make_env() {
   local reqs
   mapfile -t reqs < <(requirements)
   if [ ! -x "$VENV/bin/python" ]; then
@@ -124,10 +154,23 @@ install() {
   echo "jax_nvcomm: installing ${reqs[*]}" >&2
   $pip install -q --upgrade pip
   $pip install -q "${reqs[@]}"
+}
+
+install() {
+  make_env
+  local pip="$VENV/bin/python -m pip" t0=$SECONDS
+  if [ -n "${JAX_NVCOMM_WHEEL:-}" ]; then  # a built wheel instead of the checkout (CI)
+    local runtime
+    runtime=$(wheel_cuda_runtime "$JAX_NVCOMM_WHEEL")
+    echo "jax_nvcomm: installing $JAX_NVCOMM_WHEEL ${runtime}" >&2
+    $pip install -q --no-deps --force-reinstall "$JAX_NVCOMM_WHEEL"
+    [ -z "$runtime" ] || $pip install -q "$runtime"
+    echo "jax_nvcomm: installed the wheel in $((SECONDS - t0)) s" >&2
+    return
+  fi
   cuda_choice
-  local t0=$SECONDS
   build_package
-  echo "jax_nvcomm: installed (CUDA backend: $JAX_NVCOMM_CUDA) in $((SECONDS - t0)) s" >&2
+  echo "jax_nvcomm: installed (editable; CUDA backend: $JAX_NVCOMM_CUDA) in $((SECONDS - t0)) s" >&2
 }
 
 # sourced (tests call the functions above): define them, run nothing
@@ -137,10 +180,11 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   install) install ;;
+  env) make_env ;;
   deps) requirements ;;
-  # run from examples/ so the source folder jax_nvcomm/ (no compiled modules) does not shadow
-  # the installed package
+  # run from examples/ and tests/: with a wheel installed (JAX_NVCOMM_WHEEL) the checkout's
+  # source folder jax_nvcomm/ (no compiled modules) in the current directory would shadow it
   demo) install; cd examples && exec "$VENV/bin/python" -m jax_nvcomm.demo "$@" ;;
   test) install; cd tests && exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
-  *) echo "usage: $0 demo|test|install|deps [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 demo|test|install|env|deps [args]" >&2; exit 2 ;;
 esac

@@ -42,6 +42,19 @@
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
+#                                      no package build: harness cases (float64 reference), memcheck,
+#                                      the decode-shape table against the weight-read bound and the
+#                                      tile x cluster sweep (best per shape last) (~2.5 min)
+#                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
+#                                      GPU 0 (the package's op: kernel, graph loop, gradients,
+#                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
+#                            rdotfinal the three in one: harness cases + the production table (no
+#                                      sweep), the op's tests (1, 2, 4 processes), bench moelayer's
+#                                      gate / down rows at 32 and 256 experts (~2.5 min + build)
+#                            rdotb32   the ragged_dot rows of `bench moelayer` (nvc vs lax.ragged_dot,
+#                            rdotb256  device time, weight-read bound) at 32 / 256 experts (~2 min
+#                                      each + build)
 #   bash scripts/gpu_check.sh moeragged the dropless EP MoE layer (examples/moe_ragged.py): one GPU,
 #                                      nvc vs lax.ragged_all_to_all vs a dense reference (forward,
 #                                      training step), then 2 and 4 processes sharing GPU 0, nvc
@@ -51,6 +64,11 @@
 #                                      docs/guide.md, the three small examples; the guide's
 #                                      launcher script with 2 and 4 processes sharing GPU 0 and,
 #                                      with 2+ GPUs, one process per GPU (~4 min)
+#   bash scripts/gpu_check.sh wheel    the wheel users install: scripts/build_wheel.sh here (sm_90a
+#                                      only, to fit; retagged, no network), installed into a fresh
+#                                      venv that sees this machine's jax (a .pth file),
+#                                      then from /tmp: import, CUDA_BUILT, which libcudart the
+#                                      process holds, one all_reduce on the GPUs (~2.5 min)
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
@@ -129,7 +147,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | opforms1) ;; *) ensure_built ;; esac  # harnesses alone: no package
+case "${MODES[*]}" in raggedk | mend | opforms1 | wheel | rdot) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -202,6 +220,62 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
   step ragged_time 300 build/ragged_h --graph-time
   grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
   cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
+  ;;
+rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
+  # (every edge case fully checked against float64, each sweep variant x cluster size), the
+  # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
+    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  grep -E "FAIL|failure" "$OUT/rdot/cases.txt" | tee -a "$OUT/summary.txt"
+  step rdot_sweep 120 build/rdot_h --sweep
+  grep -A2000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
+  grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  ;;
+rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
+  # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
+  step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
+  grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  ;;
+rdotfinal)  # the kernel harness (cases, production table), the package's op on GPU 0 (tests),
+  # bench moelayer's gate / down rows with device time
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
+    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h --no-variants
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
+  step rdot_time 60 build/rdot_h --time
+  grep -A200 "=== rdot_time" "$OUT/all.log" | grep -vE "^===|PASS" | tee -a "$OUT/summary.txt"
+  step rdot_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
+  grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  step rdot_bench 150 $PY -m jax_nvcomm.bench moelayer --experts 32 256 --ops gate down \
+    --reps 3 --calls 5 --out "$OUT/rdotbench"
+  grep -A16 "^   E    T     M op" "$OUT/all.log" | tail -16 | tee -a "$OUT/summary.txt"
+  ;;
+rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the
+  # 3-product block, nvc vs lax.ragged_dot, with device time and the weight-read bound
+  local e=${1#rdotb}
+  step rdot_bench$e 145 $PY -m jax_nvcomm.bench moelayer --experts $e --reps 5 --calls 5 \
+    --out "$OUT/rdotbench$e"
+  grep -A12 "^   E    T     M op" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
   for n in ${SHARE_NS:-2 4 8}; do
@@ -490,6 +564,58 @@ jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.p
   grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)" "$OUT/all.log" | tail -30 | \
     tee -a "$OUT/summary.txt"
   ;;
+wheel)  # build the wheel here, install it into a fresh venv, import it and run one op
+  rm -rf /tmp/nvc_dist /tmp/nvc_wheel_venv
+  step wheel_build 200 env JAX_NVCOMM_CUDA=ON JAX_NVCOMM_CUDA_ARCHS=90a AUDITWHEEL=off \
+    PYTHON="$PY" DIST=/tmp/nvc_dist bash scripts/build_wheel.sh
+  local whl t0
+  whl=$(ls /tmp/nvc_dist/jax_nvcomm-*.whl 2>/dev/null | head -1)
+  say "wheel: ${whl:-NONE} ($(grep -o 'built jax_nvcomm.* in [0-9]* s' "$OUT/all.log" | tail -1))"
+  [ -n "$whl" ] || return 0
+  t0=$SECONDS
+  # a venv without pip of its own (ensurepip may be missing) that sees $PY's packages (jax, pip)
+  # after its own, through a .pth file (--system-site-packages would show the base
+  # interpreter's, not those of a venv that $PY may be); no index (no network)
+  local vsp
+  $PY -m venv --without-pip /tmp/nvc_wheel_venv &&
+    vsp=$(/tmp/nvc_wheel_venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") &&
+    $PY -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+      >"$vsp/outer_packages.pth" &&
+    env -u PYTHONPATH /tmp/nvc_wheel_venv/bin/python -m pip install -q --no-index --no-deps \
+      "$whl" >>"$OUT/all.log" 2>&1
+  say "wheel: installed into a fresh venv in $((SECONDS - t0)) s (rc $?)"
+  cat >/tmp/nvc_wheel_check.py <<'PY'
+import time
+t = time.time()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_nvcomm as nvc
+from jax_nvcomm import _ffi
+print(f"wheel import: {time.time() - t:.1f} s; {nvc.__file__}")
+print("wheel CUDA_BUILT", nvc.CUDA_BUILT, _ffi._cuda.compiled_archs() if nvc.CUDA_BUILT
+      else _ffi.CUDA_IMPORT_ERROR)
+maps = open("/proc/self/maps").read().splitlines()
+print("wheel cudart loaded:", sorted({l.split()[-1] for l in maps if "libcudart" in l}))
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+comm = nvc.Communicator(mesh, "x", max_message_bytes=1 << 20)
+f = jax.jit(jax.shard_map(lambda x: nvc.all_reduce(x, comm, strategy="oneshot"), mesh=mesh,
+                          in_specs=P("x"), out_specs=P()))
+W = mesh.size
+x = jax.random.normal(jax.random.key(0), (W * 8, 1024), jnp.float32)
+calls = sorted(set(__import__("re").findall(r"nvc_\w+", f.lower(x).as_text())))
+y = np.asarray(f(x))
+ref = np.asarray(x, np.float64).reshape(W, 8, 1024).sum(0)
+err = float(np.max(np.abs(y - ref)))
+comm.check()
+comm.close()
+print(f"wheel all_reduce on {W} GPU(s): custom calls {calls}; max |ours - numpy| {err:.1e}; "
+      f"{'PASS' if err < 1e-4 and calls else 'FAIL'}")
+PY
+  # from /tmp and without this script's PYTHONPATH (the checkout would shadow the install)
+  step wheel_run 120 env -u PYTHONPATH -u PYTHONSAFEPATH bash -c \
+    "cd /tmp && /tmp/nvc_wheel_venv/bin/python /tmp/nvc_wheel_check.py"
+  grep -E "^wheel |Traceback|Error" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
+  ;;
 opforms1)  # the fused all-reduce kernels with a float32 weight (16-bit x) and zero-padded odd
   # widths (csrc/kernels/rmsnorm.cuh, rmsnorm_regs.cuh, allreduce_oneshot_cluster.cuh): the
   # all-reduce harness rebuilt from this tree (its two translation units in parallel), --wtail
@@ -517,7 +643,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend|opforms1|opforms]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -68,7 +68,7 @@ def test_installed_cuda_module_holds_hopper_code():
     JAX_NVCOMM_CUDA_ARCHS)."""
     from jax_nvcomm import _ffi
     if _ffi._cuda is None:
-        pytest.skip("the package was built without its CUDA part")
+        pytest.skip("built without the CUDA part")
     archs = _ffi._cuda.compiled_archs()
     assert 900 in archs, f"compiled for {archs}, not sm_90a"
     assert all(a >= 900 for a in archs), archs

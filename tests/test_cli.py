@@ -6,6 +6,7 @@ jax_nvcomm.topology` on a machine without GPUs says so and exits 0 without any w
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import shutil
 import subprocess
@@ -55,7 +56,8 @@ def test_bench_help_describes_every_subcommand_and_flag():
     assert _undescribed(p) == []
     sub = _subcommands(p)
     listed = {a.dest: a.help for a in sub._choices_actions}
-    assert set(listed) == set(sub.choices) == {"allreduce", "moe", "varlen", "ragged", "step"}
+    assert set(listed) == set(sub.choices) == {"allreduce", "moe", "moelayer", "varlen", "ragged",
+                                               "step"}
     for name, parser in sub.choices.items():
         assert listed[name], f"bench {name}: no line in the list of subcommands"
         assert parser.description and f"bench {name}" in parser.description, name
@@ -89,3 +91,60 @@ def test_topology_without_gpus_says_so_and_exits_0(tmp_path):
 def test_topology_help():
     out = _run(["-m", "jax_nvcomm.topology", "--help"])
     assert out.returncode == 0 and "link" in out.stdout and "exits 0" in out.stdout
+
+
+def _all_help(parser) -> str:
+    """--help of `parser` and of each of its subcommands."""
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            texts += [sub.format_help() for sub in action.choices.values()]
+    return "\n".join(texts)
+
+
+def _parsers():
+    return {"demo": moe_transformer.arg_parser("python -m jax_nvcomm.demo"),
+            "tune": tune._parser(), "bench": bench_cli._parser()}
+
+
+@pytest.mark.parametrize("name", ["demo", "tune", "bench"])
+def test_help_names_no_internals(name):
+    """Help is for users: no module files of the package, private names or Python calls."""
+    text = _all_help(_parsers()[name])
+    internal = re.compile(r"(?<![\w/])(?:bench|models|jax_nvcomm|topology)/\w+\.py|\b_\w+\.py"
+                          r"|\b(?:tuning|tune|nvc|jax_nvcomm)\.\w+\(\)|\b[A-Z]+_MARGIN\b")
+    assert not internal.findall(text), internal.findall(text)
+
+
+def test_bench_help_lists_each_subcommand_once():
+    text = bench_cli._parser().format_help()
+    for name in ("allreduce", "moe", "varlen", "ragged", "step"):
+        assert len(re.findall(rf"^\s+{name}\b", text, re.MULTILINE)) == 1, (name, text)
+
+
+@pytest.mark.parametrize("text, value", [("1MiB", 1 << 20), ("64KiB", 64 << 10), ("64K", 64 << 10),
+                                         ("1048576", 1 << 20), ("2mb", 2 << 20)])
+def test_sizes_as_people_write_them(text, value):
+    a = bench_cli._parser().parse_args(["allreduce", "--max-bytes", text])
+    assert a.max_bytes == value
+    assert tune._parser().parse_args(["--max-bytes", text, "--min-bytes", "4KiB"]).max_bytes \
+        == value
+
+
+def test_a_bad_size_is_refused_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        bench_cli._parser().parse_args(["allreduce", "--max-bytes", "lots"])
+    err = capsys.readouterr().err
+    assert "--max-bytes" in err and "'lots'" in err and "1MiB" in err
+
+
+def test_guide_sections_named_in_help_exist():
+    """A help text that points to a section of docs/guide.md names one that is there."""
+    guide = (HERE.parent / "docs" / "guide.md").read_text()
+    titles = [line.lstrip("#").strip() for line in guide.splitlines() if line.startswith("#")]
+    text = _all_help(moe_transformer.arg_parser("python -m jax_nvcomm.demo"))
+    text = " ".join(text.split())
+    named = re.findall(r"docs/guide\.md, '([^']+)'", text)
+    assert named, "the demo's --no-split names a guide section"
+    for title in named:
+        assert any(t.startswith(title) for t in titles), (title, titles)

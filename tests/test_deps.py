@@ -92,7 +92,8 @@ def test_no_nvidia_smi_gives_plain_jax():
 
 def test_install_uses_the_deps_list():
     text = DEV.read_text()
-    body = text[text.index("install() {"):]
+    assert "\ninstall() {\n  make_env\n" in text
+    body = text[text.index("make_env() {"):]
     body = body[:body.index("\n}\n")]
     assert "mapfile -t reqs < <(requirements)" in body
     assert '"${reqs[@]}"' in body
@@ -184,3 +185,52 @@ def test_failed_build_prints_the_end_of_its_log(tmp_path):
     out = _build(venv, "ON")
     assert out.returncode == 3
     assert "error: x.cu:1: bad" in out.stderr and "full log" in out.stderr
+
+
+def test_build_package_takes_the_pip_command(tmp_path):
+    """build_wheel.sh builds the wheel through the same function (args after `python -m pip`);
+    without args it installs the checkout editable."""
+    venv = _fake_venv(tmp_path, 'echo "pip-args: $*"\n')
+    env = {**os.environ, "VENV": str(venv), "JAX_NVCOMM_CUDA": "OFF"}
+    run = lambda args: subprocess.run(["bash", "-c", f'source "{DEV}"; build_package {args}'],
+                                      env=env, capture_output=True, text=True, timeout=60)
+    out = run("")
+    assert out.returncode == 0, out.stderr
+    assert "pip-args: -m pip install --no-build-isolation --no-deps -e . -q" in out.stdout
+    out = run("wheel --no-deps -w /tmp/x .")
+    assert "pip-args: -m pip wheel --no-deps -w /tmp/x . -q" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("soname, want", [
+    (b"libcudart.so.13", "nvidia-cuda-runtime>=13,<14"),
+    (b"libcudart.so.12", "nvidia-cuda-runtime-cu12>=12.8,<13"),
+    (None, ""),
+])
+def test_a_wheel_gets_the_cuda_runtime_its_module_names(tmp_path, soname, want):
+    import sys
+    import zipfile
+    whl = tmp_path / "jax_nvcomm-0.1.0-cp312-abi3-manylinux_2_34_x86_64.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("jax_nvcomm/_host.abi3.so", b"\x7fELF host")
+        if soname:
+            z.writestr("jax_nvcomm/_cuda.abi3.so", b"\x7fELF ..." + soname + b"\0...")
+    env = {**os.environ, "VENV_PY": sys.executable}
+    out = subprocess.run(["bash", "-c", f'source "{DEV}"; wheel_cuda_runtime "{whl}"'], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want
+
+
+def test_one_abi3_wheel_with_the_shared_cuda_runtime():
+    """pyproject: a cp312-abi3 wheel, editable installs in redirect mode, the CUDA choice from
+    the environment; CMakeLists: both modules on the stable ABI, _cuda on the shared runtime."""
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]
+    assert conf["wheel"]["py-api"] == "cp312"
+    assert conf["editable"]["mode"] == "redirect"
+    assert conf["cmake"]["define"]["JAX_NVCOMM_CUDA"] == {"env": "JAX_NVCOMM_CUDA",
+                                                         "default": "AUTO"}
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert "nanobind_add_module(_host STABLE_ABI" in cmake
+    assert "nanobind_add_module(_cuda STABLE_ABI" in cmake
+    assert "CUDA::cudart)" in cmake and "cudart_static" not in cmake
+    assert "CUDA_RUNTIME_LIBRARY Shared" in cmake and "$ORIGIN/../nvidia/" in cmake

@@ -11,7 +11,8 @@ import jax_nvcomm as nvc
 
 API = Path(__file__).resolve().parents[1] / "docs" / "API.md"
 FUNCS = ["all_reduce", "all_reduce_rms_norm", "all_gather", "select_strategy", "moe_dispatch",
-         "moe_combine", "all_reduce_rms_norm_quant", "ragged_all_to_all"]
+         "moe_combine", "all_reduce_rms_norm_quant", "ragged_all_to_all", "ragged_dot",
+         "select_ragged_dot_strategy"]
 
 
 @pytest.mark.parametrize("name", FUNCS)

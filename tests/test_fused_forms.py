@@ -224,3 +224,33 @@ def test_message_over_the_buffers_warns(rng):
                                                       r"max_message_bytes 4096"):
             out = fn(x)
         np.testing.assert_allclose(np.asarray(out), f64(x).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_gathers_over_the_buffers_warn(rng):
+    """all_gather and all_gather_v above max_message_bytes, and reduce_scatter_v of rows that
+    are not whole 16-byte vectors, take XLA's path with a warning naming why (same results)."""
+    _warn.reset()
+    with nvc.Communicator(make_mesh((W,), ("x",)), "x", max_message_bytes=4096) as c:
+        x = rand(rng, (W * 64, 8), jnp.float32)  # 2 KiB per rank, 16 KiB gathered
+        f = jax.jit(jax.shard_map(lambda v: nvc.all_gather(v, c)[None], mesh=c.mesh,
+                                  in_specs=P("x"), out_specs=P("x")))
+        with pytest.warns(_warn.XlaPathWarning, match=r"all_gather: gathering 16384 bytes per "
+                                                      r"device exceeds .*max_message_bytes 4096"):
+            got = f(x)
+        np.testing.assert_array_equal(np.asarray(got)[3], np.asarray(x))
+        g = jax.jit(jax.shard_map(lambda v, n: nvc.all_gather_v(v, n[0], c)[0][None],
+                                  mesh=c.mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+        with pytest.warns(_warn.XlaPathWarning, match=r"all_gather_v: 8 x 64 rows of 32 bytes "
+                                                      r"do not fit"):
+            got = g(x, jnp.full((W,), 64, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(x))
+    with nvc.Communicator(make_mesh((W,), ("x",)), "x", max_message_bytes=1 << 20) as c:
+        y = rand(rng, (W, W * 2, 3), jnp.float32)  # rows of 12 bytes
+        off = jnp.arange(W + 1, dtype=jnp.int32) * 2
+        h = jax.jit(jax.shard_map(lambda v: nvc.reduce_scatter_v(v[0], off, c)[None],
+                                  mesh=c.mesh, in_specs=P("x"), out_specs=P("x")))
+        with pytest.warns(_warn.XlaPathWarning, match=r"reduce_scatter_v: rows of 12 bytes are "
+                                                      r"not a multiple of 16"):
+            got = np.asarray(jax.block_until_ready(h(y)))
+        want = f64(y).sum(0).reshape(W, 2, 3)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -108,8 +108,12 @@ def assert_split_equals_fused(outs):
 def check_reference(moe, x, ids, w, nt, outs, scales=None):
     """Split results against the float64 numpy reference (rows exact, y to rounding)."""
     W, T, E, L = moe.world_size, moe.max_tokens, moe.num_experts, moe.num_local_experts
-    ex = np.asarray(jnp.asarray(outs[6]).astype(jnp.float32), np.float64)
     cnt = np.asarray(outs[7])
+    # rows past each expert's count are unspecified (any bit pattern, signalling NaNs too, which
+    # numpy's cast reports as invalid values): zero them before any arithmetic
+    ex = np.array(jnp.asarray(outs[6]))
+    ex[np.arange(ex.shape[2])[None, None, :] >= cnt[:, :, None]] = 0
+    ex = ex.astype(np.float32).astype(np.float64)
     xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     ref = np_moe_reference(xf, ids, nt, E, W)
     for r in range(W):

@@ -21,7 +21,8 @@ from jax_nvcomm import _ffi, _multicast, communicator
 from jax_nvcomm._multicast import RankFacts, alloc_mode, decide, requested
 
 ON = {"JAX_NVCOMM_MULTICAST": "1"}
-needs_cuda_module = pytest.mark.skipif(not _ffi.CUDA_BUILT, reason="built without nvcc")
+needs_cuda_module = pytest.mark.skipif(not _ffi.CUDA_BUILT,
+                                       reason="built without the CUDA part")
 
 
 def facts(world=4, groups=1, supported=True, gpus=None, nodes=None):

@@ -51,6 +51,13 @@ inline void add_common_bindings(nb::module_& m) {
     auto c = must_find(comm_id, slot);
     return c->err_host ? describe_error(*c->err_host) : std::string();
   });
+  // the records nobody was told of yet, once (registry.h): close() and the exit hook print them
+  m.def("take_unreported", [](int64_t comm_id) { return registry().take_unreported(comm_id); });
+  m.def("take_all_unreported", []() {
+    nb::list out;
+    for (auto& [id, text] : registry().take_all_unreported()) out.append(nb::make_tuple(id, text));
+    return out;
+  });
   m.def("host_calls", [](int64_t comm_id, int64_t slot) {
     return must_find(comm_id, slot)->host_calls.load();
   });

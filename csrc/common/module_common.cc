@@ -152,4 +152,37 @@ std::string describe_error(const ErrorInfo& e) {
   return buf;
 }
 
+std::string Registry::take_locked(int64_t comm_id) {
+  if (reported_.count(comm_id)) return "";
+  std::string out;
+  for (auto& [key, c] : map_) {
+    if (key.first != comm_id || c->err_host == nullptr) continue;
+    std::string t = describe_error(*c->err_host);
+    if (!t.empty()) out += (out.empty() ? "" : "\n") + t;
+  }
+  if (!out.empty()) reported_.insert(comm_id);
+  return out;
+}
+
+void report_unread(int64_t comm_id) {
+  std::string t = registry().take_unreported(comm_id);
+  if (t.empty()) return;
+  std::fprintf(stderr,
+               "jax_nvcomm: communicator %lld failed in an earlier call whose result was not "
+               "read; this and every later call on it are refused:\n%s\n(close() it and "
+               "create a new one; check() after a result is ready raises this)\n",
+               static_cast<long long>(comm_id), t.c_str());
+  std::fflush(stderr);
+}
+
+void report_call_after_close(int64_t comm_id) {
+  if (!registry().first_call_after_close(comm_id)) return;
+  std::fprintf(stderr,
+               "jax_nvcomm: a compiled program called communicator %lld, which is closed (or "
+               "belongs to another mesh): the call fails and its results are errors. Create a "
+               "new communicator and trace the program again\n",
+               static_cast<long long>(comm_id));
+  std::fflush(stderr);
+}
+
 }  // namespace nvc

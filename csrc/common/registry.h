@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,9 +62,40 @@ class Registry {
       if (it->first.first == comm_id) it = map_.erase(it); else ++it;
     }
   }
+
+  // No silent failures: the error records of a communicator are handed out once, to whichever
+  // asks first: the next call's handler (lookup, ffi_common.h), check() / errors() (the user
+  // read them), close() or the exit hook (jax_nvcomm/_report.py), which print them. Returns
+  // the records of comm_id's slots, one line each ("" when none or already handed out).
+  std::string take_unreported(int64_t comm_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    return take_locked(comm_id);
+  }
+  // The same for every communicator in the registry: one entry per communicator with records.
+  std::vector<std::pair<int64_t, std::string>> take_all_unreported() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::set<int64_t> ids;
+    for (auto& [key, c] : map_) ids.insert(key.first);
+    std::vector<std::pair<int64_t, std::string>> out;
+    for (int64_t id : ids) {
+      std::string t = take_locked(id);
+      if (!t.empty()) out.emplace_back(id, std::move(t));
+    }
+    return out;
+  }
+  // True the first time a call names a communicator that is not (or no more) registered:
+  // a compiled program run after close() is reported once, not on every call.
+  bool first_call_after_close(int64_t comm_id) {
+    std::lock_guard<std::mutex> g(mu_);
+    return missing_reported_.insert(comm_id).second;
+  }
+
  private:
+  std::string take_locked(int64_t comm_id);  // module_common.cc
   std::mutex mu_;
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<RankContext>> map_;
+  std::set<int64_t> reported_;          // communicators whose records were handed out
+  std::set<int64_t> missing_reported_;  // communicators called after close(), reported
 };
 
 // One registry per extension module (host, cuda); defined in the module's source.
@@ -71,5 +103,10 @@ Registry& registry();
 
 // Human-readable text for an ErrorInfo (empty when no error was recorded).
 std::string describe_error(const ErrorInfo& e);
+
+// Print comm_id's error records on stderr unless they were handed out before (take_unreported).
+void report_unread(int64_t comm_id);
+// Print once per communicator that a compiled program called it after its close().
+void report_call_after_close(int64_t comm_id);
 
 }  // namespace nvc

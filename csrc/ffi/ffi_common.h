@@ -79,18 +79,24 @@ inline ffi::Error check_quant(const ffi::AnyBuffer& x, const ffi::AnyBuffer& res
 // record's text: the failed call's own results were poisoned or left unspecified, and the
 // kernels of a failed communicator do no more work (kernels/common.cuh "Failure"). The check is
 // one load of the host-mapped ErrorInfo::code; the record is complete once the code is set.
+// Both refusals are also printed on stderr, once per communicator (registry.h, "No silent
+// failures"): a program whose results nobody reads would otherwise fail without a word.
 inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankContext>* out) {
   *out = registry().find(comm_id, slot);
-  if (*out == nullptr)
+  if (*out == nullptr) {
+    report_call_after_close(comm_id);  // once: the error below may be in results nobody reads
     return precondition("jax_nvcomm: communicator " + std::to_string(comm_id) +
                         " has no rank at slot " + std::to_string(slot) +
                         " in this process (closed, or used with another mesh)");
+  }
   ErrorInfo* e = (*out)->err_host;
-  if (e != nullptr && *reinterpret_cast<volatile uint32_t*>(&e->code) != kErrNone)
+  if (e != nullptr && *reinterpret_cast<volatile uint32_t*>(&e->code) != kErrNone) {
+    report_unread(comm_id);  // the failed call's result may never be read: say it once here
     return precondition(describe_error(*e) +
                         " (communicator is unusable after this error: close it and create a new "
                         "one; results of that call and of any CUDA-graph replay since are "
                         "unspecified)");
+  }
   (*out)->host_calls.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }

@@ -178,5 +178,26 @@ template <class P> auto ragged_all_to_all(P prefix) {
       .template Attr<int64_t>("comm_id");
 }
 
+// Local ops (no communicator, no order token: pure functions of their operands, which XLA may
+// merge or drop like any other): the plain binding for the host targets.
+inline auto local_bind() { return ffi::Ffi::Bind(); }
+
+// lhs [M, K], rhs [G, K, N], group_sizes int32 [G] -> out [M, N]
+template <class P> auto ragged_dot(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // lhs
+      .template Arg<ffi::AnyBuffer>()       // rhs
+      .template Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+      .template Ret<ffi::AnyBuffer>();      // out
+}
+
+// lhs [M, K], w_gate [G, K, F], w_up [G, K, F], group_sizes int32 [G] -> out [M, F]
+template <class P> auto ragged_dot_swiglu(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // lhs
+      .template Arg<ffi::AnyBuffer>()       // w_gate
+      .template Arg<ffi::AnyBuffer>()       // w_up
+      .template Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+      .template Ret<ffi::AnyBuffer>();      // out
+}
+
 }  // namespace sig
 }  // namespace nvc

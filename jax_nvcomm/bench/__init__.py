@@ -1,14 +1,16 @@
 """Benchmarks of jax_nvcomm against XLA's collectives, `python -m jax_nvcomm.bench SUBCOMMAND`:
 
   allreduce  all_reduce / all_reduce_rms_norm / all_reduce_rms_norm_quant against lax.psum
-             (+ XLA's add + RMSNorm) over message sizes (loop benchmark; bench/allreduce.py)
-  moe        moe_dispatch / moe_combine against the XLA references (loop; bench/moe.py)
+             (+ XLA's add + RMSNorm) over message sizes (loop benchmark)
+  moe        moe_dispatch / moe_combine against the XLA references (loop)
   varlen     all_gather_v / reduce_scatter_v against padded all_gather and zero-filled psum
-             (loop; bench/varlen.py)
+             (loop)
   ragged     ragged_all_to_all against lax.ragged_all_to_all at MoE shapes, balanced and
-             skewed routing (loop; bench/ragged.py)
+             skewed routing (loop)
+  moelayer   an MoE layer's expert compute at decode shapes on one device: nvc.ragged_dot
+             against lax.ragged_dot, each row with its weight-read bound
   step       whole jitted model steps of the example model, jax_nvcomm against XLA, with the
-             no-communication bound (bench/step.py)
+             no-communication bound
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).
@@ -30,7 +32,7 @@ over the runs, in microseconds per call. The host's launch cost of one run (tens
 GPU machine) is spread over all calls of that run.
 
 Device time (`--device-time {auto,on,off}`, auto = on for GPUs): after the timed runs, a
-profiler trace of 2 more runs of the program (jax_nvcomm/_trace.py; every process runs them,
+profiler trace of 2 more runs of the program (every process runs them,
 process 0 records into a temporary directory deleted afterwards); the sum of device 0's kernel
 durations in the last run / calls is the row's `device_us` (with `device_kernels_per_call` and
 `device_top`, the kernels that took most time), shown as "dN" after the loop time in the

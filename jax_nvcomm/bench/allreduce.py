@@ -9,7 +9,7 @@ import json
 from . import xla_best
 from .common import (Env, _cell, _close, _device_time_on, _human, _measure, _open_comm,
                      _pivot, _plot, _put, _ratio, _units, _varying, _write_json,
-                     add_loop_arguments, add_xla_best_argument)
+                     add_loop_arguments, add_xla_best_argument, byte_size)
 
 
 def _ar_shapes(hiddens, min_bytes, max_bytes):
@@ -367,9 +367,9 @@ def add_arguments(s):
                         "measures every op and dtype and writes the file)")
     s.add_argument("--hidden", type=int, nargs="*", metavar="H",
                    help="hidden sizes (default: 4096 7168 8192; 512 with --quick)")
-    s.add_argument("--max-bytes", type=int, default=None, metavar="BYTES",
-                   help="largest message per rank; sizes double from 4 KiB up to it (default: "
-                        "128 MiB; 64 KiB with --quick)")
+    s.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="largest message per rank, e.g. 1MiB or 1048576; sizes double from 4 KiB "
+                        "up to it (default: 128 MiB; 64 KiB with --quick)")
     s.add_argument("--tokens", type=int, nargs="*", metavar="T",
                    help="only the shapes with these tokens per rank (default: every size)")
     s.add_argument("--methods", nargs="*", choices=AR_METHODS + FUSED_METHODS + QUANT_METHODS,

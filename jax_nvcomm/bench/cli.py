@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, moe, ragged, step, varlen
+from . import allreduce, moe, moelayer, ragged, step, varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -18,13 +18,24 @@ SUBCOMMANDS = {
                        "psum (loop benchmark)"),
     "ragged": (ragged, "ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes (loop "
                        "benchmark)"),
+    "moelayer": (moelayer, "an MoE layer's expert compute at decode shapes on one device: "
+                           "nvc.ragged_dot vs lax.ragged_dot, each with its weight-read bound"),
     "step": (step, "whole jitted steps of the example model, jax_nvcomm vs XLA's collectives"),
 }
 
 
+def _description() -> str:
+    """The package docstring for --help: without its own list of the subcommands (argparse
+    lists them once, with SUBCOMMANDS' lines) and its note for readers of the code."""
+    head, rest = _DOC.split("\n\n", 1)
+    rest = rest.split("\n\n", 1)[1]
+    rest = rest.split("\n\nThis module is not imported")[0]
+    return head.rstrip(":") + ".\n\n" + rest.rstrip() + "\n"
+
+
 def _parser():
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench", description=_DOC,
+    p = argparse.ArgumentParser(prog="python -m jax_nvcomm.bench", description=_description(),
                                 formatter_class=raw)
     sub = p.add_subparsers(dest="what", required=True, metavar="SUBCOMMAND")
     for name, (module, line) in SUBCOMMANDS.items():
@@ -38,6 +49,8 @@ def main(argv=None):
     if a.what == "step":
         return step.run_step(a)
     _setup_env()
+    if a.what == "moelayer":
+        return moelayer.run_moelayer(a)
     loop_defaults(a)
     if a.what == "allreduce":
         return allreduce.run_allreduce(a)

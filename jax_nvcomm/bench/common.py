@@ -5,6 +5,7 @@ The method of the loop benchmarks is described in jax_nvcomm/bench/__init__.py.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -479,6 +480,22 @@ def _plot(env, out, name, series, title, xlabel):
     plt.close(fig)
     env.log(f"# wrote {path}")
     return path
+
+
+_UNITS = {"": 0, "k": 10, "m": 20, "g": 30}
+
+
+def byte_size(text: str) -> int:
+    """A size as people write it, for argparse: 4096, 64K, 64KiB, 64KB, 1M, 1MiB, 1.5MiB, 2G
+    (K/M/G as powers of 1024, with or without "i" and "B"; case ignored)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
+    if m is None or (m.group(3) and m.group(3).lower() == "ib" and not m.group(2)):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4096, 64KiB or 1MiB, got {text!r}")
+    value = float(m.group(1)) * (1 << _UNITS[m.group(2).lower()])
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def _human(n):

@@ -1,5 +1,5 @@
 """`python -m jax_nvcomm.bench ragged`: nvc.ragged_all_to_all against lax.ragged_all_to_all at
-MoE shapes: the token exchange of a dropless expert-parallel layer (models/moe_ragged.py).
+MoE shapes: the token exchange of a dropless expert-parallel layer (examples/moe_ragged.py).
 
 Shapes: hidden 2048 (128 experts) and 7168 (256 experts), bf16 rows, 128 / 512 / 4096 tokens
 per rank, top-8; routing balanced (K distinct experts per token, uniform) or skewed (K distinct
@@ -13,12 +13,12 @@ The offsets and sizes are computed on the host from the routing and passed in (n
 group-size exchange in the timed call). Methods:
   nvc         nvc.ragged_all_to_all on a Communicator sized for the call
   xla         lax.ragged_all_to_all (on CPU devices jax_nvcomm.reference's emulation)
-  xla pieces  the same with each slice split into ~512/W consecutive updates (reference.py:
-              XLA's GPU kernel runs one thread block per update and peer)
+  xla pieces  the same with each slice split into ~512/W consecutive updates (XLA's GPU
+              kernel runs one thread block per update and peer)
   <xla method> best  (unless --xla-best off) the fastest of that method compiled with XLA's
               defaults and with each ragged-all-to-all fast-path flag of this XLA
-              (bench/xla_best.py; on CPU devices XLA's default: the flags do not apply)
-Times: loop us per call and device time (bench/__init__.py). Writes OUT/ragged.json, the tables
+              (on CPU devices XLA's default: the flags do not apply)
+Times: loop us per call and device time (`python -m jax_nvcomm.bench --help`). Writes OUT/ragged.json, the tables
 and OUT/ragged.png.
 """
 from __future__ import annotations

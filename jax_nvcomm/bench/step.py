@@ -1,11 +1,11 @@
 """`python -m jax_nvcomm.bench step`: the whole jitted model step, jax_nvcomm against XLA's
 collectives, in one run: what a user of the package feels.
 
-Runs the example's steps (jax_nvcomm/models/moe_transformer.py: low-latency TP layout with the fused
+Runs the example's steps (examples/moe_transformer.py: low-latency TP layout with the fused
 all-reduce + RMSNorm, high-throughput DP-attention + EP layout with dispatch/combine,
 dp-attn-tp-moe DP-attention + TP-MoE layout with all_gather_v / reduce_scatter_v against padded
 lax.all_gather + lax.psum_scatter, prefill unbalanced (rank 0 `tokens`, the others
-`decode_tokens`), ep-ragged DP-attention + the dropless EP layer of models/moe_ragged.py with
+`decode_tokens`), ep-ragged DP-attention + the dropless EP layer of examples/moe_ragged.py with
 nvc.ragged_all_to_all against lax.ragged_all_to_all; decode and prefill) for one or more
 presets:
   - example: the example's own dimensions (GPU defaults: hidden 2048, 128 experts top-8);
@@ -23,11 +23,11 @@ For every (preset, layout, phase) row and each implementation:
     XLA/bound is the most any collective library could gain over XLA in that row; capture =
     (XLA best - ours) / (XLA best - bound), the share of that gain jax_nvcomm takes (rows with
     XLA/bound >= 1.02 only);
-  - from one profiler trace of 4 more steps (jax_nvcomm/_trace.py), the median of the last 3:
+  - from one profiler trace of 4 more steps, the median of the last 3:
     first_kernel_us (when device 0's first kernel starts after the host starts the execution)
     and busy_us (device 0's summed kernel time per step);
   - agreement of the two implementations' outputs (as the example checks it);
-  - XLA best (--xla-best, bench/xla_best.py): the XLA step compiled with each fast-path flag
+  - XLA best (--xla-best): the XLA step compiled with each fast-path flag
     of this XLA that concerns its collectives, timed in the same turns; the fastest of them
     and XLA's default is `xla_best_ms` (`xla_best_flags` names it), `best_ratio` = it / ours;
     on CPU devices it equals XLA's default (the flags do not apply);

@@ -18,8 +18,8 @@ reduce-scatter (each rank gets the sum of the partial results of its own rows):
   nvc reduce_scatter_v   each rank pushes segment r of its partials to rank r, owner sums
   xla padded             lax.psum_scatter of the partials in the padded [W, max_rows] layout
   xla psum+slice         lax.psum of the whole [W * max_rows] buffer, then this rank's rows
-Times: us per call, median (p10-p90) over programs of many chained calls (bench/common.py's loop
-programs: host dispatch amortised), and with --device-time (on for GPUs by default) "dN", the
+Times: us per call, median (p10-p90) over programs of many chained calls (the loop
+programs of `python -m jax_nvcomm.bench --help`: host dispatch amortised), and with --device-time (on for GPUs by default) "dN", the
 kernels' device time per call from a profiler trace (device 0). Bytes: what the busiest rank
 sends per call (ring all-reduce: 2 (W-1)/W of the buffer), and the total over ranks.
 Writes OUT/varlen.json, the tables on stdout and OUT/varlen.png.

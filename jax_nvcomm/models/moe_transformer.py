@@ -1343,6 +1343,10 @@ def format_table(res) -> str:
     out += [line(b) for b in body]
     out.append(f"ms: median of {cfg.iters} steps after {cfg.warmup} warm-up. XLA/nvcomm > 1: "
                "jax_nvcomm faster.")
+    if res["platform"] == "cpu":
+        out.append("CPU devices: these timings mean nothing for GPUs (the host backend and XLA "
+                   "share this machine's cores); they show that the code runs. The agreement "
+                   "columns hold on any device.")
     if not (has_cmp or has_ref):
         out.append("no comparison: only one side ran (--ref FILE.npz compares with a run stored "
                    "by --save-ref)")
@@ -1471,7 +1475,7 @@ def arg_parser(prog=None) -> argparse.ArgumentParser:
                         "with unbalanced rows per rank through all_gather_v / "
                         "reduce_scatter_v, whose CPU prefill alone takes about as long as the "
                         "two others; ep-ragged, DP attention + the dropless EP layer of "
-                        "models/moe_ragged.py on ragged_all_to_all)")
+                        "examples/moe_ragged.py on ragged_all_to_all)")
     r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
     r.add_argument("--warmup", type=int, default=2,
@@ -1492,7 +1496,7 @@ def arg_parser(prog=None) -> argparse.ArgumentParser:
                          "moe_dispatch_recv (the default)")
     sp.add_argument("--no-split", dest="split", action="store_false",
                     help="high-throughput: fused moe_dispatch, the shared expert outside it "
-                         "(for comparison: docs/guide.md, 'Split-phase MoE')")
+                         "(for comparison: docs/guide.md, 'Overlapping the dispatch with compute')")
     return p
 
 

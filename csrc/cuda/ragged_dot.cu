@@ -1,0 +1,68 @@
+// The launcher of ragged_dot / ragged_dot_swiglu (ragged_dot.h): argument checks, the rows tile
+// and split-K choice, dispatch to the instantiation of the operand family (ragged_dot_parts.h).
+#include "ragged_dot.h"
+
+#include <cstdint>
+
+#include "ragged_dot_parts.h"
+
+namespace nvc {
+namespace cuda {
+
+namespace {
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+}  // namespace
+
+const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu) {
+  if (a.dtype != 1 && a.dtype != 2) return "operands must be bfloat16 or float16";
+  if (a.out_dtype != a.dtype && a.out_dtype != 0)
+    return "the result dtype must be the operands' or float32";
+  if (a.m < 0 || a.k < 1 || a.n < 0) return "sizes must be m >= 0, k >= 1, n >= 0";
+  if (a.k % 8 != 0 || a.n % 8 != 0) return "k and n must be multiples of 8";
+  if (a.g < 1 || a.g > 1024) return "the group count must be in [1, 1024]";
+  if (a.m > (int64_t(1) << 20)) return "m must be at most 2^20 rows";
+  if (a.k > (int64_t(1) << 30) || a.n > (int64_t(1) << 20)) return "k must be < 2^30, n <= 2^20";
+  // the item count (kernels/ragged_dot.cuh) must fit int32: (m / 16 + g) x ceil(n / 64)
+  if ((a.m / 16 + a.g) * ((a.n + 63) / 64) >= (int64_t(1) << 31)) return "m x n too large";
+  if (swiglu != (a.rhs2 != nullptr)) return "rhs2 (w_up) is given exactly for swiglu";
+  if (!aligned16(a.lhs) || !aligned16(a.rhs) || !aligned16(a.rhs2) || !aligned16(a.out))
+    return "lhs, rhs and out must be 16-byte aligned";
+  if (a.group_sizes == nullptr && a.m > 0) return "group_sizes is missing";
+  return nullptr;
+}
+
+int ragged_dot_rows_tile(const RaggedDotArgs& a) {
+  // rows per group with rows: at least m / g on average; random routing spreads the counts to
+  // ~3x that. R 16 while that fits (a group past 16 rows takes a second chunk, which re-reads
+  // its weights, mostly from L2: still the faster tile at ~8 rows per group), else R 64.
+  const int64_t avg = (a.m + a.g - 1) / (a.g > 0 ? a.g : 1);
+  return 3 * avg <= 32 ? 16 : 64;
+}
+
+int ragged_dot_cluster(const RaggedDotArgs&) {
+  // split-K over a cluster cost more (its reduction, the co-scheduling of the cluster's blocks)
+  // than the better balance gained at every decode shape measured but one (ragged_dot_family.cuh)
+  return 1;
+}
+
+cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s) {
+  if (ragged_dot_check(a, false) != nullptr) return cudaErrorInvalidValue;
+  const int r = ragged_dot_rows_tile(a), c = ragged_dot_cluster(a);
+  return a.dtype == 1 ? rdot_parts::bf16(a, r, c, s) : rdot_parts::f16(a, r, c, s);
+}
+
+cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s) {
+  if (ragged_dot_check(a, true) != nullptr) return cudaErrorInvalidValue;
+  const int r = ragged_dot_rows_tile(a), c = ragged_dot_cluster(a);
+  return a.dtype == 1 ? rdot_parts::swiglu_bf16(a, r, c, s) : rdot_parts::swiglu_f16(a, r, c, s);
+}
+
+cudaError_t ragged_dot_load_kernels() {
+  for (cudaError_t e : {rdot_parts::load_bf16(), rdot_parts::load_f16(),
+                        rdot_parts::load_swiglu_bf16(), rdot_parts::load_swiglu_f16()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+}  // namespace cuda
+}  // namespace nvc

@@ -1,0 +1,50 @@
+// Launch API of the grouped expert product for decode / small prefill (kernels/ragged_dot.cuh:
+// the protocol, the layout and the two numbers). lax.ragged_dot's MoE form:
+//   ragged_dot:        out[r] = lhs[r] @ rhs[g(r)]                      rhs  [G, K, N]
+//   ragged_dot_swiglu: out[r] = silu(lhs[r] @ w_gate[g(r)]) * (lhs[r] @ w_up[g(r)])
+//                                                                        w_gate, w_up [G, K, N]
+// for r < min(sum(max(group_sizes, 0)), M); rows past that are zero. lhs [M, K] rows sorted by
+// group; group_sizes: device int32 [G], read by the kernel (no host sync); out [M, N].
+//
+// Contract: no allocation, no synchronisation, no host state beyond per-device caches of
+// occupancy answers: CUDA-graph capturable (one kernel launch on `s`). Deterministic: the same
+// inputs give the same bits (fixed-order split-K reduction). Arguments the kernel does not take
+// (ragged_dot_check says why, as static text) return cudaErrorInvalidValue before anything is
+// launched. M == 0 or N == 0 launches nothing.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace nvc {
+namespace cuda {
+
+// dtype codes (ffi_common.h dtype_code): 0 float32, 1 bfloat16, 2 float16.
+struct RaggedDotArgs {
+  const void* lhs = nullptr;            // [m, k] of dtype
+  const void* rhs = nullptr;            // [g, k, n] of dtype (swiglu: w_gate)
+  const void* rhs2 = nullptr;           // swiglu: w_up [g, k, n]; ragged_dot: nullptr
+  const int32_t* group_sizes = nullptr; // [g]
+  void* out = nullptr;                  // [m, n] of out_dtype
+  int64_t m = 0, k = 0, n = 0, g = 0;
+  int dtype = 1;                        // operands: 1 bfloat16 or 2 float16
+  int out_dtype = 1;                    // result: dtype or 0 (float32)
+};
+
+// nullptr when the kernel takes `a` (bf16/f16 operands, out dtype = operands' or float32,
+// k % 8 == 0, n % 8 == 0, 1 <= g <= 1024, m <= 2^20, 16-byte aligned pointers), else why not.
+const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu);
+
+// The products above with the launcher's own tile choice (rows per group estimated as m / g).
+cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s);
+cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s);
+
+// Rows per item (R: 16 or 64) and blocks per cluster (split-K) the launcher picks for `a`.
+int ragged_dot_rows_tile(const RaggedDotArgs& a);
+int ragged_dot_cluster(const RaggedDotArgs& a);
+
+// Load every kernel of this file on the current device (first launches then wait on nothing).
+cudaError_t ragged_dot_load_kernels();
+
+}  // namespace cuda
+}  // namespace nvc

@@ -1,0 +1,102 @@
+// Internal to csrc/cuda: one launch of a ragged_dot kernel instantiation (kernels/ragged_dot.cuh)
+// on a persistent grid of the most clusters the device holds at once. Shared by ragged_dot.cu
+// and the kernel harness's tile sweep.
+#pragma once
+#include <atomic>
+
+#include <cuda_runtime.h>
+
+#include "../kernels/ragged_dot.cuh"
+#include "device_cache.h"
+#include "ragged_dot.h"
+
+namespace nvc {
+namespace cuda {
+namespace rdot_launch {
+
+template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW>
+struct Kernel {
+  using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW>;
+  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW>;
+
+  // Raise the dynamic shared-memory limit (once per device; returns the error of the first try).
+  static cudaError_t prepare() {
+    static std::atomic<int> cache[64];
+    const int r = once_per_device(cache, [](int) {
+      return cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, Tl::kSmem) ==
+                     cudaSuccess ? 1 : 0;
+    });
+    return r > 0 ? cudaSuccess : cudaErrorInvalidValue;
+  }
+
+  // Clusters of `cs` blocks resident at once (once per device and cs); 0 when the query failed.
+  static int clusters(int cs) {
+    static std::atomic<int> cache[4][64];
+    const int ci = cs == 1 ? 0 : cs == 2 ? 1 : cs == 4 ? 2 : 3;
+    return once_per_device(cache[ci], [cs](int) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(unsigned(cs) * 16);
+      cfg.blockDim = dim3(Tl::kThreads);
+      cfg.dynamicSmemBytes = Tl::kSmem;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = unsigned(cs);
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      int n = 0;
+      return cudaOccupancyMaxActiveClusters(&n, fn, &cfg) == cudaSuccess ? n : 0;
+    });
+  }
+
+  static cudaError_t launch(const RaggedDotArgs& a, int cs, cudaStream_t s) {
+    if (a.m == 0 || a.n == 0) return cudaSuccess;
+    const int kt = int((a.k + BK - 1) / BK);
+    if (cs > kt) cs = kt >= 8 ? 8 : kt >= 4 ? 4 : kt >= 2 ? 2 : 1;
+    if (cs < 1) cs = 1;
+    if (cudaError_t e = prepare(); e != cudaSuccess) return e;
+    int ncl = clusters(cs);
+    if (ncl <= 0) {
+      const int sms = device_sm_count();
+      ncl = sms > 0 ? sms / cs : 1;
+    }
+    dev::rdot::Params p;
+    p.lhs = a.lhs;
+    p.rhs = a.rhs;
+    p.rhs2 = a.rhs2;
+    p.group_sizes = a.group_sizes;
+    p.out = a.out;
+    p.m = int(a.m);
+    p.k = int(a.k);
+    p.n = int(a.n);
+    p.g = int(a.g);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(ncl * cs));
+    cfg.blockDim = dim3(Tl::kThreads);
+    cfg.dynamicSmemBytes = Tl::kSmem;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cs);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, fn, p, cs);
+  }
+
+  // Module loaded, shared-memory limit raised, the occupancy of the package's cluster size (1)
+  // cached: a first launch then makes no runtime query (it may be inside a graph capture).
+  static cudaError_t load() {
+    cudaFuncAttributes fa;
+    if (cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
+    if (cudaError_t e = prepare(); e != cudaSuccess) return e;
+    clusters(1);
+    return cudaSuccess;
+  }
+};
+
+}  // namespace rdot_launch
+}  // namespace cuda
+}  // namespace nvc

@@ -1,0 +1,440 @@
+// Grouped matrix product of MoE experts for decode and small prefill (lax.ragged_dot's MoE form):
+//   out[r, :] = lhs[r, :] @ rhs[g(r), :, :]    for r < total = min(sum(max(group_sizes, 0)), M)
+//   out[r, :] = 0                               for total <= r < M
+// lhs [M, K] with rows sorted by group, rhs [G, K, N], group_sizes int32 [G] (device memory),
+// out [M, N]. Group g owns rows [start_g, end_g): start_g = min(sum of max(sizes) before g, M),
+// end_g = min(start_g + max(size_g, 0), M) (a sum past M is clipped as lax does). bf16 or f16
+// operands, float32 accumulation, the result rounded once to out's dtype (T or float32).
+// ragged_dot_swiglu is the same pass over two weights of one shape: out = silu(lhs@Wg) *
+// (lhs@Wu), both products summed in float32, silu(x) = x / (1 + exp(-x)) in float32, rounded once.
+//
+// The two numbers (one H200; hidden 7168, F 2048, top-8, bf16; measured ceilings in the bench):
+//   bytes: only the weights of groups that have rows must be read: 29.4 MB per expert matrix
+//     (7168 x 2048 x 2 B). 32 experts, 128 tokens: all 32 have rows, 940 MB -> 196 us at
+//     4.8 TB/s; 8 tokens: ~28 of 32 -> ~171 us; 256 experts, 8 / 32 / 128 tokens: ~56 / ~163 /
+//     ~251 experts -> 0.34 / 1.0 / 1.54 ms. lhs and out are < 30 MB and are re-read from L2.
+//   flops: 2 x rows per weight element: at 32 rows per group 32 FLOP per weight byte, i.e.
+//     4.8 TB/s x 32 = 154 TFLOP/s to keep pace with the stream; at 64 rows 307 TFLOP/s. FFMA
+//     gives ~60; mma.sync m16n8k16 (~600 TFLOP/s dense bf16) keeps the product bandwidth-bound
+//     up to ~64 rows per group, which is where this kernel stops and XLA's GEMM takes over.
+//
+// Work decomposition ("swap AB": the weight tile is the MMA's M side, the few token rows its N
+// side, so one n8 tile serves 1..8 rows without padding them to 16 or 64):
+//   item = (group g with rows, N tile of BN columns, row chunk of up to R rows); items of one
+//   group are numbered N tile major, row chunk minor (the chunks of one tile run together and
+//   share its weights through L2). Items are enumerated on the device from group_sizes (every
+//   block scans them into shared memory: no host sync, the grid does not depend on them).
+//   A cluster of CS blocks (thread-block cluster) takes items cid, cid + clusters, ...; block
+//   rank c of the cluster streams K steps [c*KT/CS, (c+1)*KT/CS) of the item (split-K, KT =
+//   ceil(K / BK), CS <= KT so that every rank has one): several MB of weights in flight across
+//   the persistent grid (max resident clusters) without any item being larger than ~1/CS of
+//   a tile.
+//   Each block: STAGES-deep cp.async (16-byte, L1-bypassing) pipeline of [BK x BN] weight tiles
+//   (and the item's [R x BK] lhs rows), running ahead across item boundaries, so the epilogue of
+//   one item overlaps the loads of the next (measured: cp.async streams the weights at
+//   ~3.9 TB/s here; 256-byte bulk copies issued by one warp, cp.async.bulk + mbarrier, ran
+//   3-10x slower). Warps split the BN columns (MT m16 tiles each); ldmatrix.trans gives the weight
+//   fragments from the [k][n] layout, ldmatrix the row fragments, mma.sync.m16n8k16 (f32
+//   accumulators) only for the row tiles that hold rows.
+//
+// Reduction of the split-K partials: deterministic, through distributed shared memory. Each
+// block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block
+// c sums slice c of the tile over ranks 0..CS-1 in that order (remote shared-memory reads),
+// applies the epilogue (swiglu), rounds once and stores its slice of out; cluster arrive, whose
+// wait comes before the partial buffer is written again (or before the block exits). Chosen
+// over float32 atomics into a workspace: bitwise reproducible, no workspace, no memset, no
+// extra pass over out, and the partials never leave the GPC. (Measured on one H200: the package
+// runs CS = 1, where the reduction is a read of the block's own partials; split-K over 2-8
+// blocks cost more than the balance it bought at the decode shapes: cuda/ragged_dot_family.cuh.)
+//
+// Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
+// then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
+// istart[kMaxGroups+1] (row and item prefixes). The +8 / +4 pads make ldmatrix rows and the
+// partial stores conflict-free.
+//
+// Invariants (checked by the launcher, cuda/ragged_dot.cu): K % 8 == 0 and N % 8 == 0 (16-byte
+// rows for cp.async); lhs, rhs, out 16-byte aligned; 1 <= G <= kMaxGroups; M, items < 2^31;
+// CS <= KT. Out-of-range K columns and N columns load as zeros (cp.async src-size 0) and are
+// never stored; row slots past an item's rows load as zeros and their results are discarded.
+// Every block of a cluster walks the same item list, so the cluster barriers pair up. The tail
+// rows [total, M) are zeroed by all blocks, before any item (disjoint from the items' rows).
+// Graph-capturable: one launch, no host state, nothing read back.
+#pragma once
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace nvc {
+namespace dev {
+namespace rdot {
+
+constexpr int kMaxGroups = 1024;
+
+struct Params {
+  const void* lhs;             // [M, K] T
+  const void* rhs;             // [G, K, N] T (swiglu: the gate weights)
+  const void* rhs2;            // swiglu: the up weights [G, K, N]; else nullptr
+  const int32_t* group_sizes;  // [G]
+  void* out;                   // [M, N] TO
+  int m, k, n, g;
+};
+
+template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
+struct Tile {
+  static constexpr int kWarps = BN / (16 * MT);
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kNW = SWIGLU ? 2 : 1;
+  static constexpr int kWStride = BN + 8;   // elements per smem weight row
+  static constexpr int kLStride = BK + 8;   // elements per smem lhs row
+  static constexpr int kPStride = BN + 4;   // floats per partial row
+  static constexpr int kWBytes = BK * kWStride * 2;
+  static constexpr int kLBytes = R * kLStride * 2;
+  static constexpr int kStageBytes = kNW * kWBytes + kLBytes;
+  static constexpr int kPBytes = kNW * R * kPStride * 4;
+  static constexpr int kSmem = STAGES * kStageBytes + kPBytes + 2 * (kMaxGroups + 1) * 4;
+  static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
+  static_assert(kStageBytes % 16 == 0 && kPBytes % 16 == 0, "16-byte smem sections");
+  static_assert(kSmem <= 227 * 1024 - 1024, "shared memory of one block (static: 128 B)");
+};
+
+template <class T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(addr));
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+template <class TO> __device__ __forceinline__ void store4(TO* dst, float4 v);
+template <> __device__ __forceinline__ void store4<float>(float* dst, float4 v) {
+  *reinterpret_cast<float4*>(dst) = v;
+}
+template <> __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float4 v) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&a);
+  u.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+template <> __device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
+  __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
+  uint2 u;
+  u.x = *reinterpret_cast<uint32_t*>(&a);
+  u.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// Exclusive prefix of v over the block, one element per thread per call (any block size that
+// is a multiple of 32, <= 1024); returns the exclusive prefix, *total the block's sum.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nw ? scratch[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < nw) scratch[lane] = w;  // inclusive prefix of the warp sums
+  }
+  __syncthreads();
+  const int before = (warp > 0 ? scratch[warp - 1] : 0) + x - v;
+  *total = scratch[nw - 1];
+  __syncthreads();  // scratch is reused by the next call
+  return before;
+}
+
+// One item's coordinates.
+struct Item {
+  int g, r0, rows, n0;
+};
+
+template <int BN, int R>
+__device__ __forceinline__ Item decode(int item, const int* gstart, const int* istart, int g) {
+  int lo = 0, hi = g - 1;  // the largest group with istart[grp] <= item
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (istart[mid] <= item) lo = mid; else hi = mid - 1;
+  }
+  const int rows = gstart[lo + 1] - gstart[lo];
+  const int chunks = (rows + R - 1) / R;
+  const int local = item - istart[lo];
+  const int nt = local / chunks, c = local - nt * chunks;
+  Item it;
+  it.g = lo;
+  it.r0 = gstart[lo] + c * R;
+  it.rows = min(R, rows - c * R);
+  it.n0 = nt * BN;
+  return it;
+}
+
+template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
+__global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads, 1)
+    ragged_dot_kernel(Params p, int cs) {
+  using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU>;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes);
+  int* gstart = reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kPBytes);
+  int* istart = gstart + (kMaxGroups + 1);
+  __shared__ int scan_scratch[32];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int M = p.m, K = p.k, N = p.n, G = p.g;
+  const int NT = (N + BN - 1) / BN;
+  const T* lhs = static_cast<const T*>(p.lhs);
+  const T* rhs = static_cast<const T*>(p.rhs);
+  const T* rhs2 = static_cast<const T*>(p.rhs2);
+  TO* out = static_cast<TO*>(p.out);
+
+  // ---- group row offsets and item prefixes (every block the same) ----
+  int carry_rows = 0, carry_items = 0;
+  for (int base = 0; base < G; base += blockDim.x) {
+    const int gi = base + tid;
+    const int sz = gi < G ? max(p.group_sizes[gi], 0) : 0;
+    int tot = 0;
+    // sizes clipped so the running sum never passes M (lax: rows past M do not exist)
+    const int ex = block_exclusive_scan(min(sz, M), scan_scratch, &tot);
+    const int s0 = min(carry_rows + ex, M), s1 = min(carry_rows + ex + min(sz, M), M);
+    const int rows = s1 - s0;
+    const int items = rows > 0 ? ((rows + R - 1) / R) * NT : 0;
+    int itot = 0;
+    const int iex = block_exclusive_scan(items, scan_scratch, &itot);
+    if (gi < G) {
+      gstart[gi] = s0;
+      istart[gi] = carry_items + iex;
+    }
+    carry_rows = min(carry_rows + tot, M);
+    carry_items += itot;
+  }
+  if (tid == 0) {
+    gstart[G] = carry_rows;
+    istart[G] = carry_items;
+  }
+  __syncthreads();
+  const int total_rows = gstart[G], total_items = istart[G];
+
+  // ---- rows past the groups: zeros ----
+  {
+    const size_t b0 = size_t(total_rows) * N * sizeof(TO), b1 = size_t(M) * N * sizeof(TO);
+    char* ob = reinterpret_cast<char*>(out);
+    for (size_t o = b0 + (size_t(blockIdx.x) * blockDim.x + tid) * 16; o < b1;
+         o += size_t(gridDim.x) * blockDim.x * 16)
+      *reinterpret_cast<uint4*>(ob + o) = make_uint4(0, 0, 0, 0);
+  }
+
+  const int crank = int(cluster.block_rank());
+  const int cid = int(blockIdx.x) / cs, ncl = int(gridDim.x) / cs;
+  if (cid >= total_items) return;  // the whole cluster leaves together: no barrier is pending
+  const int n_my = (total_items - cid + ncl - 1) / ncl;
+  const int KT = (K + BK - 1) / BK;
+  const int kt0 = int((int64_t(crank) * KT) / cs), kt1 = int((int64_t(crank + 1) * KT) / cs);
+  const int S = kt1 - kt0;  // >= 1 (cs <= KT)
+  const int q_total = n_my * S;
+
+  // ---- producer: stage q's loads into slot q % STAGES ----
+  int load_item = -1;  // the item of the last load (decoded once per item, not per stage)
+  Item it;
+  auto load = [&](int q) {
+    const int item = cid + (q / S) * ncl;
+    if (item != load_item) {
+      it = decode<BN, R>(item, gstart, istart, G);
+      load_item = item;
+    }
+    const int k0 = (kt0 + q % S) * BK;
+    unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
+    constexpr int kWChunks = BK * (BN / 8);
+#pragma unroll
+    for (int w = 0; w < Tl::kNW; ++w) {
+      const T* src = (w == 0 ? rhs : rhs2) + size_t(it.g) * K * N;
+      const uint32_t dst = smem_u32(st + w * Tl::kWBytes);
+#pragma unroll 4
+      for (int c = tid; c < kWChunks; c += Tl::kThreads) {
+        const int row = c / (BN / 8), col = (c % (BN / 8)) * 8;
+        const int kk = k0 + row, nn = it.n0 + col;
+        const bool ok = kk < K && nn < N;
+        cp16(dst + (row * Tl::kWStride + col) * 2, src + (ok ? size_t(kk) * N + nn : 0), ok);
+      }
+    }
+    const int lrows = ((it.rows + 7) / 8) * 8;
+    const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWBytes);
+    for (int c = tid; c < lrows * (BK / 8); c += Tl::kThreads) {
+      const int row = c / (BK / 8), col = (c % (BK / 8)) * 8;
+      const bool ok = row < it.rows && k0 + col < K;
+      cp16(ldst + (row * Tl::kLStride + col) * 2,
+           lhs + (ok ? size_t(it.r0 + row) * K + k0 + col : 0), ok);
+    }
+  };
+
+  float acc[Tl::kNW][MT][R / 8][4];
+  auto zero_acc = [&]() {
+#pragma unroll
+    for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < R / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[w][i][j][e] = 0.f;
+  };
+  zero_acc();
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < q_total) load(s);
+    cp_commit();
+  }
+
+  bool pending = false;  // a cluster arrive whose wait has not come yet
+  Item cur = decode<BN, R>(cid, gstart, istart, G);
+  const int col0 = warp * MT * 16;  // this warp's first column in the tile
+  for (int q = 0; q < q_total; ++q) {
+    cp_wait<STAGES - 2>();
+    __syncthreads();
+    if (q + STAGES - 1 < q_total) load(q + STAGES - 1);
+    cp_commit();
+
+    const int sq = q % S;
+    if (sq == 0 && q > 0) cur = decode<BN, R>(cid + (q / S) * ncl, gstart, istart, G);
+    const int nrt = (cur.rows + 7) >> 3;
+    const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
+    const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWBytes);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t a[Tl::kNW][MT][4];
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w) {
+        const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          const int mi = lane >> 3, rr = lane & 7;
+          const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+          const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+          ldsm_x4_trans(a[w][i], wbase + (krow * Tl::kWStride + ncol) * 2);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < R / 8; ++j) {
+        if (j < nrt) {
+          uint32_t b0, b1;
+          const int l = lane & 15;
+          ldsm_x2(b0, b1, lbase + ((j * 8 + (l & 7)) * Tl::kLStride + kk * 16 + ((l >> 3) << 3)) * 2);
+#pragma unroll
+          for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+            for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+        }
+      }
+    }
+
+    if (sq == S - 1) {  // ---- epilogue of item `cur` ----
+      if (pending) cluster_wait();  // every rank has finished reading my previous partials
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int j = 0; j < R / 8; ++j) {
+            if (j < nrt) {
+              float* pw = part + w * R * Tl::kPStride;
+              const int row = j * 8 + 2 * (lane & 3), col = col0 + i * 16 + (lane >> 2);
+              pw[row * Tl::kPStride + col] = acc[w][i][j][0];
+              pw[(row + 1) * Tl::kPStride + col] = acc[w][i][j][1];
+              pw[row * Tl::kPStride + col + 8] = acc[w][i][j][2];
+              pw[(row + 1) * Tl::kPStride + col + 8] = acc[w][i][j][3];
+            }
+          }
+      zero_acc();
+      cluster_arrive();
+      cluster_wait();  // every rank's partials of this item are in its shared memory
+      const int e4 = cur.rows * (BN / 4);
+      const int b = int((int64_t(crank) * e4) / cs), e = int((int64_t(crank + 1) * e4) / cs);
+      for (int x = b + tid; x < e; x += Tl::kThreads) {
+        const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;
+        const int nn = cur.n0 + col;
+        if (nn >= N) continue;
+        float4 s[Tl::kNW];
+#pragma unroll
+        for (int w = 0; w < Tl::kNW; ++w) {
+          s[w] = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int r = 0; r < cs; ++r) {
+            const float* rp = cluster.map_shared_rank(part, r) + w * R * Tl::kPStride;
+            const float4 v = *reinterpret_cast<const float4*>(rp + row * Tl::kPStride + col);
+            s[w].x += v.x; s[w].y += v.y; s[w].z += v.z; s[w].w += v.w;
+          }
+        }
+        float4 o = s[0];
+        if constexpr (SWIGLU) {
+          o.x = silu(s[0].x) * s[1].x; o.y = silu(s[0].y) * s[1].y;
+          o.z = silu(s[0].z) * s[1].z; o.w = silu(s[0].w) * s[1].w;
+        }
+        store4<TO>(out + size_t(cur.r0 + row) * N + nn, o);
+      }
+      cluster_arrive();
+      pending = true;
+    }
+  }
+  cp_wait<0>();
+  if (pending) cluster_wait();  // no rank still reads this block's shared memory
+}
+
+}  // namespace rdot
+}  // namespace dev
+}  // namespace nvc

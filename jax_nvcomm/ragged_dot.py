@@ -1,0 +1,333 @@
+"""`ragged_dot`: `lax.ragged_dot`'s MoE form (lhs [M, K] rows sorted by group, rhs [G, K, N],
+int32 group_sizes [G]) on our grouped-product kernel where it is faster (decode and small
+prefill: few rows per group), XLA's elsewhere; and the private `ragged_dot_swiglu`, the
+gate and up products with SwiGLU from one pass (the MoE layer's first half).
+
+A local op: no communicator, no order token; it runs where `lax.ragged_dot` would, inside or
+outside `jax.shard_map` (inside: on each device's shard, every mesh axis manual). CPU devices
+run the host backend (csrc/host/ragged_dot_host.cc), CUDA devices the kernel
+(csrc/kernels/ragged_dot.cuh); the platform is picked at lowering (`lax.platform_dependent`).
+
+Gradients: `jax.custom_jvp` whose tangent rule is lax's (`lax.ragged_dot` of the tangents,
+linear), so reverse mode uses lax's transposes (dlhs = ragged_dot(g, rhs^T), drhs = the grouped
+lhs^T g) while the primal runs our kernel. `jax.vmap` runs one call per batch element.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _ffi, _shard
+
+STRATEGIES = ("auto", "kernel", "xla")
+# the kernel's limits (csrc/cuda/ragged_dot.h ragged_dot_check)
+MAX_GROUPS = 1024
+MAX_ROWS = 1 << 20
+# "auto" takes the kernel up to this many rows per group on average (M / G): beyond it the
+# product is compute-bound and XLA's GEMM wins (kernels/ragged_dot.cuh: the two numbers)
+KERNEL_MAX_ROWS_PER_GROUP = 64
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotChoice:
+    """What `select_ragged_dot_strategy(..., explain=True)` returns.
+
+    Attributes:
+      strategy: "kernel" (ours) or "xla" (`lax.ragged_dot`).
+      platform: the platform it was decided for ("cpu" or "cuda").
+      reason: one sentence.
+    """
+    strategy: str
+    platform: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.strategy}: {self.reason}"
+
+
+def _out_dtype(lhs_dtype, preferred_element_type):
+    return jnp.dtype(lhs_dtype if preferred_element_type is None else preferred_element_type)
+
+
+def _decide(m, k, g, n, dt, rdt, odt, platform, rows_rule):
+    """(strategy, why) of `select_ragged_dot_strategy`; rows_rule=False skips the rows-per-group
+    rule (strategy="kernel")."""
+    if platform not in ("cpu", "cuda"):
+        return "xla", f"platform {platform!r} has no kernel"
+    if dt != rdt or dt not in _KERNEL_DTYPES:
+        return "xla", (f"operands {dt.name} x {rdt.name} (the kernel takes one dtype of "
+                       "bfloat16, float16, float32)")
+    if platform == "cuda" and dt == jnp.float32:
+        return "xla", "float32 operands on CUDA devices (XLA's GEMM)"
+    if odt not in (dt, jnp.dtype(jnp.float32)):
+        return "xla", f"result dtype {odt.name} (the kernel gives {dt.name} or float32)"
+    if platform == "cuda" and (k % 8 or n % 8):
+        return "xla", f"K {k} or N {n} not a multiple of 8"
+    if not 1 <= g <= MAX_GROUPS or m > MAX_ROWS:
+        return "xla", f"G {g} outside [1, {MAX_GROUPS}] or M {m} > {MAX_ROWS}"
+    if m == 0 or n == 0:
+        return "xla", "an empty product"
+    if rows_rule and m > KERNEL_MAX_ROWS_PER_GROUP * g:
+        return "xla", (f"{m / g:.1f} rows per group on average > {KERNEL_MAX_ROWS_PER_GROUP} "
+                       "(compute-bound: XLA's GEMM)")
+    return "kernel", (f"{m / g:.1f} rows per group on average" +
+                      (f" <= {KERNEL_MAX_ROWS_PER_GROUP} (bound by reading the weights)"
+                       if rows_rule else " (strategy='kernel')"))
+
+
+def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element_type=None,
+                               platform: str = "cuda", rhs_dtype=None, explain: bool = False):
+    """The strategy `ragged_dot(..., strategy="auto")` picks: a pure function of the static
+    shapes, dtypes and platform.
+
+    "kernel" when the kernel takes the call (operands of one dtype: bfloat16 or float16, and on
+    CPU devices float32 too; result of that dtype or float32; on CUDA devices K and N multiples
+    of 8; 1 <= G <= 1024; M <= 2^20) and the rows per group are few: M / G <= 64 (decode and
+    small prefill, where the product is bound by reading the weights of the groups that have
+    rows); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
+    with its own precision rules). Only static sizes are read: a call whose rows crowd into
+    few groups still takes the kernel (correct, slower: a group past the kernel's row tile
+    re-reads its weights).
+
+    Args:
+      lhs_shape, rhs_shape: [M, K] and [G, K, N].
+      dtype: lhs's dtype; rhs_dtype: rhs's (default: the same).
+      preferred_element_type: the result dtype asked for (None: the operands').
+      platform: "cuda" or "cpu".
+      explain: return a `RaggedDotChoice` instead of the name.
+
+    Returns:
+      "kernel" or "xla"; with explain=True a `RaggedDotChoice`.
+    """
+    m, k = (int(d) for d in lhs_shape)
+    g, _, n = (int(d) for d in rhs_shape)
+    dt = jnp.dtype(dtype)
+    rdt = jnp.dtype(rhs_dtype) if rhs_dtype is not None else dt
+    odt = _out_dtype(jnp.result_type(dt, rdt), preferred_element_type)
+    strat, why = _decide(m, k, g, n, dt, rdt, odt, platform, True)
+    if not explain:
+        return strat
+    return RaggedDotChoice(strat, platform, f"ragged_dot [{m}, {k}] x [{g}, {k}, {n}] "
+                                            f"{dt.name} -> {odt.name} on {platform}: {why}")
+
+
+def _kernel_platforms(strategy, lhs, rhs, out_dtype) -> tuple:
+    """The platforms ("cpu", "cuda") whose devices run our kernel for this call."""
+    if strategy == "xla":
+        return ()
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    out = []
+    for p in ("cpu", "cuda"):
+        if p == "cuda" and not _ffi.CUDA_BUILT:
+            continue
+        s, _ = _decide(m, k, g, n, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
+                       jnp.dtype(out_dtype), p, strategy == "auto")
+        if s == "kernel":
+            out.append(p)
+    return tuple(out)
+
+
+def _check(lhs, rhs, group_sizes, what):
+    if jnp.ndim(lhs) != 2:
+        raise ValueError(f"jax_nvcomm: {what}: lhs must be [M, K], got shape {jnp.shape(lhs)}")
+    if jnp.ndim(rhs) != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"jax_nvcomm: {what}: rhs must be [G, K, N] with K = {lhs.shape[1]} "
+                         f"(lhs's), got shape {jnp.shape(rhs)}")
+    if jnp.ndim(group_sizes) != 1 or group_sizes.shape[0] != rhs.shape[0]:
+        raise ValueError(f"jax_nvcomm: {what}: group_sizes must be [G] with G = {rhs.shape[0]} "
+                         f"(rhs's), got shape {jnp.shape(group_sizes)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"jax_nvcomm: {what}: group_sizes must be integers, got "
+                        f"{group_sizes.dtype}")
+
+
+def _vma(*xs) -> frozenset:
+    out = frozenset()
+    for x in xs:
+        out |= _shard.vma_of(x)
+    return out
+
+
+def _as_varying(x, vma):
+    for axis in sorted(vma - _shard.vma_of(x)):
+        x = _shard.varying(x, axis)
+    return x
+
+
+def _target(name, platform, graph):
+    if platform == "cpu":
+        return f"nvc_{name}"
+    return f"nvc_cuda_{name}" + ("" if graph else "_nograph")
+
+
+_LOADED = set()
+
+
+def _load_cuda_kernels():
+    """Load the kernels on every local CUDA device once per process (at trace time, outside
+    any CUDA-graph capture XLA may record the first call into)."""
+    try:
+        devices = [d for d in jax.local_devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return
+    for d in devices:
+        if d.id not in _LOADED and hasattr(_ffi._cuda, "ragged_dot_load_kernels"):
+            _ffi._cuda.ragged_dot_load_kernels(int(d.local_hardware_id))
+            _LOADED.add(d.id)
+
+
+def _call(name, platform, out_dtype, lhs, *weights_and_sizes):
+    """One FFI call of `name` ("ragged_dot" or "ragged_dot_swiglu") for `platform`."""
+    if platform == "cuda":
+        _load_cuda_kernels()
+    *weights, gs = weights_and_sizes
+    vma = _vma(lhs, *weights, gs)
+    args = [_as_varying(a, vma) for a in (lhs, *weights, gs)]
+    rt = _shard.result_type(lhs, (lhs.shape[0], weights[0].shape[2]), out_dtype, vma)
+    return jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), rt,
+                            vmap_method="sequential")(*args)
+
+
+def _on_platforms(name, out_dtype, platforms, fallback, *args):
+    """Our kernel `name` on the devices of `platforms`, `fallback` (lax) on any other."""
+    branches = {p: functools.partial(_call, name, p, out_dtype) for p in platforms}
+    return lax.platform_dependent(*args, default=fallback, **branches)
+
+
+def _lax_ragged_dot(lhs, rhs, gs, out_dtype, precision):
+    return lax.ragged_dot(lhs, rhs, gs, precision=precision, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _kernel_ragged_dot(lhs, rhs, gs, out_dtype, precision, platforms):
+    return _on_platforms("ragged_dot", out_dtype, platforms,
+                         lambda a, b, c: _lax_ragged_dot(a, b, c, out_dtype, precision),
+                         lhs, rhs, gs)
+
+
+@_kernel_ragged_dot.defjvp
+def _kernel_ragged_dot_jvp(out_dtype, precision, platforms, primals, tangents):
+    lhs, rhs, gs = primals
+    dl, dr, _ = tangents
+    out = _kernel_ragged_dot(lhs, rhs, gs, out_dtype, precision, platforms)
+    t = (_lax_ragged_dot(_instantiate(dl, lhs), rhs, gs, out_dtype, precision) +
+         _lax_ragged_dot(lhs, _instantiate(dr, rhs), gs, out_dtype, precision))
+    return out, t
+
+
+def _instantiate(t, like):
+    """A tangent as an array (a symbolic or float0 zero becomes zeros of `like`)."""
+    if isinstance(t, jax.custom_derivatives.SymbolicZero) or \
+            getattr(t, "dtype", None) == jax.dtypes.float0:
+        return jnp.zeros_like(like)
+    return t
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=None,
+               strategy: str = "auto"):
+    """`lax.ragged_dot(lhs, rhs, group_sizes)` for the MoE form, on our kernel where faster.
+
+    out[r] = lhs[r] @ rhs[g] for the rows r of group g: group g owns rows [start_g, start_g +
+    group_sizes[g]) of lhs, start_g the sum of the sizes before it; rows past the sum of
+    group_sizes are zero; a sum past M is clipped at M (both as lax). Products accumulate in
+    float32 (the kernel: in a fixed order, so results are bitwise reproducible) and are
+    rounded once to the result dtype. Negative sizes are outside the contract (lax's groups
+    then overlap; the kernel counts them as 0).
+
+    Args:
+      lhs: [M, K], rows sorted by group (bfloat16, float16 or float32).
+      rhs: [G, K, N] of lhs's dtype (others: XLA's path, as lax promotes them).
+      group_sizes: int [G] (cast to int32), traced: no host sync.
+      preferred_element_type: the result dtype (None: the operands'); the kernel gives the
+        operands' dtype or float32, others take XLA's path.
+      precision: passed to `lax.ragged_dot` on XLA's path and in the gradient; the kernel
+        always multiplies the 16-bit operands exactly and sums in float32.
+      strategy: "auto" (`select_ragged_dot_strategy`: the kernel for few rows per group),
+        "kernel" (ours wherever it takes the call, whatever the rows per group), "xla"
+        (`lax.ragged_dot`).
+
+    Returns:
+      [M, N] of preferred_element_type or the operands' dtype.
+
+    Raises:
+      ValueError / TypeError: shapes other than the MoE form, non-integer group_sizes, an
+        unknown strategy; each names the argument, the expected and the actual value.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"jax_nvcomm: ragged_dot: strategy must be one of {STRATEGIES}, got "
+                         f"{strategy!r}")
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    _check(lhs, rhs, group_sizes, "ragged_dot")
+    gs = group_sizes.astype(jnp.int32)
+    out_dtype = _out_dtype(jnp.result_type(lhs.dtype, rhs.dtype), preferred_element_type)
+    platforms = _kernel_platforms(strategy, lhs, rhs, out_dtype)
+    if not platforms:
+        return _lax_ragged_dot(lhs, rhs, gs, preferred_element_type, precision)
+    return _kernel_ragged_dot(lhs, rhs, gs, out_dtype, precision, platforms)
+
+
+# ---- private: gate and up products with SwiGLU in one pass (the MoE layer) ----
+
+def _swiglu_reference(lhs, w_gate, w_up, gs, out_dtype):
+    """silu(lhs @ w_gate) * (lhs @ w_up) through lax, each product in float32, rounded once."""
+    a = lax.ragged_dot(lhs, w_gate, gs, preferred_element_type=jnp.float32)
+    b = lax.ragged_dot(lhs, w_up, gs, preferred_element_type=jnp.float32)
+    return (jax.nn.silu(a) * b).astype(out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _swiglu_kernel(lhs, w_gate, w_up, gs, out_dtype, platforms):
+    return _on_platforms("ragged_dot_swiglu", out_dtype, platforms,
+                         lambda a, b, c, d: _swiglu_reference(a, b, c, d, out_dtype),
+                         lhs, w_gate, w_up, gs)
+
+
+@_swiglu_kernel.defjvp
+def _swiglu_kernel_jvp(out_dtype, platforms, primals, tangents):
+    lhs, w_gate, w_up, gs = primals
+    dl, dg, du, _ = tangents
+    out = _swiglu_kernel(lhs, w_gate, w_up, gs, out_dtype, platforms)
+    _, t = jax.jvp(lambda a, b, c: _swiglu_reference(a, b, c, gs, out_dtype),
+                   (lhs, w_gate, w_up),
+                   (_instantiate(dl, lhs), _instantiate(dg, w_gate), _instantiate(du, w_up)))
+    return out, t
+
+
+def ragged_dot_swiglu(lhs, w_gate, w_up, group_sizes, *, preferred_element_type=None,
+                      strategy: str = "auto"):
+    """silu(lhs @ w_gate) * (lhs @ w_up) per group (private: the MoE layer's first half).
+
+    Both products over the same rows of lhs in one pass of our kernel, summed in float32,
+    silu in float32, rounded once; the rows as `ragged_dot`'s (rows past the groups: zero).
+
+    Args:
+      lhs: [M, K]; w_gate, w_up: [G, K, F] of lhs's dtype; group_sizes: int [G].
+      preferred_element_type: the result dtype (None: lhs's).
+      strategy: "auto" / "kernel" as `ragged_dot` (the same rule on the gate product), "xla":
+        two `lax.ragged_dot` (float32 results) and the SwiGLU in XLA.
+
+    Returns:
+      [M, F].
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"jax_nvcomm: ragged_dot_swiglu: strategy must be one of "
+                         f"{STRATEGIES}, got {strategy!r}")
+    lhs, w_gate, w_up = jnp.asarray(lhs), jnp.asarray(w_gate), jnp.asarray(w_up)
+    group_sizes = jnp.asarray(group_sizes)
+    _check(lhs, w_gate, group_sizes, "ragged_dot_swiglu")
+    if w_up.shape != w_gate.shape or w_up.dtype != w_gate.dtype:
+        raise ValueError(f"jax_nvcomm: ragged_dot_swiglu: w_up must have w_gate's shape "
+                         f"{w_gate.shape} and dtype {w_gate.dtype}, got {w_up.shape} "
+                         f"{w_up.dtype}")
+    gs = group_sizes.astype(jnp.int32)
+    out_dtype = _out_dtype(lhs.dtype, preferred_element_type)
+    platforms = _kernel_platforms(strategy, lhs, w_gate, out_dtype)
+    if not platforms:
+        return _swiglu_reference(lhs, w_gate, w_up, gs, out_dtype)
+    return _swiglu_kernel(lhs, w_gate, w_up, gs, out_dtype, platforms)

@@ -127,8 +127,9 @@ def decoder():
     def hand(p, h):
         return jax.shard_map(hand_body, mesh=mesh, in_specs=(specs, P()), out_specs=P())(p, h)
 
-    dense = jax.jit(tpd.dense_forward(cfg), device=jax.local_devices()[0])(
-        jax.tree.map(jnp.asarray, params_h), jnp.asarray(x_h))
+    dev = jax.local_devices()[0]  # the dense model on this process's first device
+    dense = jax.jit(tpd.dense_forward(cfg))(jax.device_put(params_h, dev),
+                                            jax.device_put(x_h, dev))
     dense = np.asarray(dense, np.float64)
     j = nvc.jit(fwd)
     got = local(j(params, x))

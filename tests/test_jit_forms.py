@@ -225,3 +225,14 @@ def test_fixable_fallback_warns_once_per_site(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nvc.jit(lambda v: f(v) + 1)(x)
+
+
+def test_set_mesh_and_shard_map_without_mesh():
+    """shard_map with the mesh from jax.set_mesh (its eqn holds an abstract mesh): the
+    communicator is made on the concrete mesh in context."""
+    f = jax.shard_map(lambda v: lax.psum(v, "tp"), in_specs=P(), out_specs=P())
+    x = _x()
+    with jax.set_mesh(mesh()):
+        j = nvc.jit(f)
+        np.testing.assert_array_equal(np.asarray(j(x)), np.asarray(jax.jit(f)(x)))
+        assert targets(j.lower(x).as_text()) == {"nvc_all_reduce": 1}

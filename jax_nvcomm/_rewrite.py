@@ -38,8 +38,6 @@ from ._eqn import like as _like
 from ._eqn import site_of, source_of
 
 PSUMS = ("psum", "psum_invariant")
-COLLECTIVES = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all",
-                       "ppermute", "pbroadcast", "psum_scatter")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 SERVED = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all")
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -123,7 +121,7 @@ def has_collectives(jaxpr) -> bool:
     hit = _has_cache.get(key)
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
-    found = any(e.primitive.name in SERVED or
+    found = any(e.primitive.name in SERVED or e.primitive.name in UNSERVED or
                 any(has_collectives(j) for _, _, j in sub_jaxprs(e.params))
                 for e in jaxpr.eqns)
     if len(_has_cache) > 4096:

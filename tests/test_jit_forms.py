@@ -236,3 +236,22 @@ def test_set_mesh_and_shard_map_without_mesh():
         j = nvc.jit(f)
         np.testing.assert_array_equal(np.asarray(j(x)), np.asarray(jax.jit(f)(x)))
         assert targets(j.lower(x).as_text()) == {"nvc_all_reduce": 1}
+
+
+def test_collective_without_kernel_listed_and_ordered():
+    """A ppermute beside our calls: XLA's, listed by explain with its reason, results as
+    jax.jit's (it runs in our calls' order on every device)."""
+    perm = [(i, (i + 1) % 8) for i in range(8)]
+
+    def body(x):
+        y = lax.psum(x, "tp")
+        return y + lax.ppermute(x, "tp", perm), lax.psum(2 * x, "tp")
+
+    f = smap(body, in_specs=P("tp"), out_specs=(P("tp"), P()))
+    x = _x((64, 32))
+    for a, b in zip(nvc.jit(f)(x), jax.jit(f)(x)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows = nvc.explain(f, x).rows
+    (pp,) = [r for r in rows if r["op"] == "ppermute"]
+    assert pp["became"] == "xla" and "no jax_nvcomm kernel" in pp["reason"]
+    assert sum(r["became"].startswith("all_reduce") for r in rows) == 2

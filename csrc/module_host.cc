@@ -56,6 +56,10 @@ NB_MODULE(_host, m) {
                           uint64_t row_bytes, int64_t k) {
     return ragged_fits(max_message_bytes, world, m_rows, row_bytes, k);
   });
+  // ragged_layout.h ragged_chunk_max: the largest slot of the chunked path (0: none fits).
+  m.def("ragged_chunk_max", [](uint64_t max_message_bytes, int world, int64_t k) {
+    return uint64_t(ragged_chunk_max(max_message_bytes, world, k));
+  });
   m.def("read_seq", [](uint64_t buf_addr) {
     return reinterpret_cast<const Ctrl*>(buf_addr)->seq;
   });

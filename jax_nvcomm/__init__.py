@@ -13,6 +13,7 @@ from ._explain import Explanation, explain
 from ._jit import jit
 from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
+from .moe_experts import moe_layer
 from .moe_split import (CombineSent, DispatchSent, moe_combine_recv, moe_combine_send,
                         moe_dispatch_recv, moe_dispatch_send)
 from .moe_split import overlap as moe_overlap
@@ -27,7 +28,7 @@ __all__ = [
     "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce",
     "all_reduce_rms_norm",
     "all_reduce_rms_norm_quant",
-    "select_strategy", "moe_dispatch", "moe_combine", "Dispatched", "MoEHandle",
+    "select_strategy", "moe_dispatch", "moe_combine", "moe_layer", "Dispatched", "MoEHandle",
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",

@@ -415,6 +415,11 @@ class Communicator(_Base):
         ones use XLA's collective.
       backend: "auto" (CUDA on GPU devices, host memory on CPU devices), "cuda" or "host".
       timeout_s: bound on every wait for a peer, > 0 (default JAX_NVCOMM_TIMEOUT_S or 30 s).
+      ragged_chunk_bytes: slot size (bytes per sender and receiver, two slots a pair) of
+        `ragged_all_to_all`'s chunked path, which serves calls whose output exceeds the landing
+        frame: None (default) the largest the buffers hold (about max_message_bytes / W),
+        else rounded down to a multiple of 256 and capped at that. Changes no memory: the
+        buffers are `nbytes` whatever the calls (smaller slots, more rounds).
 
     Raises:
       TypeError / ValueError: an argument outside the above (named, with expected and actual
@@ -427,7 +432,14 @@ class Communicator(_Base):
     _kind = "communicator"
 
     def __init__(self, mesh, axis_name, *, max_message_bytes: int = 32 << 20,
-                 backend: str = "auto", timeout_s: float | None = None):
+                 backend: str = "auto", timeout_s: float | None = None,
+                 ragged_chunk_bytes: int | None = None):
+        if ragged_chunk_bytes is not None and (
+                isinstance(ragged_chunk_bytes, bool) or
+                not isinstance(ragged_chunk_bytes, (int, np.integer)) or ragged_chunk_bytes < 256):
+            raise ValueError("jax_nvcomm: Communicator: ragged_chunk_bytes must be None or an "
+                             f"int >= 256, got {ragged_chunk_bytes!r}")
+        self._ragged_chunk_bytes = None if ragged_chunk_bytes is None else int(ragged_chunk_bytes)
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes,
                                                                    (int, np.integer)):
             raise TypeError("jax_nvcomm: Communicator: max_message_bytes must be an int, got "
@@ -441,13 +453,19 @@ class Communicator(_Base):
         lay = _ffi._host.layout(self._max_message_bytes, max(world, 1))
         self._layout = dict(lay)
         self._setup(mesh, axis_name, backend, lay["total"], self._max_message_bytes, timeout_s,
-                    dict(max_message_bytes=self._max_message_bytes),
+                    dict(max_message_bytes=self._max_message_bytes,
+                         ragged_chunk_bytes=self._ragged_chunk_bytes),
                     lamport_range=(lay["lamport_offset"], lay["total"] - lay["lamport_offset"]),
                     zero_bytes=lay["ctrl_bytes"], multicast_capable=True, tuned=True)
 
     @property
     def max_message_bytes(self) -> int:
         return self._max_message_bytes
+
+    @property
+    def ragged_chunk_bytes(self) -> int | None:
+        """The slot size asked for `ragged_all_to_all`'s chunked path (None: the largest)."""
+        return self._ragged_chunk_bytes
 
     @property
     def nbytes(self) -> int:

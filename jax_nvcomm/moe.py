@@ -235,9 +235,17 @@ def scales_of(moe, rest):
             tok)
 
 
-def _dispatch_kernel(x, topk_ids, nt, *rest, moe):
+def packed_rows(moe) -> int:
+    """Rows of a packed expert_x (csrc/common/moe_layout.h PACKED EXPERT ROWS): a token
+    reaches at most min(top_k, L) local experts, so W * T * min(K, L) rows hold any routing."""
+    return moe.world_size * moe.max_tokens * min(moe.top_k, moe.num_local_experts)
+
+
+def _dispatch_kernel(x, topk_ids, nt, *rest, moe, packed=False):
     """The dispatch kernel call on (x, topk_ids, nt, *scales_in(x_scale), tok): (expert_x,
-    counts, expert_x_scale, token_dest, expert_src, the call's order token)."""
+    counts, expert_x_scale, token_dest, expert_src, the call's order token). packed:
+    expert_x [P, H] and expert_x_scale [P, S] in the packed form (`packed_rows`: the rows of
+    local expert e at [sum(counts[:e]), sum(counts[:e + 1])), lax.ragged_dot's lhs form)."""
     axis = moe.axis_name
     W, T, H, K, S = moe.world_size, moe.max_tokens, moe.hidden, moe.top_k, moe.scale_cols
     L, R = moe.num_local_experts, W * T
@@ -245,7 +253,8 @@ def _dispatch_kernel(x, topk_ids, nt, *rest, moe):
     x = _shard.varying(x, axis)  # varies over the axis now, when check_vma tracks it
     vma = _shard.vma_of(x) | _shard.vma_of(topk_ids)
     rt = lambda shape, dt: _shard.result_type(x, shape, dt, vma)
-    results = (rt((L, R, H), moe.dtype), rt((L,), jnp.int32), rt((L, R, S), jnp.float32),
+    rows = (packed_rows(moe),) if packed else (L, R)
+    results = (rt(rows + (H,), moe.dtype), rt((L,), jnp.int32), rt(rows + (S,), jnp.float32),
                rt((T, K), jnp.int32), rt((L, R), jnp.int32))
     args = [_shard.varying(a, axis) for a in (x, scale, topk_ids, nt)]
     outs, tok = _shard.ffi_call(moe, "moe_dispatch", results, *args, order=tok)
@@ -253,7 +262,8 @@ def _dispatch_kernel(x, topk_ids, nt, *rest, moe):
 
 
 def _combine_kernel(expert_y, topk_weights, token_dest, expert_src, counts, tok, *, moe):
-    """The combine kernel call: (y, the call's order token)."""
+    """The combine kernel call: (y, the call's order token). expert_y [L, W*T, H], or packed
+    [P, H] (`packed_rows`; the kernels tell the forms apart by the rank)."""
     axis = moe.axis_name
     args = [_shard.varying(a, axis) for a in
             (expert_y, topk_weights, token_dest, expert_src, counts)]

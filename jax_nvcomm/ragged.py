@@ -15,12 +15,18 @@ straight into the receiver's landing frame at the slice's output offset, with a 
 aliases `output` (XLA input_output_aliases): only the rows slices land on are written.
 
 Where it runs (the same results everywhere):
-- the kernel, when the call fits the buffers (`_host.ragged_fits`: M rows of output and the
-  slice headers within one flag half, M * row bytes <= max_message_bytes; the row bytes of each
-  device's call, in a partially manual shard_map its share of a row);
+- the kernel at every output size, on the communicator's buffers as they are (comm.nbytes
+  never grows with a call): in ONE round when the output fits the landing frame
+  (`_host.ragged_fits`: M rows of output and the slice headers within one flag half,
+  M * row bytes <= max_message_bytes; the row bytes of each device's call, in a partially
+  manual shard_map its share of a row), else on the CHUNKED path (`chunk_bytes`): each
+  sender streams its slices to each receiver in rounds of at most `chunk_bytes` bytes through
+  two slots per pair, the receiver copying each landed round into the result and
+  acknowledging it. strategy="chunked" takes the chunked path also where one round would do;
 - XLA's `lax.ragged_all_to_all` (emulated on CPU: `reference._ragged_all_to_all`) with
-  strategy="xla" and on communicators in XLA fallback mode; calls that do not fit take it on
-  GPUs and raise a ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
+  strategy="xla" and on communicators in XLA fallback mode; a call whose slice header alone
+  (16 bytes x k x world) leaves no room in a flag half takes it on GPUs and raises a
+  ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
 
 Transformations:
 - gradients (custom_vjp, lax's transpose rule, run with this op itself, so on CPUs and on ranks
@@ -54,7 +60,7 @@ from jax._src.interpreters import ad
 from . import _ffi, _order, _registry, _shard, _warn, reference
 from .communicator import Communicator
 
-_STRATEGIES = ("auto", "xla")
+_STRATEGIES = ("auto", "xla", "chunked")
 _INDEX_NAMES = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 _WHAT = "ragged_all_to_all"
 
@@ -66,27 +72,53 @@ def fits(comm, m_rows: int, row_bytes: int, k: int) -> bool:
                                        int(m_rows), int(row_bytes), int(k)))
 
 
+def chunk_max(comm, k: int) -> int:
+    """csrc/common/ragged_layout.h ragged_chunk_max: the largest slot (bytes) of the chunked
+    path for k slices per peer on this communicator (0: the slice header alone fills a flag
+    half)."""
+    return int(_ffi._host.ragged_chunk_max(int(comm.max_message_bytes), int(comm.world_size),
+                                           int(k)))
+
+
+def chunk_bytes(comm, m_rows: int, row_bytes: int, k: int, chunked: bool = False) -> int:
+    """The kernel path's chunk_bytes attribute for a call (each device's share of a row): 0,
+    the single round, when the output fits the landing frame (`fits`) and `chunked` is not
+    asked for; else the chunked path's slot size: the communicator's `ragged_chunk_bytes`
+    (rounded down to 256, at most `chunk_max`) or `chunk_max`. -1: no slot fits (k too large
+    for the slice header)."""
+    if not chunked and fits(comm, m_rows, row_bytes, k):
+        return 0
+    top = chunk_max(comm, k)
+    if top < 256:
+        return -1
+    want = getattr(comm, "ragged_chunk_bytes", None)
+    return top if want is None else max(256, min(top, int(want) // 256 * 256))
+
+
 def _row_bytes(shape, dtype) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) * jnp.dtype(dtype).itemsize
 
 
-def _enough_bytes(comm, m_rows, row_bytes, k) -> int:
-    """The smallest max_message_bytes (a power of two from 4 KiB) that this call fits."""
+def _enough_bytes(comm, k) -> int:
+    """The smallest max_message_bytes (a power of two from 4 KiB) whose flag half holds the
+    slice header of k slices per peer beside 256-byte slots (the chunked path's least)."""
     need = 4096
-    while not _ffi._host.ragged_fits(need, comm.world_size, m_rows, row_bytes, k):
+    while int(_ffi._host.ragged_chunk_max(need, comm.world_size, k)) < 256:
         need *= 2
     return need
 
 
 def _too_big(comm, m_rows, row_bytes, k, batch=1):
+    """Only the slice header can outgrow the buffers (the chunked path serves any output)."""
     batched = f" (a vmap batch of {batch} folded into one call)" if batch > 1 else ""
+    need = _enough_bytes(comm, k)
     return ValueError(
         f"jax_nvcomm: {_WHAT}: the call{batched} does not fit the communicator's buffers: "
-        f"output of {m_rows} rows x {row_bytes} bytes = {m_rows * row_bytes} bytes with "
-        f"{k} slices per peer over {comm.world_size} ranks, max_message_bytes="
-        f"{comm.max_message_bytes}; create the Communicator with max_message_bytes >= "
-        f"{_enough_bytes(comm, m_rows, row_bytes, k)}. XLA:CPU has no ragged all-to-all to "
-        "fall back on (on GPUs such calls take lax.ragged_all_to_all)")
+        f"k={k} slices per peer over {comm.world_size} ranks need a slice header of "
+        f"{16 * k * comm.world_size} bytes, more than a flag half of max_message_bytes="
+        f"{comm.max_message_bytes} leaves room for (output of {m_rows} rows x {row_bytes} "
+        f"bytes); create the Communicator with max_message_bytes >= {need}. XLA:CPU has no "
+        "ragged all-to-all to fall back on (on GPUs such calls take lax.ragged_all_to_all)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,45 +229,56 @@ def _xla(operand, output, io, ss, oo, rs, comm):
         (operand, output, io, ss, oo, rs), None, (dims, dims, (), (), (), ()), (dims,))[0]
 
 
-def _ffi_ragged(comm, operand, output, io, ss, oo, rs, tok):
-    """The one kernel call (FFI target "ragged_all_to_all"): (result aliasing output, token)."""
+def _ffi_ragged(comm, chunked, operand, output, io, ss, oo, rs, tok):
+    """The one kernel call (FFI target "ragged_all_to_all"): (result aliasing output, token).
+    Its chunk_bytes attribute (`chunk_bytes`) from this device's shapes: the single round or
+    the chunked path."""
     axis = comm.axis_name
+    k = io.shape[0] // comm.world_size
+    chunk = chunk_bytes(comm, output.shape[0], _row_bytes(output.shape, output.dtype), k,
+                        chunked)
+    if chunk < 0:  # _dispatch refused these sizes already
+        raise _too_big(comm, output.shape[0], _row_bytes(output.shape, output.dtype), k)
     args = [_shard.varying(a, axis) for a in (operand, output, io, ss, oo, rs)]
     vma = frozenset().union(*map(_shard.vma_of, args))  # the axis included when tracked
     rt = _shard.result_type(args[1], output.shape, output.dtype, vma)
-    return _shard.ffi_call(comm, "ragged_all_to_all", rt, *args, order=tok, aliases={1: 0})
+    return _shard.ffi_call(comm, "ragged_all_to_all", rt, *args, order=tok, aliases={1: 0},
+                           chunk_bytes=np.int64(chunk))
 
 
 def _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok, batch=1):
-    """Kernel when the call fits the buffers; else lax (GPUs) or a ValueError (CPU devices).
-    Decided on each device's call: its rows are its share of a row (the dims after the rows
-    split over auto mesh axes where they divide, as the kernel call splits them)."""
+    """The kernel at every output size (one round when the output fits the landing frame, the
+    chunked path else, `chunk_bytes`); only a slice header larger than the buffers (k * W
+    slices) takes lax (GPUs) or raises a ValueError (CPU devices). Decided on each device's
+    call: its rows are its share of a row (the dims after the rows split over auto mesh axes
+    where they divide, as the kernel call splits them)."""
     k = io.shape[0] // comm.world_size
     m = output.shape[0]
     row = _row_bytes(_shard.local_shape(comm, operand, tuple(range(1, operand.ndim))),
                      output.dtype)
     if m == 0 or row == 0:  # nothing can land: the result is output
         return _shard.varying(output, comm.axis_name), tok
-    if fits(comm, m, row, k):
+    if chunk_bytes(comm, m, row, k) >= 0:
         return kernel(operand, output, io, ss, oo, rs, tok)
     if comm.backend == "host":
         raise _too_big(comm, m, row, k, batch)
-    _warn.warn_once(f"jax_nvcomm: {_WHAT}: an output of {m} rows x {row} bytes with {k} slices "
-                    f"per peer does not fit the communicator's buffers (max_message_bytes "
-                    f"{comm.max_message_bytes}, >= {_enough_bytes(comm, m, row, k)} would): "
-                    "lax.ragged_all_to_all runs instead of the kernel")
+    _warn.warn_once(f"jax_nvcomm: {_WHAT}: the slice header of {k} slices per peer over "
+                    f"{comm.world_size} ranks does not fit the communicator's buffers "
+                    f"(max_message_bytes {comm.max_message_bytes}, >= "
+                    f"{_enough_bytes(comm, k)} would): lax.ragged_all_to_all runs instead of "
+                    "the kernel")
     return _xla(operand, output, io, ss, oo, rs, comm), tok
 
 
-def _kernel(comm):
+def _kernel(comm, chunked=False):
     """The kernel call `(operand, output, io, ss, oo, rs, tok) -> (result, tok)`: per device
     (`_shard.per_device`) and, under jax.vmap, ONE call for the whole batch (`_shard.batching`:
-    `fold`)."""
+    `fold`). chunked: the chunked path also where one round would do (strategy="chunked")."""
     def call(operand, output, io, ss, oo, rs, tok):
         # per device (partially manual shard_maps): rows move, the dims after them are
         # independent (split over auto mesh axes where they divide), the index arrays whole
         dims = tuple(range(1, operand.ndim))
-        return _shard.per_device(comm, lambda *a: _ffi_ragged(comm, *a),
+        return _shard.per_device(comm, lambda *a: _ffi_ragged(comm, chunked, *a),
                                  (operand, output, io, ss, oo, rs), tok,
                                  (dims, dims, (), (), (), ()), (dims,))
 
@@ -383,8 +426,10 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_index_groups: as lax's: None, or a partition of the axis indices 0 .. world_size - 1
         into groups of one size; each group exchanges within itself (rank = position in its
         group). Also under jax.vmap (lax refuses that).
-      strategy: "auto" (the kernel when the call fits the buffers) or "xla"
-        (`lax.ragged_all_to_all`; on CPU devices its emulation from dense collectives).
+      strategy: "auto" (the kernel: one round when the output fits the landing frame, the
+        chunked path else), "chunked" (the kernel's chunked path at every size: benchmarks)
+        or "xla" (`lax.ragged_all_to_all`; on CPU devices its emulation from dense
+        collectives).
 
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
@@ -395,8 +440,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Raises:
       TypeError / ValueError: an argument outside the above (naming it, the expected and the
         actual value), a call outside shard_map over the communicator's axis, or, on CPU
-        devices, a call larger than the buffers hold (naming the sizes and the
-        max_message_bytes that would hold it).
+        devices, a call whose slice header (16 x k x world bytes) the buffers cannot hold
+        (naming the sizes and the max_message_bytes that would hold it).
       JaxRuntimeError (at run time, kernel path): a slice outside operand/output on some rank
         (the error names the rank, the slice and the bound it breaks, the host backend also
         its offsets, size, N and M; its peers report that rank), or
@@ -422,7 +467,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     vma = _shard.axes(axis).union(*map(_shard.vma_of, [operand, output] + index))
     for a in sorted(vma, key=str):
         operand, output = _shard.varying(operand, a), _shard.varying(output, a)
-    op = _with_gradient(comm, _kernel(comm), operand.shape[0])
+    op = _with_gradient(comm, _kernel(comm, strategy == "chunked"), operand.shape[0])
     if _forward_mode(operand, output, *index):
         op = _with_tangents(op)
     out, tok = op(operand, output, *index, _order.token(axis))

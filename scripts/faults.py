@@ -39,18 +39,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "mp", "faults_mp.py")
-CASES = ["kill", "kill-twoshot", "raise", "stall", "sizes-oneshot", "sizes-twoshot", "order",
-         "expert", "rows", "ragged", "nan"]
+CASES = ["kill", "kill-twoshot", "raise", "stall", "ragged-stall", "sizes-oneshot",
+         "sizes-twoshot", "order", "expert", "rows", "ragged", "nan"]
 # Not the repository root: `python -m` there would import the source folder of jax_nvcomm, not
 # the installed package.
 CWD = os.path.join(ROOT, "tests")
-LIVE = {"stall", "sizes-oneshot", "sizes-twoshot", "order", "expert", "rows", "ragged", "nan"}
+LIVE = {"stall", "ragged-stall", "sizes-oneshot", "sizes-twoshot", "order", "expert", "rows", "ragged", "nan"}
 
 
 def expectation(case: str, w: int):
     """(ranks that must notice, a pattern each one's error must match) of a case."""
     f = w - 1
-    if case in ("kill", "kill-twoshot", "raise", "stall"):
+    if case in ("kill", "kill-twoshot", "raise", "stall", "ragged-stall"):
         return list(range(f)), rf"timed out waiting for rank {f}\b"
     if case == "nan":
         return [], None

@@ -42,6 +42,16 @@
 #   bash scripts/gpu_check.sh raggedk  ragged_all_to_all kernel harness on GPU 0 (virtual ranks;
 #                                      no package build): every case and error case, memcheck,
 #                                      the --graph-time table in $OUT/ragged_graph_time.txt (~3 min)
+#   bash scripts/gpu_check.sh raggedbig ragged_all_to_all's chunked path, kernel harness on GPU 0
+#                                      (virtual ranks 1/2/4/8/16; no package build): chunked cases
+#                                      (outputs up to 70 x max_message_bytes, graph replays) and
+#                                      error cases, memcheck on a subset, the world-1 A/B chunked
+#                                      vs one round in $OUT/raggedbig/ab.txt (~2.5 min)
+#   bash scripts/gpu_check.sh raggedbig2 the chunked path through the package (needs the package
+#                                      build): tests/gpu/test_gpu_ragged.py's outputs of 64 x
+#                                      max_message_bytes (world 1, all GPUs), world 1's named
+#                                      error, the CUDA-graph runs of ragged_mp.py (1 process, 2
+#                                      sharing GPU 0, with its big-output section) (~2 min)
 #   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
@@ -64,6 +74,13 @@
 #                                      docs/guide.md, the three small examples; the guide's
 #                                      launcher script with 2 and 4 processes sharing GPU 0 and,
 #                                      with 2+ GPUs, one process per GPU (~4 min)
+#   bash scripts/gpu_check.sh moelayerk the MoE kernel harness with the packed expert rows (moe_layer's
+#                                      layout) on GPU 0 (virtual ranks; no package build): every
+#                                      case, memcheck of the packed cases (~2 min)
+#   bash scripts/gpu_check.sh moelayer  nvc.moe_layer: tests/test_moe_layer.py on GPU 0 (world 1), 2 and
+#                                      4 processes sharing GPU 0 (tests/mp/moe_layer_mp.py: float64
+#                                      reference, CUDA-graph loop), memcheck of a small case (~150 s)
+#                            moelayerbench the layer rows of bench moelayer at world 1 (~120 s)
 #   bash scripts/gpu_check.sh wheel    the wheel users install: scripts/build_wheel.sh here (sm_90a
 #                                      only, to fit; retagged, no network), installed into a fresh
 #                                      venv that sees this machine's jax (a .pth file),
@@ -147,7 +164,7 @@ NG=$(nvidia-smi -L | wc -l)
 MODES=("$@"); [ ${#MODES[@]} -eq 0 ] && MODES=(quick)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | opforms1 | wheel | rdot) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | raggedbig | opforms1 | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -204,6 +221,40 @@ mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, rag
   step moe_harness 120 build/moe_h
   step ar_bench2 120 build/ar_h --bench --ranks 2
   grep -A40 "=== ar_bench2" "$OUT/all.log" | grep -vE "^===" | tail -30 >> "$OUT/summary.txt"
+  ;;
+moelayer)  # nvc.moe_layer correctness on GPU 0: the test file's world-1 cases in-process,
+  # 2 and 4 processes sharing GPU 0 (no NCCL: our kernels only), each with the CUDA-graph loop,
+  # memcheck of one small layer call (~60 s: the first run took 31 s at 1 / 1 rounds)
+  step ml_pytest 150 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_moe_layer.py
+  step ml_sh2 120 $L -n 2 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=3 \
+    --graph_iters=20
+  step ml_sh4 120 $L -n 4 --share-gpu --timeout 115 tests/mp/moe_layer_mp.py --rounds=2 \
+    --graph_iters=10
+  step ml_memcheck 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_NVCOMM_TIMEOUT_S=120 \
+    compute-sanitizer --tool memcheck --leak-check no --report-api-errors no $PY \
+    tests/mp/moe_layer_mp.py --small=1
+  grep -hE "ERROR SUMMARY" "$OUT/all.log" | tail -1 | tee -a "$OUT/summary.txt"
+  grep -hE "passed|failed|PASS moe_layer_mp" "$OUT/all.log" | tail -8 | tee -a "$OUT/summary.txt"
+  ;;
+moelayerbench)  # the layer rows of bench moelayer at world 1: layer / composed / xla at hidden
+  # 7168, F 2048, 32 and 256 experts, 8 / 32 / 128 tokens, top-8, each with its weight-read
+  # bound and device time; the methods' outputs compared at 8 tokens (~120 s)
+  step ml_bench 300 $PY -m jax_nvcomm.bench.moelayer_layer --out "$OUT/moelayer"
+  grep -hE "vs layer" "$OUT/all.log" | tail -6 | tee -a "$OUT/summary.txt"
+  grep -hE "^(experts|-------|[0-9]+ +[0-9]+ +[0-9.]+ )" "$OUT/all.log" | tail -8 | \
+    tee -a "$OUT/summary.txt"
+  ;;
+moelayerk)  # the MoE harness rebuilt from this tree (never a cached build/moe_h): every case,
+  # the packed ones (dispatch RECV into / combine SEND from packed rows) included, then memcheck
+  # of the three tiny packed cases (scales + zero-token rank, split, graph replay)
+  mkdir -p build
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step moel_build 240 $NV -o build/moe_h_layer tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu
+  step moel_harness 200 build/moe_h_layer
+  step moel_memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 build/moe_h_layer \
+    --only "packed tiny"
+  grep -hE "^packed|failure|ERROR SUMMARY" "$OUT/all.log" | tee -a "$OUT/summary.txt"
   ;;
 raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL lines, error cases
   # each in a child process), memcheck (misaligned buffers, many blocks, two staging chunks),
@@ -267,14 +318,14 @@ rdotfinal)  # the kernel harness (cases, production table), the package's op on 
     tests/test_ragged_dot.py tests/gpu/test_gpu_ragged_dot.py
   grep -hE "passed|failed|^FAILED|^ERROR" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   step rdot_bench 150 $PY -m jax_nvcomm.bench moelayer --experts 32 256 --ops gate down \
-    --reps 3 --calls 5 --out "$OUT/rdotbench"
+    --reps 3 --calls 5 --layer-rows off --out "$OUT/rdotbench"
   grep -A16 "^   E    T     M op" "$OUT/all.log" | tail -16 | tee -a "$OUT/summary.txt"
   ;;
 rdotb32 | rdotb256)  # bench moelayer's ragged_dot rows: gate- and down-shaped products and the
   # 3-product block, nvc vs lax.ragged_dot, with device time and the weight-read bound
   local e=${1#rdotb}
   step rdot_bench$e 145 $PY -m jax_nvcomm.bench moelayer --experts $e --reps 5 --calls 5 \
-    --out "$OUT/rdotbench$e"
+    --layer-rows off --out "$OUT/rdotbench$e"  # the layer rows: part moelayerbench
   grep -A12 "^   E    T     M op" "$OUT/all.log" | tail -12 | tee -a "$OUT/summary.txt"
   ;;
 share)  # SHARE_NS: the process counts (default 2 4 8)
@@ -534,6 +585,33 @@ benchragged)  # nvc.ragged_all_to_all vs lax.ragged_all_to_all at MoE shapes, ev
   step bench_ragged 560 $PY -m jax_nvcomm.bench ragged --out "$OUT/ragged" --reps 7
   grep -A40 "^## ragged_all_to_all" "$OUT/all.log" | grep -v "^\[" | tee -a "$OUT/summary.txt"
   ;;
+raggedbig)  # ragged_all_to_all's chunked path (any output size in the communicator's memory):
+  # the harness rebuilt from this tree, its chunked cases and error cases (child processes), the
+  # one-round graph/mixed cases beside them, memcheck on small chunked cases, then the A/B
+  # table (world 1: chunked within 10% of one round; 2 / 4 virtual ranks with a slot sweep)
+  mkdir -p build "$OUT/raggedbig"
+  NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step raggedbig_build 120 $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu \
+    csrc/cuda/ragged.cu
+  step raggedbig_cases 120 build/ragged_h --only "chunked|W8 graph|W4 150|W2 k=70|W1 self"
+  grep -A60 "=== raggedbig_cases" "$OUT/all.log" | grep -E "PASS|FAIL|failure" \
+    > "$OUT/raggedbig/cases.txt"
+  step raggedbig_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    build/ragged_h --no-fork --only "chunked W2 k=1|k=200 0/1|chunked W4 all|chunked W2 graph|chunked, bad slice, send|chunked, recv_sizes disagree (own"
+  step raggedbig_ab 90 build/ragged_h --ab
+  grep -A60 "=== raggedbig_ab" "$OUT/all.log" | grep -vE "^===" > "$OUT/raggedbig/ab.txt"
+  grep -E "FAIL|failure" "$OUT/raggedbig/cases.txt" | tee -a "$OUT/summary.txt"
+  cat "$OUT/raggedbig/ab.txt" | tee -a "$OUT/summary.txt"
+  ;;
+raggedbig2)  # the chunked path through the package: big outputs in-process (world 1, all
+  # GPUs), world 1's bad send size named, ragged_mp.py under command buffers (its big section)
+  mkdir -p "$OUT/raggedbig2"
+  step raggedbig2_pytest 240 env JAX_NVCOMM_TEST_GPU=1 $PY -m pytest -q -p no:cacheprovider \
+    -rfEs -m gpu tests/gpu/test_gpu_ragged.py \
+    -k "outputs_many_times or world1_bad or command_buffers"
+  grep -A40 "=== raggedbig2_pytest" "$OUT/all.log" | grep -E "passed|failed|FAILED|PASS" |
+    tail -12 | tee "$OUT/raggedbig2/result.txt" | tee -a "$OUT/summary.txt"
+  ;;
 stepragged)  # bench step's ep-ragged layout beside high-throughput, both presets, one process;
   # then 2 processes sharing GPU 0 (jax_nvcomm's steps only)
   step step_ragged 360 $PY -m jax_nvcomm.bench step --layouts ep-ragged high-throughput \
@@ -643,7 +721,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|jit|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -105,3 +105,21 @@ def clear_error_tokens():
     tokens so the next effects barrier (and interpreter exit) does not re-raise it."""
     from jax._src import dispatch
     dispatch.runtime_tokens.clear()
+
+
+def np_moe_layer_reference(x, ids, w, nt, wg, wu, wd, world):
+    """float64 MoE layer: y[s*T+t] = sum_k w[s*T+t, k] * (silu(x Wg[e]) * (x Wu[e])) Wd[e],
+    e = ids[s*T+t, k] >= 0, for t < nt[s] (later rows zero); x [W*T, H], weights [E, ...]."""
+    WT, K = ids.shape
+    T = WT // world
+    y = np.zeros((WT, x.shape[1]))
+    for s in range(world):
+        for t in range(int(nt[s])):
+            r = s * T + t
+            for k in range(K):
+                e = int(ids[r, k])
+                if e < 0:
+                    continue
+                g, u = x[r] @ wg[e], x[r] @ wu[e]
+                y[r] += np.float64(w[r, k]) * ((g / (1.0 + np.exp(-g)) * u) @ wd[e])
+    return y

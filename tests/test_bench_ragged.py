@@ -64,12 +64,24 @@ def test_bench_ragged_quick_on_cpu(tmp_path, capsys):
     data = json.loads((tmp_path / "ragged.json").read_text())
     # measured rows; the "<XLA method> best" rows are copies of XLA's default on CPU devices
     rows = [r for r in data["rows"] if "median_us" in r and "xla_variants" not in r]
-    want = {(op, m) for op in ("dispatch", "combine") for m in br.METHODS}
+    want = {(op, m) for op in ("dispatch", "combine")
+            for m in br.METHODS + [br.chunk_method(1024)]}
     assert {(r["op"], r["method"]) for r in rows} == want
+    # both sizings; worst: MaxText's T*K x min(W, E/K) rows on a default-sized communicator;
+    # the chunk sweep really takes the chunked path with the slot asked for
+    assert {r["sizing"] for r in rows} == set(br.SIZINGS)
+    for r in rows:
+        if r["sizing"] == "worst" and r["op"] == "dispatch":
+            assert r["capacity_rows"] >= br.worst_rows(8, r["top_k"], r["experts"], r["world"])
+        if r["method"].startswith("nvc chunk"):
+            assert r["chunk_bytes"] == 1024, r
+        elif r["method"] == "nvc":
+            assert r["chunk_bytes"] >= 0
     best = {(r["op"], r["method"]): r for r in data["rows"] if "xla_variants" in r}
     assert set(best) == {(op, f"{m} best") for op, m in want if m.startswith("xla")}
     for (op, m), b in best.items():
-        base = next(r for r in rows if r["op"] == op and r["method"] == m[:-len(" best")])
+        base = next(r for r in rows if r["op"] == op and r["method"] == m[:-len(" best")]
+                    and r["sizing"] == b["sizing"])
         assert b["median_us"] == base["median_us"] and b["xla_flags"] == "default"
         assert "CPU devices" in b["xla_best_note"]
     for r in rows:

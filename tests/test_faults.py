@@ -35,9 +35,9 @@ def reports(row):
 def test_fault_matrix_two_processes(tmp_path):
     rc, out, rows = matrix(tmp_path, "-n", "2")
     assert rc == 0, out[-6000:]
-    assert sorted(rows) == sorted(["kill", "kill-twoshot", "raise", "stall", "sizes-oneshot",
-                                   "sizes-twoshot", "order", "expert", "rows", "ragged",
-                                   "nan"]), out
+    assert sorted(rows) == sorted(["kill", "kill-twoshot", "raise", "stall", "ragged-stall",
+                                   "sizes-oneshot", "sizes-twoshot", "order", "expert", "rows",
+                                   "ragged", "nan"]), out
     # the survivor names the op, its call number, itself and the dead peer, within the deadline
     for case in ("kill", "kill-twoshot", "raise", "stall"):
         rep = reports(rows[case])[0]
@@ -45,6 +45,10 @@ def test_fault_matrix_two_processes(tmp_path):
         assert 1.5 < rep["seconds"] < 2 + 5, rep
         assert rep["next"].startswith("refused (call)") and "unusable after this error" in \
             rep["next"], rep
+    # a peer stalled in ragged_all_to_all's chunked path: named after one timeout too
+    rep = reports(rows["ragged-stall"])[0]
+    assert "ragged_all_to_all call #2: rank 0 timed out waiting for rank 1" in rep["error"], rep
+    assert 1.5 < rep["seconds"] < 2 + 5 and rep["next"].startswith("refused"), rep
     # the bad rank's own record names token, slot and id; its peer names the bad rank
     exp = reports(rows["expert"])
     assert "token 1 slot 0 holds expert id 4" in exp[1]["next"], exp[1]

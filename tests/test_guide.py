@@ -35,6 +35,7 @@ def test_guide_blocks_run_in_order_on_8_cpu_devices():
     # what each block prints it checked
     assert "2-D mesh, groups of 4 | backend host | equal: True" in text
     for label in ("TP layer: relative difference", "MoE layer: relative difference",
+                  "moe_layer: relative difference",
                   "DP -> TP: total rows", "gradient: relative difference",
                   "partial-manual TP layer: relative difference",
                   "vmap over 4 micro-batches: 1 kernel call | relative difference"):

@@ -7,6 +7,7 @@ every token, einsum); routing balanced, all onto one rank's experts (its receive
 top-k = all experts, one device."""
 import importlib.util
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +142,51 @@ def test_example_runs_both_impls_and_a_stored_reference(tmp_path, capsys):
     assert "lax :" not in out  # nvc only: no XLA collective ran
     assert ex.main(SMALL[2:] + ["--tokens", "128", "--impl", "nvc", "--ref", ref]) == 2
     assert "holds another model" in capsys.readouterr().err
+
+
+def test_worst_case_buffers_on_a_default_communicator(rng):
+    """MaxText's sizing (receive buffer = local rows x min(EP, E / top_k) = W * T * min(K, L)
+    rows) beyond a default Communicator's max_message_bytes (36 MiB of float32 rows > 32 MiB):
+    the layer runs our kernels end to end (the chunked path: chunk_bytes > 0 in the program, no
+    XLA collective), forward and training step, every token onto rank 0's experts (its buffer
+    full), against the dense layer; the communicator's memory unchanged."""
+    world, experts, top_k, T, hidden, ffn, axis = 8, 64, 8, 64, 2304, 8, "ep"
+    devs = jax.devices()[:world]
+    n = T * world
+    p_np, x_np, t_np = _data(rng, n, hidden, experts, ffn, hot=top_k)
+    mesh = jax.sharding.Mesh(np.array(devs), (axis,))
+    specs = mr.param_specs(axis)
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p_np.items()}
+    x, target = (jax.device_put(a, NamedSharding(mesh, P(axis))) for a in (x_np, t_np))
+    rows = mr.capacity(T, top_k, experts, world)
+    assert rows == T * top_k * min(world, experts // top_k)     # MaxText's worst case
+    with nvc.Communicator(mesh, axis) as comm:
+        assert rows * hidden * 4 > comm.max_message_bytes
+        nbytes = comm.nbytes
+        coll = mr.collectives("nvc", axis_name=axis, comm=comm)
+        fwd = lambda x, p: mr.moe_layer(x, p, top_k=top_k, axis_name=axis, coll=coll)  # noqa
+        step = lambda p, x, t: mr.loss_and_grads(fwd, p, x, t, axis_name=axis,  # noqa: E731
+                                                 psum=coll.psum, num_tokens=n)
+        f_fwd = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(P(axis), specs),
+                                      out_specs=P(axis)))
+        f_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P(axis), P(axis)),
+                                       out_specs=(P(), specs, P(axis))))
+        for hlo in (f_fwd.lower(x, params).as_text(),
+                    f_step.lower(params, x, target).as_text()):
+            chunks = re.findall(r"custom_call @nvc_ragged_all_to_all\(.*?chunk_bytes = (\d+)",
+                                hlo)
+            assert chunks and max(int(c) for c in chunks) > 0, chunks
+            assert "all-to-all" not in hlo and "all-gather" not in hlo
+        y = f_fwd(x, params)
+        loss, grads, dx = f_step(params, x, target)
+        jax.block_until_ready((y, loss, grads, dx))
+        assert comm.nbytes == nbytes and not comm.errors()
+    (want_loss, want_y), (want_g, want_dx) = jax.value_and_grad(
+        _dense_loss, argnums=(0, 1), has_aux=True)(p_np, x_np, t_np, top_k)
+    ids = np.asarray(jax.lax.top_k(x_np @ p_np["router"], top_k)[1])
+    assert (np.sort(ids, -1) == np.arange(top_k)).all()          # all onto rank 0's experts
+    assert _rel(y, want_y) < 1e-5
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    assert _rel(dx, want_dx) < 1e-4
+    for k in p_np:
+        assert _rel(grads[k], want_g[k]) < 1e-4, k

@@ -407,7 +407,7 @@ def test_bad_input_fails_named(rng, case):
         assert re.search(want, errs), (want, errs)
         if case != "sizes_disagree":           # the others learn it from rank 2's poisoned flag
             for r in (0, 1, 3):
-                assert f"rank {r}: rank 2 failed this call (bad input found there)" in errs
+                assert f"rank {r}: rank 2 failed this call (bad input found there" in errs
             with pytest.raises(Exception, match="communicator is unusable after this error"):
                 run_once(c, x, out, io, ss, oo, rs)
 
@@ -455,33 +455,163 @@ def test_bad_slice_error_gives_the_numbers(rng):
             run_once(c, x, out, io, ss, oo, rs)
 
 
-def test_capacity_error_on_cpu(rng):
-    """A call larger than the buffers: a ValueError naming the sizes and the max_message_bytes
-    that would hold it (no XLA path on CPU); a vmap batch that only folds too big, likewise;
-    with that size it runs."""
-    Wc, M, h = 4, 600, 4                       # 600 rows x 16 bytes > 4096
-    io, ss, oo, rs = (a.astype(np.int32) for a in make_call(rng, Wc, 1, 40, M))
-    x = rng.standard_normal((Wc, 40, h)).astype(np.float32)
-    out = rng.standard_normal((Wc, M, h)).astype(np.float32)
+def _custom_calls(f, *args):
+    """The ragged custom calls of f's program and their chunk_bytes attributes."""
+    hlo = f.lower(*args).as_text()
+    return re.findall(r"custom_call @nvc_ragged_all_to_all\(.*?chunk_bytes = (\d+)", hlo)
+
+
+@pytest.mark.parametrize("W_,k,chunk,idx", [(8, 1, None, np.int32), (8, 3, 256, np.int32),
+                                             (4, 2, 1000, np.int64), (2, 1, 4096, np.int32)])
+def test_outputs_many_times_the_buffers(rng, W_, k, chunk, idx):
+    """Outputs of 64+ x max_message_bytes run our kernel (the chunked path: the custom call
+    with chunk_bytes > 0 in the program), equal numpy bitwise, and leave comm.nbytes as it was;
+    every routing pattern, int32 and int64 offsets, slots of 256 B to the largest."""
+    if idx == np.int64:
+        jax.config.update("jax_enable_x64", True)
+    try:
+        with nvc.Communicator(mesh1d(W_), "x", max_message_bytes=4096,
+                              ragged_chunk_bytes=chunk) as c:
+            nb = c.nbytes
+            h = 64
+            M = 64 * c.max_message_bytes // (h * 4) + 8     # >= 64 x max_message_bytes
+            N = M
+            for mode in ("random", "all_to_one", "full", "zero"):
+                io, ss, oo, rs = (a.astype(idx) for a in make_call(rng, W_, k, N, M, mode))
+                x, out = data(rng, (W_, N, h), np.float32), data(rng, (W_, M, h), np.float32)
+                f = runner(c)
+                attrs = _custom_calls(f, x, out, io, ss, oo, rs)
+                want_chunk = nvc.ragged.chunk_bytes(c, M, h * 4, k)
+                assert attrs == [str(want_chunk)] and want_chunk > 0, attrs
+                if chunk is not None:
+                    assert want_chunk == min(chunk // 256 * 256, nvc.ragged.chunk_max(c, k))
+                assert M * h * 4 >= 64 * c.max_message_bytes
+                got = f(x, out, io, ss, oo, rs)
+                assert same_bits(got, np_ragged_all_to_all(x, out, io, ss, oo, rs)), mode
+                assert c.nbytes == nb
+            assert not c.errors()
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_chunked_equals_one_round(comm8, rng):
+    """strategy="chunked" (the chunked path where one round would do) gives the one-round
+    result bitwise, calls after calls, alternating the two paths on one communicator."""
+    for i in range(6):
+        mode = ("random", "full", "all_to_one")[i % 3]
+        io, ss, oo, rs = (a.astype(np.int32) for a in make_call(rng, W, 2, 30, 40, mode))
+        x, out = data(rng, (W, 30, 5), jnp.bfloat16), data(rng, (W, 40, 5), jnp.bfloat16)
+        one, chunked = runner(comm8), runner(comm8, strategy="chunked")
+        assert _custom_calls(one, x, out, io, ss, oo, rs) == ["0"]
+        assert int(_custom_calls(chunked, x, out, io, ss, oo, rs)[0]) > 0
+        a, b = one(x, out, io, ss, oo, rs), chunked(x, out, io, ss, oo, rs)
+        assert same_bits(a, b) and same_bits(a, np_ragged_all_to_all(x, out, io, ss, oo, rs))
+
+
+def test_big_vmap_gradient_and_world1(rng):
+    """The chunked path under jax.vmap (a batch that folds into one call far beyond the
+    buffers) and under jax.grad (both directions chunked, against numpy), and at world 1 (an
+    output 64 x max_message_bytes: only the rank's own slices, no slot)."""
+    Wc, k, N, M, h = 4, 1, 300, 400, 16
     with nvc.Communicator(mesh1d(Wc), "x", max_message_bytes=4096) as c:
-        with pytest.raises(ValueError, match=r"output of 600 rows x 16 bytes = 9600 bytes with 1 "
-                                             r"slices per peer over 4 ranks, max_message_bytes="
-                                             r"4096; create the Communicator with "
+        B = 3
+        calls = [[a.astype(np.int32) for a in make_call(rng, Wc, k, N, M)] for _ in range(B)]
+        idx = [np.stack([cl[a] for cl in calls], 1) for a in range(4)]
+        xb, ob = data(rng, (Wc, B, N, h), np.float32), data(rng, (Wc, B, M, h), np.float32)
+        fv = jax.jit(jax.shard_map(
+            lambda *a: jax.vmap(lambda *b: nvc.ragged_all_to_all(*b, c))(*(v[0] for v in a))[None],
+            mesh=c.mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+        assert len(_custom_calls(fv, xb, ob, *idx)) == 1
+        got = np.asarray(fv(xb, ob, *idx))
+        for b in range(B):
+            assert same_bits(got[:, b], np_ragged_all_to_all(xb[:, b], ob[:, b], *calls[b])), b
+
+        io, ss, oo, rs = calls[0]
+        x = rng.standard_normal((Wc, N, h)).astype(np.float32)
+        out = rng.standard_normal((Wc, M, h)).astype(np.float32)
+        t = rng.standard_normal((Wc, M, h)).astype(np.float32)
+
+        def loss(x, out, io, ss, oo, rs, t):
+            r = nvc.ragged_all_to_all(x[0], out[0], io[0], ss[0], oo[0], rs[0], c)
+            return jnp.sum(r * t[0])[None]
+        f = jax.shard_map(loss, mesh=c.mesh, in_specs=(P("x"),) * 7, out_specs=P("x"))
+        g = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1)))
+        assert set(_custom_calls(g, x, out, io, ss, oo, rs, t)) - {"0"}, "no chunked call"
+        dx, dout = g(x, out, io, ss, oo, rs, t)
+        want_dx, want_dout = np_grads(x, out, io, ss, oo, rs, t)
+        np.testing.assert_array_equal(np.asarray(dx), want_dx)
+        np.testing.assert_array_equal(np.asarray(dout), want_dout)
+    with nvc.Communicator(mesh1d(1), "x", max_message_bytes=4096) as c1:
+        M1 = 64 * 4096 // 64 + 3
+        io, ss, oo, rs = (a.astype(np.int32) for a in make_call(rng, 1, 2, M1, M1, "full"))
+        x, out = data(rng, (1, M1, 16), np.float32), data(rng, (1, M1, 16), np.float32)
+        f = runner(c1)
+        assert int(_custom_calls(f, x, out, io, ss, oo, rs)[0]) > 0
+        assert same_bits(f(x, out, io, ss, oo, rs), np_ragged_all_to_all(x, out, io, ss, oo, rs))
+
+
+@pytest.mark.parametrize("case", ["bad_slice", "sizes_disagree", "world1_send_past_n"])
+def test_chunked_errors_named(rng, case):
+    """On the chunked path: a bad slice on rank 2 (named there; the others name rank 2 at
+    once), a recv_sizes entry that disagrees (named on the receiver; the sender, which waits
+    for that receiver's acknowledgements, names it at once instead of timing out), and at
+    world 1 a send size far beyond the operand (the named error, as at every world size)."""
+    Wc = 1 if case.startswith("world1") else 4
+    k, N, M, h = 1, 400, 500, 16
+    io, ss, oo, rs = (a.astype(np.int32) for a in make_call(rng, Wc, k, N, M, "full"))
+    x = rng.standard_normal((Wc, N, h)).astype(np.float32)
+    out = rng.standard_normal((Wc, M, h)).astype(np.float32)
+    if case == "bad_slice":
+        oo[2, 1] = M - ss[2, 1] + 1
+        want = [r"rank 2: slice i=1 of rank 2's call lies outside operand/output: "
+                r"output_offsets\[i\] \+ send_sizes\[i\] > M"]
+        # found before any round-0 flag went out: the others read rank 2's poison there (a
+        # rank failing after it poisons only its round counters, never the flags)
+        want += [rf"rank {r}: rank 2 failed this call" for r in (0, 1, 3)]
+    elif case == "sizes_disagree":
+        sent = int(ss[1, 0])                   # rank 1's slice to rank 0
+        rs[0, 1] = sent + 5
+        want = [rf"rank 0: rank 1 sends {sent} rows in its slice j=0 to rank 0, but rank 0's "
+                rf"recv_sizes expects {sent + 5}", r"rank 1: rank \d failed this call"]
+    else:
+        ss[0, 0] = 10 ** 6
+        rs[0, 0] = 10 ** 6
+        want = [r"rank 0: slice i=0 of rank 0's call lies outside operand/output: "
+                r"input_offsets\[i\] \+ send_sizes\[i\] > N"]
+    with nvc.Communicator(mesh1d(Wc), "x", max_message_bytes=4096, timeout_s=5) as c:
+        assert int(_custom_calls(runner(c), x, out, io, ss, oo, rs)[0]) > 0
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="ragged_all_to_all call #1: rank"):
+            run_once(c, x, out, io, ss, oo, rs)
+        assert time.monotonic() - t0 < 4, "waited for a timeout instead of failing at once"
+        errs = "\n".join(c.errors())
+        for w_ in want:
+            assert re.search(w_, errs), (w_, errs)
+        with pytest.raises(Exception, match="communicator is unusable after this error"):
+            run_once(c, x, out, io, ss, oo, rs)
+
+
+def test_header_too_big_on_cpu(rng):
+    """Only a slice header (16 bytes x k x world) the flag half cannot hold is refused: a
+    ValueError naming the sizes and the max_message_bytes that would hold it; with that size
+    it runs. Bad ragged_chunk_bytes is refused at the Communicator."""
+    Wc, k, h = 4, 300, 1
+    io, ss, oo, rs = (a.reshape(Wc, -1).astype(np.int32)
+                      for a in make_call(rng, Wc, k, 40, 40, max_size=1))
+    x = rng.standard_normal((Wc, 40, h)).astype(np.float32)
+    out = rng.standard_normal((Wc, 40, h)).astype(np.float32)
+    with nvc.Communicator(mesh1d(Wc), "x", max_message_bytes=4096) as c:
+        with pytest.raises(ValueError, match=r"k=300 slices per peer over 4 ranks need a slice "
+                                             r"header of 19200 bytes.*max_message_bytes=4096.*"
                                              r"max_message_bytes >= (\d+)") as e:
             runner(c).lower(x, out, io, ss, oo, rs)
         need = int(re.search(r">= (\d+)", str(e.value)).group(1))
-
-        def batched(x, out, io, ss, oo, rs):   # 3 x 200 rows fold to 600
-            op = jax.vmap(lambda *a: nvc.ragged_all_to_all(*a, c))
-            return op(x[0], out[0], io[0], ss[0], oo[0], rs[0])[None]
-        small = [a.reshape((Wc, 3, -1) + a.shape[2:]) for a in (x[:, :39], out)]
-        small_idx = [np.zeros((Wc, 3, Wc), np.int32)] * 4
-        with pytest.raises(ValueError, match="a vmap batch of 3 folded into one call"):
-            jax.jit(jax.shard_map(batched, mesh=c.mesh, in_specs=(P("x"),) * 6,
-                                  out_specs=P("x"))).lower(*small, *small_idx)
     with nvc.Communicator(mesh1d(Wc), "x", max_message_bytes=need) as c:
         assert same_bits(run_once(c, x, out, io, ss, oo, rs),
                          np_ragged_all_to_all(x, out, io, ss, oo, rs))
+    for bad in (255, 1.5, True):
+        with pytest.raises(ValueError, match="ragged_chunk_bytes must be None or an int >= 256"):
+            nvc.Communicator(mesh1d(2), "x", ragged_chunk_bytes=bad)
 
 
 def test_argument_errors(comm8):
@@ -511,7 +641,7 @@ def test_argument_errors(comm8):
          ValueError, r"ragged_all_to_all send_sizes must be integer type\."),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], comm8,
                                                strategy="fast"),
-         ValueError, "strategy must be one of \\('auto', 'xla'\\), got 'fast'"),
+         ValueError, "strategy must be one of \\('auto', 'xla', 'chunked'\\), got 'fast'"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], "y"),
          ValueError, r"no Communicator \(kind='tp'\) for axis_name 'y'"),  # lax's positional form
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], 3),

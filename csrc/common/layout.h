@@ -132,6 +132,12 @@ struct Ctrl {
   uint64_t flags[2][kMaxPhases][kMaxWorld][kMaxBlocks];
   // lamport_tags[k % 3][src]: the tag of src's Lamport call k (lamport_tag), 0 when empty.
   uint32_t lamport_tags[3][kMaxWorld][4];
+  // Round counters of ragged_all_to_all's chunked path (ragged_layout.h), both (seq << 32) |
+  // count, so a value of an earlier call is always smaller: ragged_data[src][block] written by
+  // sender src (rounds it published to this rank), ragged_ack[dst][block] written by receiver
+  // dst (rounds of this rank's stream it consumed).
+  uint64_t ragged_data[kMaxWorld][kMaxBlocks];
+  uint64_t ragged_ack[kMaxWorld][kMaxBlocks];
 };
 constexpr size_t kCtrlBytes = 64 * 1024;
 static_assert(sizeof(Ctrl) <= kCtrlBytes, "Ctrl too large");

@@ -52,6 +52,9 @@ std::string describe_error(const ErrorInfo& e) {
                       "call (%s)", op_name(e.op), (unsigned long long)e.seq, e.rank, e.peer,
                       op == kOpAllReduce || op == kOpAllReduceRms
                           ? "it stopped waiting for a peer: its own error names why"
+                      : op == kOpRaggedAllToAll
+                          ? "bad input found there, or, on the chunked path, another failure "
+                            "there: its own error names it"
                           : "bad input found there");
       } else {
         std::snprintf(buf, sizeof buf,

@@ -74,6 +74,17 @@
 // - Initial state: the control block (Ctrl, MoeCtrl) all zero on every rank; data slots need
 //   no initialisation.
 //
+// PACKED EXPERT ROWS (the form of lax.ragged_dot's lhs; moe_layer uses it): a dispatch may
+// deliver expert_x as [P, H] (and expert_x_scale as [P, S]) instead of [L, W*T, H]: the rows of
+// local expert e at [pre[e], pre[e] + counts[e]), pre = exclusive prefix of expert_counts over
+// the local experts, in the same (source rank, token) order; rows >= sum(counts) unspecified.
+// P = moe_packed_rows = W*T*min(K, L): a token reaches at most min(K, L) local experts, so
+// sum(counts) <= P. A combine may take expert_y packed the same way (row g of the SEND's walk
+// over sum(counts) rows is row g of the packed array). The handle keeps its layout below (
+// expert_src [L, W*T], indexed by (e, i)), so a packed and a padded call share the handle and
+// the protocol: only the address of a data row differs. The FFI handlers tell the two forms
+// apart by the buffer's rank (2: packed, 3: padded; equal element counts when K >= L).
+//
 // HANDLE (written by dispatch, read by combine; fixed shapes, all int32):
 //   token_dest  [T, K]      expert id routed for (t, k), -1 for unused slots and rows >= num_tokens
 //   expert_src  [L, W*T]    row i < expert_counts[e]: (src * T + t) * K + k; rest unspecified
@@ -201,6 +212,10 @@ NVC_HD size_t moe_handle_expert_src_elems(const MoeConfig& c) {
   return size_t(moe_local_experts(c)) * c.world * c.max_tokens;
 }
 NVC_HD size_t moe_expert_rows(const MoeConfig& c) { return size_t(c.world) * c.max_tokens; }
+// Rows of a packed expert_x / expert_y (PACKED EXPERT ROWS above).
+NVC_HD size_t moe_packed_rows(const MoeConfig& c) {
+  return moe_expert_rows(c) * size_t(moe_max_entries(c));
+}
 
 // ---- call descriptors (24 bits, see layout.h) ------------------------------------------------
 NVC_HD uint64_t moe_config_hash(const MoeConfig& c) {

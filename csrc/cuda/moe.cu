@@ -91,12 +91,12 @@ cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& c, const void*
 
 cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& c, void* expert_x,
                               int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
-                              cudaStream_t st, const uint32_t* seq_in) {
+                              cudaStream_t st, const uint32_t* seq_in, bool packed) {
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src ||
       (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;
   moe::DispatchRecvArgs a{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale, expert_src,
-                          seq_in};
+                          seq_in, packed};
   moe::dispatch_recv_kernel<<<moe_blocks(c), kMoeThreads, moe::dispatch_recv_smem(c), st>>>(v, c, a);
   return cudaGetLastError();
 }
@@ -104,7 +104,7 @@ cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& c, void* exper
 cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, const float* x_scale,
                          const int32_t* topk_ids, const int32_t* num_tokens, void* expert_x,
                          int32_t* expert_counts, float* expert_x_scale, int32_t* token_dest,
-                         int32_t* expert_src, cudaStream_t st) {
+                         int32_t* expert_src, cudaStream_t st, bool packed) {
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;  // checked before SEND: never launch half a call
   // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
@@ -112,22 +112,23 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
   if (!fused_fits(moe::dispatch_kernel, smem, v, c)) {
     cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st);
     if (e != cudaSuccess) return e;
-    return moe_dispatch_recv(v, c, expert_x, expert_counts, expert_x_scale, expert_src, st);
+    return moe_dispatch_recv(v, c, expert_x, expert_counts, expert_x_scale, expert_src, st,
+                             nullptr, packed);
   }
   moe::DispatchSendArgs sa{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens,
                            token_dest, nullptr};
   moe::DispatchRecvArgs ra{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale,
-                           expert_src, nullptr};
+                           expert_src, nullptr, packed};
   return launch_fused(moe::dispatch_kernel, smem, st, v, c, sa, ra);
 }
 
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
-                             cudaStream_t st, uint32_t* seq_out) {
+                             cudaStream_t st, uint32_t* seq_out, bool packed) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !expert_y || !expert_src || !expert_counts)
     return cudaErrorInvalidValue;
   moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype,
-                         seq_out};
+                         seq_out, packed};
   moe::combine_send_kernel<<<moe_blocks(c), kMoeThreads, moe::combine_send_smem(c), st>>>(v, c, a);
   return cudaGetLastError();
 }
@@ -150,20 +151,21 @@ cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& c, int y_dtype,
 cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* expert_y, int y_dtype,
                         const float* topk_weights, const int32_t* token_dest,
                         const int32_t* expert_src, const int32_t* expert_counts, void* y,
-                        cudaStream_t st) {
+                        cudaStream_t st, bool packed) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
   if (!expert_y || !expert_src || !expert_counts) return cudaErrorInvalidValue;
   // SEND and RECV in one kernel (combine_kernel); the split ops launch them separately
   moe::CombineSendArgs sa{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts,
-                          y_dtype, nullptr};
+                          y_dtype, nullptr, packed};
   moe::CombineRecvArgs ra{topk_weights, token_dest, static_cast<uint8_t*>(y), nullptr};
   const size_t smem = moe::combine_send_smem(c);
   auto* kernel = y_dtype == kMoeF32    ? moe::combine_kernel<kMoeF32>
                  : y_dtype == kMoeBF16 ? moe::combine_kernel<kMoeBF16>
                                        : moe::combine_kernel<kMoeF16>;
   if (!fused_fits(kernel, smem, v, c)) {
-    cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st);
+    cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st,
+                                     nullptr, packed);
     if (e != cudaSuccess) return e;
     return moe_combine_recv(v, c, y_dtype, topk_weights, token_dest, y, st);
   }

@@ -42,28 +42,32 @@ cudaError_t moe_probe_take(unsigned long long* out);
 // x [T,H] of cfg.dtype; x_scale [T,S] f32 (null iff S == 0); topk_ids [T,K] int32;
 // num_tokens: device int32 scalar (null = T). Outputs: expert_x [L, W*T, H] of cfg.dtype,
 // expert_counts [L], expert_x_scale [L, W*T, S] (null iff S == 0), handle token_dest [T,K],
-// handle expert_src [L, W*T].
+// handle expert_src [L, W*T]. packed: expert_x [P, H] and expert_x_scale [P, S] in the packed
+// form instead (moe_layout.h PACKED EXPERT ROWS, P = moe_packed_rows(cfg)).
 cudaError_t moe_dispatch(const CommView& v, const MoeConfig& cfg, const void* x, const float* x_scale,
                          const int32_t* topk_ids, const int32_t* num_tokens, void* expert_x,
                          int32_t* expert_counts, float* expert_x_scale, int32_t* token_dest,
-                         int32_t* expert_src, cudaStream_t stream);
+                         int32_t* expert_src, cudaStream_t stream, bool packed = false);
 cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& cfg, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
                               const int32_t* num_tokens, int32_t* token_dest, cudaStream_t stream,
                               uint32_t* seq_out = nullptr);
 cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& cfg, void* expert_x,
                               int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
-                              cudaStream_t stream, const uint32_t* seq_in = nullptr);
+                              cudaStream_t stream, const uint32_t* seq_in = nullptr,
+                              bool packed = false);
 
 // expert_y [L, W*T, H] of y_dtype (kMoeF32 / kMoeBF16 / kMoeF16); topk_weights [T,K] f32;
 // token_dest, expert_src, expert_counts: the dispatch's handle; y [T,H] of y_dtype.
+// packed: expert_y [P, H] in the packed form (moe_layout.h PACKED EXPERT ROWS).
 cudaError_t moe_combine(const CommView& v, const MoeConfig& cfg, const void* expert_y, int y_dtype,
                         const float* topk_weights, const int32_t* token_dest,
                         const int32_t* expert_src, const int32_t* expert_counts, void* y,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool packed = false);
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
-                             cudaStream_t stream, uint32_t* seq_out = nullptr);
+                             cudaStream_t stream, uint32_t* seq_out = nullptr,
+                             bool packed = false);
 cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& cfg, int y_dtype,
                              const float* topk_weights, const int32_t* token_dest, void* y,
                              cudaStream_t stream, const uint32_t* seq_in = nullptr);

@@ -16,7 +16,10 @@ namespace {
 // (a few rows) takes a few blocks and prefill (tens of MiB) all kMaxBlocks.
 constexpr uint64_t kRaggedBlockBytes = 32 << 10;
 
-const void* kernel_of(bool offsets_64) {
+const void* kernel_of(bool offsets_64, bool chunked) {
+  if (chunked)
+    return offsets_64 ? reinterpret_cast<const void*>(dev::ragged_chunked_kernel<long long>)
+                      : reinterpret_cast<const void*>(dev::ragged_chunked_kernel<int>);
   return offsets_64 ? reinterpret_cast<const void*>(dev::ragged_kernel<long long>)
                     : reinterpret_cast<const void*>(dev::ragged_kernel<int>);
 }
@@ -41,12 +44,9 @@ const char* ragged_check(const CommView& v, const RaggedArgs& a) {
   if (a.row_bytes == 0) return "row_bytes must be > 0";
   if (a.n_rows < 0 || a.m_rows < 0) return "operand and output row counts must be >= 0";
   if (a.k > int64_t(INT32_MAX) / v.world) return "k * world exceeds int32";
-  if (a.n_rows > 0 && a.row_bytes > uint64_t(INT64_MAX) / uint64_t(a.n_rows))
-    return "operand bytes exceed int64";
-  if (uint64_t(a.m_rows) > v.max_message_bytes / a.row_bytes ||
-      !ragged_fits(v.max_message_bytes, v.world, a.m_rows, a.row_bytes, a.k))
-    return "output rows x row bytes (+ the slice header) exceed the communicator's "
-           "max_message_bytes (ragged_fits)";
+  if (const char* why = ragged_size_problem(v.max_message_bytes, v.world, a.n_rows, a.m_rows,
+                                            a.row_bytes, a.k, a.chunk))
+    return why;
   if (!a.input_offsets || !a.send_sizes || !a.output_offsets || !a.recv_sizes)
     return "null offsets or sizes array";
   if ((a.n_rows > 0 && !a.operand) || (a.m_rows > 0 && !a.out)) return "null operand or output";
@@ -57,8 +57,14 @@ int ragged_blocks(const CommView& v, const RaggedArgs& a) {
   int g = ragged_grid(a.n_rows, a.m_rows, a.row_bytes, a.k, v.world);
   if (v.context_ranks <= 1) return g;
   const int resident =
-      a.offsets_64 ? resident_blocks_cached<dev::ragged_kernel<long long>, dev::kRaggedThreads>()
-                   : resident_blocks_cached<dev::ragged_kernel<int>, dev::kRaggedThreads>();
+      a.chunk > 0
+          ? (a.offsets_64
+                 ? resident_blocks_cached<dev::ragged_chunked_kernel<long long>,
+                                          dev::kRaggedThreads>()
+                 : resident_blocks_cached<dev::ragged_chunked_kernel<int>, dev::kRaggedThreads>())
+          : (a.offsets_64
+                 ? resident_blocks_cached<dev::ragged_kernel<long long>, dev::kRaggedThreads>()
+                 : resident_blocks_cached<dev::ragged_kernel<int>, dev::kRaggedThreads>());
   if (resident <= 0) return 1;  // a query failed: every virtual rank gets the same answer
   const int cap = resident / v.context_ranks;
   if (g > cap) g = cap;
@@ -81,8 +87,16 @@ cudaError_t ragged_launch(const CommView& v, const RaggedArgs& a, cudaStream_t s
                                  a.m_rows,
                                  int64_t(a.row_bytes),
                                  a.k,
-                                 ragged_desc(a.n_rows, a.m_rows, a.row_bytes, a.k)};
+                                 ragged_desc(a.n_rows, a.m_rows, a.row_bytes, a.k, a.chunk),
+                                 a.chunk};
   const unsigned g = unsigned(ragged_blocks(v, a));
+  if (a.chunk > 0) {
+    if (a.offsets_64)
+      dev::ragged_chunked_kernel<long long><<<g, dev::kRaggedThreads, 0, s>>>(v, ka);
+    else
+      dev::ragged_chunked_kernel<int><<<g, dev::kRaggedThreads, 0, s>>>(v, ka);
+    return cudaGetLastError();
+  }
   if (a.offsets_64)
     dev::ragged_kernel<long long><<<g, dev::kRaggedThreads, 0, s>>>(v, ka);
   else
@@ -92,8 +106,8 @@ cudaError_t ragged_launch(const CommView& v, const RaggedArgs& a, cudaStream_t s
 
 cudaError_t ragged_load_kernels() {
   cudaFuncAttributes attr;
-  for (bool wide : {false, true}) {
-    const void* f = kernel_of(wide);
+  for (int variant = 0; variant < 4; ++variant) {
+    const void* f = kernel_of(variant & 1, variant & 2);
     if (cudaError_t e = cudaFuncGetAttributes(&attr, f); e != cudaSuccess) return e;
     // the package's one shared-memory carveout (moe.cu, allreduce_prepare.h): an SM changes its
     // split only when idle, and spinning blocks of another kernel may keep every SM busy

@@ -6,8 +6,10 @@
 // allocation, no synchronisation, no host state (CUDA-graph capturable). Offsets and sizes are
 // read by the kernel from device memory and validated there (ragged_layout.h step 1).
 // `out` is XLA's result buffer, aliased with the `output` operand: the kernel writes only the
-// rows that slices land on. Requires ragged_fits(M, W, m_rows, row_bytes, k); invalid static
-// arguments return cudaErrorInvalidValue before anything is launched (ragged_check says why).
+// rows that slices land on. chunk == 0 requires ragged_fits(M, W, m_rows, row_bytes, k) (one
+// round, ragged_kernel), chunk > 0 ragged_chunk_fits (ragged_chunked_kernel, any output size;
+// ragged_layout.h ragged_size_problem); invalid static arguments return cudaErrorInvalidValue
+// before anything is launched (ragged_check says why).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +32,8 @@ struct RaggedArgs {
   int64_t m_rows;
   size_t row_bytes;            // > 0
   int64_t k;                   // slices per peer, >= 1
+  int64_t chunk = 0;           // 0: one round (ragged_fits); > 0: the chunked path's slot bytes
+                               // (ragged_chunk_fits; any output size)
 };
 
 cudaError_t ragged_all_to_all(const CommView& v, const RaggedArgs& a, cudaStream_t s);

@@ -24,7 +24,10 @@ ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x); e.failure()) return e;
+  bool packed = false;  // expert_x [P, H] (rank 2): moe_layout.h PACKED EXPERT ROWS
+  if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x, &packed, &*expert_x_scale);
+      e.failure())
+    return e;
   const bool sc = c.scale_cols > 0;
   return launch_result(
       cuda::moe_dispatch(ctx->view, c, x.untyped_data(),
@@ -33,7 +36,7 @@ ffi::Error MoeDispatchCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
                          expert_x->untyped_data(), static_cast<int32_t*>(counts->untyped_data()),
                          sc ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
                          static_cast<int32_t*>(token_dest->untyped_data()),
-                         static_cast<int32_t*>(expert_src->untyped_data()), stream),
+                         static_cast<int32_t*>(expert_src->untyped_data()), stream, packed),
       "moe_dispatch launch");
 }
 
@@ -46,7 +49,9 @@ ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
-  if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd); e.failure())
+  bool packed = false;  // expert_y [P, H] (rank 2): moe_layout.h PACKED EXPERT ROWS
+  if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd, &packed);
+      e.failure())
     return e;
   return launch_result(
       cuda::moe_combine(ctx->view, c, expert_y.untyped_data(), yd,
@@ -54,7 +59,7 @@ ffi::Error MoeCombineCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                         static_cast<const int32_t*>(token_dest.untyped_data()),
                         static_cast<const int32_t*>(expert_src.untyped_data()),
                         static_cast<const int32_t*>(counts.untyped_data()), y->untyped_data(),
-                        stream),
+                        stream, packed),
       "moe_combine launch");
 }
 

@@ -20,7 +20,7 @@ ffi::Error RaggedCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer op
                           ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
                           ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
                           ffi::AnyBuffer recv_sizes, OrderIn, ffi::Result<ffi::AnyBuffer> out,
-                          OrderOut, int64_t comm_id) {
+                          OrderOut, int64_t comm_id, int64_t chunk_bytes) {
   std::shared_ptr<RankContext> ctx;
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   const ffi::AnyBuffer* idx[4] = {&input_offsets, &send_sizes, &output_offsets, &recv_sizes};
@@ -30,7 +30,7 @@ ffi::Error RaggedCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer op
   cuda::RaggedArgs a{operand.untyped_data(), out->untyped_data(),
                      input_offsets.untyped_data(), send_sizes.untyped_data(),
                      output_offsets.untyped_data(), recv_sizes.untyped_data(),
-                     r.offsets_64, r.n_rows, r.m_rows, r.row_bytes, r.k};
+                     r.offsets_64, r.n_rows, r.m_rows, r.row_bytes, r.k, chunk_bytes};
   if (const char* why = cuda::ragged_check(ctx->view, a)) return ragged_error(why);
   if (out->untyped_data() != output.untyped_data()) {
     cudaError_t e = cudaMemcpyAsync(out->untyped_data(), output.untyped_data(),

@@ -175,7 +175,8 @@ template <class P> auto ragged_all_to_all(P prefix) {
       .template Arg<ffi::AnyBuffer>()       // order_in
       .template Ret<ffi::AnyBuffer>()       // out
       .template Ret<ffi::AnyBuffer>()       // order_out
-      .template Attr<int64_t>("comm_id");
+      .template Attr<int64_t>("comm_id")
+      .template Attr<int64_t>("chunk_bytes");  // 0: single round; > 0: chunked, slot bytes
 }
 
 // Local ops (no communicator, no order token: pure functions of their operands, which XLA may

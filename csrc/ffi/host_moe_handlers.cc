@@ -19,7 +19,10 @@ ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, ffi
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x); e.failure()) return e;
+  bool packed = false;  // expert_x [P, H] (rank 2): moe_layout.h PACKED EXPERT ROWS
+  if (auto e = check_dispatch(c, x, x_scale, ids, *expert_x, &packed, &*expert_x_scale);
+      e.failure())
+    return e;
   const bool sc = c.scale_cols > 0;
   std::string err = host::moe_dispatch_host(
       ctx->view, c, x.untyped_data(), sc ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
@@ -27,7 +30,7 @@ ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, ffi
       expert_x->untyped_data(), static_cast<int32_t*>(counts->untyped_data()),
       sc ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
       static_cast<int32_t*>(token_dest->untyped_data()),
-      static_cast<int32_t*>(expert_src->untyped_data()));
+      static_cast<int32_t*>(expert_src->untyped_data()), packed);
   return from_text(err);
 }
 
@@ -40,13 +43,15 @@ ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
-  if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd); e.failure())
+  bool packed = false;  // expert_y [P, H] (rank 2): moe_layout.h PACKED EXPERT ROWS
+  if (auto e = check_combine(c, expert_y, w, token_dest, expert_src, counts, &yd, &packed);
+      e.failure())
     return e;
   std::string err = host::moe_combine_host(
       ctx->view, c, expert_y.untyped_data(), yd, static_cast<const float*>(w.untyped_data()),
       static_cast<const int32_t*>(token_dest.untyped_data()),
       static_cast<const int32_t*>(expert_src.untyped_data()),
-      static_cast<const int32_t*>(counts.untyped_data()), y->untyped_data());
+      static_cast<const int32_t*>(counts.untyped_data()), y->untyped_data(), packed);
   return from_text(err);
 }
 

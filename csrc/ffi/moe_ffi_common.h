@@ -39,19 +39,34 @@ inline ffi::Error check_dispatch_in(const MoeConfig& c, const ffi::AnyBuffer& x,
   return expect_elems(ids, T * K, "topk_ids");
 }
 
-// RECV side of a dispatch: the output rows.
-inline ffi::Error check_dispatch_out(const MoeConfig& c, const ffi::AnyBuffer& expert_x) {
+// Rows of expert_x / expert_y as the call passes them: packed [P, H] when `packed` is given
+// and the buffer has rank 2 (moe_layout.h PACKED EXPERT ROWS; *packed set), else [L, W*T, H].
+inline size_t expert_rows_of(const MoeConfig& c, const ffi::AnyBuffer& b, bool* packed) {
+  const bool p = packed != nullptr && b.dimensions().size() == 2;
+  if (packed) *packed = p;
+  return p ? moe_packed_rows(c) : moe_local_experts(c) * moe_expert_rows(c);
+}
+
+// RECV side of a dispatch: the output rows (and their scales, in the same form).
+inline ffi::Error check_dispatch_out(const MoeConfig& c, const ffi::AnyBuffer& expert_x,
+                                     bool* packed = nullptr,
+                                     const ffi::AnyBuffer* expert_x_scale = nullptr) {
   if (dtype_code(expert_x.element_type()) != c.dtype)
     return precondition("jax_nvcomm: moe_dispatch: expert_x dtype differs from the communicator's");
-  return expect_elems(expert_x, moe_local_experts(c) * moe_expert_rows(c) * size_t(c.hidden),
-                      "expert_x");
+  const size_t rows = expert_rows_of(c, expert_x, packed);
+  if (expert_x_scale)
+    if (auto e = expect_elems(*expert_x_scale, rows * size_t(c.scale_cols), "expert_x_scale");
+        e.failure())
+      return e;
+  return expect_elems(expert_x, rows * size_t(c.hidden), "expert_x");
 }
 
 inline ffi::Error check_dispatch(const MoeConfig& c, const ffi::AnyBuffer& x,
                                  const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& ids,
-                                 const ffi::AnyBuffer& expert_x) {
+                                 const ffi::AnyBuffer& expert_x, bool* packed = nullptr,
+                                 const ffi::AnyBuffer* expert_x_scale = nullptr) {
   if (auto e = check_dispatch_in(c, x, x_scale, ids); e.failure()) return e;
-  return check_dispatch_out(c, expert_x);
+  return check_dispatch_out(c, expert_x, packed, expert_x_scale);
 }
 
 // SEND side of a combine: expert rows and the handle's routing back.
@@ -83,13 +98,15 @@ inline ffi::Error check_combine_recv(const MoeConfig& c, const ffi::AnyBuffer& w
 inline ffi::Error check_combine(const MoeConfig& c, const ffi::AnyBuffer& expert_y,
                                 const ffi::AnyBuffer& w, const ffi::AnyBuffer& token_dest,
                                 const ffi::AnyBuffer& expert_src, const ffi::AnyBuffer& counts,
-                                int* y_dtype) {
+                                int* y_dtype, bool* packed = nullptr) {
   const size_t T = c.max_tokens, H = c.hidden, K = c.top_k;
   const size_t L = moe_local_experts(c), R = moe_expert_rows(c);
   *y_dtype = dtype_code(expert_y.element_type());
   if (!moe_y_dtype_ok(*y_dtype))
     return precondition("jax_nvcomm: moe_combine: expert_y must be f32, bf16 or f16");
-  if (auto e = expect_elems(expert_y, L * R * H, "expert_y"); e.failure()) return e;
+  if (auto e = expect_elems(expert_y, expert_rows_of(c, expert_y, packed) * H, "expert_y");
+      e.failure())
+    return e;
   if (auto e = expect_elems(w, T * K, "topk_weights"); e.failure()) return e;
   if (auto e = expect_elems(token_dest, T * K, "handle.token_dest"); e.failure()) return e;
   if (auto e = expect_elems(expert_src, L * R, "handle.expert_src"); e.failure()) return e;

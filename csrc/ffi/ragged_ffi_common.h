@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ffi_common.h"
+#include "../common/ragged_layout.h"
 
 namespace nvc {
 
@@ -79,6 +80,13 @@ inline ffi::Error check_ragged(int world, const ffi::AnyBuffer& operand,
   if (row == 0) return ragged_error("rows of zero bytes (a zero trailing dim)");
   *r = RaggedShape{od[0], md[0], row, int64_t(K / size_t(world)), it == ffi::DataType::S64};
   return ffi::Error::Success();
+}
+
+// The chunk_bytes attribute against the communicator: ragged_layout.h ragged_size_problem.
+inline const char* ragged_chunk_check(size_t max_message_bytes, int world, const RaggedShape& r,
+                                      int64_t chunk) {
+  return ragged_size_problem(max_message_bytes, world, r.n_rows, r.m_rows, r.row_bytes, r.k,
+                             chunk);
 }
 
 }  // namespace nvc

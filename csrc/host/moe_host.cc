@@ -212,7 +212,7 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
 
 std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* expert_x,
                                    int32_t* expert_counts, float* expert_x_scale,
-                                   int32_t* expert_src, const uint32_t* seq_in) {
+                                   int32_t* expert_src, const uint32_t* seq_in, bool packed) {
   if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
   if (!expert_x || !expert_counts || !expert_src || (S > 0 && !expert_x_scale))
@@ -241,6 +241,11 @@ std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
   const size_t erows = moe_expert_rows(c);
   const int maxent = moe_max_entries(c);
+  std::vector<size_t> pre(L, 0);  // packed: first packed row of each local expert
+  for (int le = 1; le < L; ++le) pre[le] = pre[le - 1] + size_t(tot[le - 1]);
+  if (packed && pre[L - 1] + size_t(tot[L - 1]) > moe_packed_rows(c))
+    return report(v, kErrCapacity, desc, 0, s, pre[L - 1] + size_t(tot[L - 1]),
+                  fmt("the ranks announced more rows than the %zu packed rows", moe_packed_rows(c)));
   for (int src = 0; src < W; ++src)
     for (int j = 0; j < rows[src]; ++j) {
       const char* row = moe_drow(half, c, src, j);
@@ -257,8 +262,9 @@ std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* 
                         fmt("corrupt row %d from rank %d (expert %d, k %d, index %d)", j, src, le, k, ix));
         const size_t er = size_t(le) * erows + off[size_t(le) * W + src] + ix;
         expert_src[er] = (src * T + t) * K + k;
-        std::memcpy(static_cast<char*>(expert_x) + er * xrow, row, xrow);
-        if (S > 0) std::memcpy(expert_x_scale + er * S, row + scale_off, size_t(S) * 4);
+        const size_t dr = packed ? pre[le] + off[size_t(le) * W + src] + ix : er;  // data row
+        std::memcpy(static_cast<char*>(expert_x) + dr * xrow, row, xrow);
+        if (S > 0) std::memcpy(expert_x_scale + dr * S, row + scale_off, size_t(S) * 4);
       }
     }
   for (int le = 0; le < L; ++le) expert_counts[le] = tot[le];
@@ -269,17 +275,19 @@ std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* 
 std::string moe_dispatch_host(const CommView& v, const MoeConfig& c, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
                               const int32_t* num_tokens, void* expert_x, int32_t* expert_counts,
-                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src) {
+                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src,
+                              bool packed) {
   if (!expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
     return "jax_nvcomm moe_dispatch: null output pointer";  // before SEND: never half a call
   std::string e = moe_dispatch_send_host(v, c, x, x_scale, topk_ids, num_tokens, token_dest);
   if (!e.empty()) return e;
-  return moe_dispatch_recv_host(v, c, expert_x, expert_counts, expert_x_scale, expert_src);
+  return moe_dispatch_recv_host(v, c, expert_x, expert_counts, expert_x_scale, expert_src, nullptr,
+                                packed);
 }
 
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
-                                  const int32_t* expert_counts, uint32_t* seq_out) {
+                                  const int32_t* expert_counts, uint32_t* seq_out, bool packed) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
   if (!expert_y || !expert_src || !expert_counts) return "jax_nvcomm moe_combine: null input pointer";
@@ -289,12 +297,16 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
   if (std::string e = begin_send(v, c, desc, seq_out, &s); !e.empty()) return e;
   const size_t erows = moe_expert_rows(c), yrow = moe_y_row_bytes(c, y_dtype);
   const int64_t slots = int64_t(T) * K;
+  size_t g = 0;  // packed: the data row of (le, i) is the g-th counted row
   for (int le = 0; le < L; ++le) {
     const int cnt = expert_counts[le];
     if (cnt < 0 || size_t(cnt) > erows)
       return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(cnt)),
                     fmt("expert_counts[%d] = %d outside [0, %zu]", le, cnt, erows));
-    for (int i = 0; i < cnt; ++i) {
+    if (packed && g + size_t(cnt) > moe_packed_rows(c))
+      return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(cnt)),
+                    fmt("expert_counts sum past the %zu packed rows at expert %d", moe_packed_rows(c), le));
+    for (int i = 0; i < cnt; ++i, ++g) {
       const size_t er = size_t(le) * erows + i;
       const int slot = expert_src[er];
       if (slot < 0 || slot >= W * slots)
@@ -302,7 +314,7 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
                       fmt("handle expert_src[%d, %d] = %d is not a valid slot", le, i, slot));
       const int src = int(slot / slots);
       std::memcpy(moe_landing(moe_half(v.bufs[src], c, s), c, y_dtype, size_t(slot - src * slots)),
-                  static_cast<const char*>(expert_y) + er * yrow, yrow);
+                  static_cast<const char*>(expert_y) + (packed ? g : er) * yrow, yrow);
     }
   }
   publish(v, c, s, desc);
@@ -360,9 +372,11 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
 
 std::string moe_combine_host(const CommView& v, const MoeConfig& c, const void* expert_y,
                              int y_dtype, const float* topk_weights, const int32_t* token_dest,
-                             const int32_t* expert_src, const int32_t* expert_counts, void* y) {
+                             const int32_t* expert_src, const int32_t* expert_counts, void* y,
+                             bool packed) {
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
-  std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts);
+  std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts,
+                                        nullptr, packed);
   if (!e.empty()) return e;
   return moe_combine_recv_host(v, c, y_dtype, topk_weights, token_dest, y);
 }

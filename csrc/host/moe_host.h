@@ -33,21 +33,25 @@ namespace host {
 std::string moe_dispatch_host(const CommView& v, const MoeConfig& cfg, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
                               const int32_t* num_tokens, void* expert_x, int32_t* expert_counts,
-                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src);
+                              float* expert_x_scale, int32_t* token_dest, int32_t* expert_src,
+                              bool packed = false);
 std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& cfg, const void* x,
                                    const float* x_scale, const int32_t* topk_ids,
                                    const int32_t* num_tokens, int32_t* token_dest,
                                    uint32_t* seq_out = nullptr);
 std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& cfg, void* expert_x,
                                    int32_t* expert_counts, float* expert_x_scale,
-                                   int32_t* expert_src, const uint32_t* seq_in = nullptr);
+                                   int32_t* expert_src, const uint32_t* seq_in = nullptr,
+                                   bool packed = false);
 
 std::string moe_combine_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                              int y_dtype, const float* topk_weights, const int32_t* token_dest,
-                             const int32_t* expert_src, const int32_t* expert_counts, void* y);
+                             const int32_t* expert_src, const int32_t* expert_counts, void* y,
+                             bool packed = false);
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
-                                  const int32_t* expert_counts, uint32_t* seq_out = nullptr);
+                                  const int32_t* expert_counts, uint32_t* seq_out = nullptr,
+                                  bool packed = false);
 std::string moe_combine_recv_host(const CommView& v, const MoeConfig& cfg, int y_dtype,
                                   const float* topk_weights, const int32_t* token_dest, void* y,
                                   const uint32_t* seq_in = nullptr);

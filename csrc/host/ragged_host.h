@@ -8,6 +8,9 @@
 //      for each src != me and slice j, check the header's size against recv_sizes[src*k + j]
 //      (kErrRaggedRecv naming src, j and both sizes) and copy its rows from my frame to `out`;
 //   4. end_call.
+// With chunk > 0 the chunked path of ragged_layout.h runs instead (any output size; memory:
+// the communicator's flag half, ragged_chunk_fits): per pair, rounds of at most chunk bytes
+// through two slots, each round's copy out acknowledged before its slot is reused.
 // `out` holds `output`'s values on entry (the FFI handler copies them when XLA did not alias
 // the two); only the rows slices land on are written. Error texts from this protocol add the
 // numbers of the bad slice (its offsets and sizes, N, M and the receiving rank) to the record's
@@ -34,6 +37,7 @@ struct RaggedHostArgs {
   int64_t m_rows;
   size_t row_bytes;            // > 0
   int64_t k;                   // slices per peer, >= 1
+  int64_t chunk = 0;           // 0: single round (ragged_fits); > 0: chunked path, slot bytes
 };
 
 // "" on success, else the error text (also recorded in v.err, first error wins).

@@ -10,7 +10,8 @@
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
 //   slot = expert_src[e][i] = (src*T + t)*K + k (range-checked); copies the row of expert_y
 //   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s;
-//   the row's first 32 * kCopyU vectors are requested together with its slot.
+//   the row's first 32 * kCopyU vectors are requested together with its slot. Packed expert_y
+//   (moe_layout.h PACKED EXPERT ROWS): the data row is row g itself; expert_src stays [e][i].
 //   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
 //   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
@@ -36,11 +37,12 @@ namespace nvc {
 namespace moe {
 
 struct CombineSendArgs {
-  const uint8_t* expert_y;       // [L, W*T, H] of y_dtype
+  const uint8_t* expert_y;       // [L, W*T, H] of y_dtype, or packed [P, H] (moe_layout.h)
   const int32_t* expert_src;     // handle [L, W*T]
   const int32_t* expert_counts;  // [L]
   int y_dtype;
   uint32_t* seq_out;             // split: the call's seq, for the RECV (scalar); null when fused
+  bool packed = false;           // expert_y in the packed form
 };
 
 __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
@@ -103,6 +105,10 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   dev::probe(8);
   const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
   const int nvec = int(yrow / 16), total = pre[L];
+  if (a.packed && int64_t(total) > int64_t(moe_packed_rows(c))) {  // would read past expert_y
+    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
+    return 0;
+  }
   const int64_t slots = int64_t(T) * K;
   bool bad_slot = false;  // this warp found a bad expert_src entry: the block must not publish
   for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
@@ -112,7 +118,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       if (pre[mid] <= g) l = mid; else h = mid - 1;
     }
     const int64_t er = int64_t(l) * erows + (g - pre[l]);
-    const uint8_t* yr = a.expert_y + size_t(er) * yrow;
+    const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
     uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
 #pragma unroll
     for (int u = 0; u < kCopyU; ++u)

@@ -29,7 +29,10 @@
 //   spreading the rows over the grid's lanes) loads its part of the payload together with the
 //   row's metadata, checks the metadata, and stores the part to every listed local expert row
 //   off[src][e] + idx; the chunk-0 warp also copies the scales and writes the handle;
-//   block 0 writes expert_counts. The block with the last arrival ticket (taken after the
+//   block 0 writes expert_counts. Packed (moe_layout.h PACKED EXPERT ROWS): every block also
+//   scans tot into pre[e] (block_exclusive_scan) and the row of (le, src, idx) goes to packed
+//   row pre[le] + off[src][le] + idx instead of le * W*T + off[src][le] + idx (the handle's
+//   expert_src entry keeps the second index). The block with the last arrival ticket (taken after the
 //   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
 //
@@ -410,16 +413,52 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, 
 }
 
 struct DispatchRecvArgs {
-  uint8_t* expert_x;       // [L, W*T, H]
+  uint8_t* expert_x;       // [L, W*T, H], or packed [P, H] (moe_layout.h)
   int32_t* expert_counts;  // [L]
-  float* expert_x_scale;   // [L, W*T, S] or null when S == 0
+  float* expert_x_scale;   // [L, W*T, S] (packed: [P, S]) or null when S == 0
   int32_t* expert_src;     // handle [L, W*T]
   const uint32_t* seq_in;  // split: the SEND's seq output; null when fused
+  bool packed = false;     // expert_x / expert_x_scale in the packed form
 };
 
 __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
-  // tot [L], the W headers [W][1 + L] (their counts become the offsets off[src][le])
-  return 4 * (size_t(moe_local_experts(c)) + size_t(c.world) * (1 + moe_local_experts(c)));
+  // tot [L], the W headers [W][1 + L] (their counts become the offsets off[src][le]), then
+  // pre [L + 1] (packed: the first packed row of each local expert)
+  return 4 * (size_t(moe_local_experts(c)) + size_t(c.world) * (1 + moe_local_experts(c)) +
+              size_t(moe_local_experts(c)) + 1);
+}
+
+// pre[i] = v[0] + ... + v[i-1] for i in [0, n] (n <= 2^31 in sum): every thread of the block
+// (blockDim.x == kMoeThreads) calls it; per-thread segments, warp 0 scans the partials. Ends
+// with a barrier (pre is then visible to the whole block).
+__device__ __forceinline__ void block_exclusive_scan(const int32_t* v, int32_t* pre, int n) {
+  __shared__ int32_t s_part[kMoeThreads];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int per = (n + kMoeThreads - 1) / kMoeThreads, lo = min(tid * per, n), hi = min(lo + per, n);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += v[i];
+  s_part[tid] = sum;
+  __syncthreads();
+  if (tid < 32) {
+    constexpr int kPer = kMoeThreads / 32;
+    int loc[kPer], tot = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) { loc[j] = s_part[lane * kPer + j]; tot += loc[j]; }
+    int inc = tot;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
+      if (lane >= d) inc += y;
+    }
+    int acc = inc - tot;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) { s_part[lane * kPer + j] = acc; acc += loc[j]; }
+    if (lane == 31) pre[n] = inc;
+  }
+  __syncthreads();
+  int acc = s_part[tid];
+  for (int i = lo; i < hi; ++i) { pre[i] = acc; acc += v[i]; }
+  __syncthreads();
 }
 
 // The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
@@ -431,6 +470,7 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
   int32_t* tot = smem;     // [L] rows of each local expert
   int32_t* hdr = tot + L;  // [W][1 + L]: row count of src, then per expert the count, which the
                            // prefix over sources turns into off = the first expert row of src
+  int32_t* pre = hdr + W * (1 + L);  // [L + 1] packed: first packed row of each local expert
   __shared__ int32_t s_rows[kMaxWorld + 1];
   __shared__ size_t s_erow[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
@@ -479,6 +519,13 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     if (b == 0) a.expert_counts[le] = acc;
   }
   if (__syncthreads_or(bad)) return;
+  if (a.packed) {  // the same branch in every thread
+    block_exclusive_scan(tot, pre, L);
+    if (pre[L] > int64_t(moe_packed_rows(c))) {  // headers a real sender cannot produce
+      if (tid == 0) dev::fail_inline(v, kErrCapacity, desc, 0, s, uint64_t(uint32_t(pre[L])));
+      return;  // every thread alike (pre is shared)
+    }
+  }
 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
   dev::probe(6);
@@ -523,7 +570,7 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
       } else {
         const size_t er = size_t(le) * erows + off[src * (1 + L)] + idx;
         if (ch == 0) a.expert_src[er] = (src * T + t) * K + k;
-        s_erow[warp][lane] = er;
+        s_erow[warp][lane] = a.packed ? size_t(pre[le]) + off[src * (1 + L)] + idx : er;
       }
     }
     if (__any_sync(0xFFFFFFFFu, bad_meta)) continue;  // nothing written through a bad entry

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, moe, moelayer, ragged, step, varlen
+from . import allreduce, moe, moelayer, moelayer_layer, ragged, step, varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -39,8 +39,10 @@ def _parser():
                                 formatter_class=raw)
     sub = p.add_subparsers(dest="what", required=True, metavar="SUBCOMMAND")
     for name, (module, line) in SUBCOMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=line, description=module.__doc__,
-                                            formatter_class=raw))
+        sp = sub.add_parser(name, help=line, description=module.__doc__, formatter_class=raw)
+        module.add_arguments(sp)
+        if name == "moelayer":  # + the whole layer's rows (bench/moelayer_layer.py)
+            moelayer_layer.add_layer_arguments(sp)
     return p
 
 
@@ -50,7 +52,9 @@ def main(argv=None):
         return step.run_step(a)
     _setup_env()
     if a.what == "moelayer":
-        return moelayer.run_moelayer(a)
+        rc = moelayer.run_moelayer(a)
+        moelayer_layer.run_layer(a)
+        return rc
     loop_defaults(a)
     if a.what == "allreduce":
         return allreduce.run_allreduce(a)

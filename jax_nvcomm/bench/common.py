@@ -364,10 +364,11 @@ def _failed(env, name, e):
     return dict(error=msg)
 
 
-def _open_comm(env, mesh, max_bytes):
-    """A Communicator, or None (with a note) when this build/machine cannot make one."""
+def _open_comm(env, mesh, max_bytes, **kw):
+    """A Communicator (keyword arguments passed on), or None (with a note) when this
+    build/machine cannot make one."""
     try:
-        return env.nvc.Communicator(mesh, "x", max_message_bytes=max(4096, max_bytes))
+        return env.nvc.Communicator(mesh, "x", max_message_bytes=max(4096, max_bytes), **kw)
     except Exception as e:  # noqa: BLE001
         env.log(f"# NOTE: nvc.Communicator failed ({type(e).__name__}: {str(e)[:200]}): "
                 "jax_nvcomm rows skipped")

@@ -18,7 +18,7 @@ result against lax's on the same inputs (`rel_diff_to_xla`: ||nvc - xla|| / ||xl
 rounding: ~1e-3). Times: `calls` chained calls in one jit (each call's input takes one element
 of the previous output, so they run in order), loop us
 per call (median over the programs) and, on GPUs, the kernels' device time per call from a
-profiler trace (dN; bench/common.py _device_time). On CPU devices the shapes shrink (hidden 256,
+profiler trace (dN; as the other loop benchmarks). On CPU devices the shapes shrink (hidden 256,
 F 128, experts 8 / 32) and the numbers only show that the benchmark runs. Writes
 OUT/moelayer.json and the table.
 """

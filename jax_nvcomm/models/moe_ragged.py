@@ -67,8 +67,10 @@ def capacity(tokens_per_rank, top_k, experts, world):
 
 
 def comm_bytes(tokens_per_rank, top_k, experts, world, hidden, dtype):
-    """The `max_message_bytes` a Communicator needs for this layer's exchanges (the receive
-    buffer's bytes). Args: T, K, E, W, H and the token dtype."""
+    """The `max_message_bytes` with which this layer's exchanges run in one round (the receive
+    buffer's bytes). Any Communicator serves them (a default one too: larger outputs take
+    ragged_all_to_all's chunked path through the same buffers; docs/DESIGN.md "Memory" weighs
+    the two). Args: T, K, E, W, H and the token dtype."""
     rows = capacity(tokens_per_rank, top_k, experts, world)
     return max(4096, rows * hidden * jnp.dtype(dtype).itemsize)
 
@@ -90,8 +92,9 @@ def collectives(impl, *, axis_name, comm=None):
         (`nvc.ragged_all_to_all`, `nvc.all_gather`, `nvc.all_reduce` on `comm`'s buffers:
         no XLA collective at all, so it also runs where NCCL cannot, e.g. ranks sharing a GPU).
       axis_name: the expert axis.
-      comm: a `jax_nvcomm.Communicator` over `axis_name` with `max_message_bytes >=
-        comm_bytes(...)` (impl "nvc").
+      comm: a `jax_nvcomm.Communicator` over `axis_name` (impl "nvc"); with
+        `max_message_bytes >= comm_bytes(...)` the exchanges run in one round, with less
+        (the default 32 MiB, say) in rounds through the same buffers.
 
     Returns:
       A `Collectives`.

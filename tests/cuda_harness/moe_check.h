@@ -30,6 +30,7 @@ struct Case {
   bool split = false;   // use the send/recv entry points
   bool mixed = false;   // alternate: even ops (and rounds) fused, odd ones split, one communicator
   int graph = 0;        // > 0: capture one round per rank into a CUDA graph, replay `rounds` times
+  bool packed = false;  // expert_x / expert_x_scale / expert_y in the packed form (moe_layout.h)
 };
 
 struct RankIn {
@@ -103,6 +104,11 @@ std::string verify(const Case& cs, const MoeConfig& c0, const std::vector<RankIn
         pos[src][size_t(t) * K + k] = int(list[e / L][e % L].size());
         list[e / L][e % L].push_back({src, t, k});
       }
+  // data row of (rank r, expert le, row i): padded le * erows + i, packed pre[r][le] + i
+  std::vector<std::vector<size_t>> pre(W, std::vector<size_t>(L, 0));
+  for (int r = 0; r < W; ++r)
+    for (int le = 1; le < L; ++le) pre[r][le] = pre[r][le - 1] + list[r][le - 1].size();
+  auto drow = [&](int r, int le, size_t i) { return cs.packed ? pre[r][le] + i : le * erows + i; };
   char buf[256];
   for (int r = 0; r < W; ++r) {
     if (!out[r].err.empty()) return "rank " + std::to_string(r) + " error: " + out[r].err;
@@ -122,9 +128,9 @@ std::string verify(const Case& cs, const MoeConfig& c0, const std::vector<RankIn
       }
       for (size_t i = 0; i < lst.size(); ++i) {
         const auto [src, t, k] = lst[i];
-        const size_t er = le * erows + i;
-        if (std::memcmp(&out[r].ex[er * xrow], &in[src].x[t * xrow], xrow) ||
-            (S && std::memcmp(&out[r].exs[er * S], &in[src].xs[size_t(t) * S], S * 4)) ||
+        const size_t er = le * erows + i, dr = drow(r, le, i);
+        if (std::memcmp(&out[r].ex[dr * xrow], &in[src].x[t * xrow], xrow) ||
+            (S && std::memcmp(&out[r].exs[dr * S], &in[src].xs[size_t(t) * S], S * 4)) ||
             out[r].es[er] != (src * T + t) * K + k) {
           snprintf(buf, sizeof buf, "rank %d expert %d row %zu (src %d token %d k %d) differs", r, le, i, src, t, k);
           return buf;
@@ -139,7 +145,7 @@ std::string verify(const Case& cs, const MoeConfig& c0, const std::vector<RankIn
       for (int k = 0; k < K && t < in[src].n; ++k) {
         const int e = in[src].ids[size_t(t) * K + k];
         if (e < 0) continue;
-        const uint8_t* row = &in[e / L].ey[(size_t(e % L) * erows + pos[src][size_t(t) * K + k]) * yrow];
+        const uint8_t* row = &in[e / L].ey[drow(e / L, e % L, pos[src][size_t(t) * K + k]) * yrow];
         for (int h = 0; h < cs.H; ++h) {
           uint32_t bits = 0;
           std::memcpy(&bits, row + size_t(h) * ysz, ysz);

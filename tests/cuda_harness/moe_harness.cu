@@ -201,18 +201,18 @@ void enqueue(const Case& cs, const World& w, int r, const std::vector<Slot>& slo
     const int32_t* nt = cs.full ? nullptr : s.ntok;
     if (split(op)) {
       CK(cuda::moe_dispatch_send(v, c, s.x, xs, s.ids, nt, s.td, st));
-      CK(cuda::moe_dispatch_recv(v, c, s.ex, s.cnt, exs, s.es, st));
+      CK(cuda::moe_dispatch_recv(v, c, s.ex, s.cnt, exs, s.es, st, nullptr, cs.packed));
     } else {
-      CK(cuda::moe_dispatch(v, c, s.x, xs, s.ids, nt, s.ex, s.cnt, exs, s.td, s.es, st));
+      CK(cuda::moe_dispatch(v, c, s.x, xs, s.ids, nt, s.ex, s.cnt, exs, s.td, s.es, st, cs.packed));
     }
   }
   for (const Slot& s : slots) {
     if (++op != only_op && only_op >= 0) continue;
     if (split(op)) {
-      CK(cuda::moe_combine_send(v, c, s.ey, cs.ydt, s.es, s.cnt, st));
+      CK(cuda::moe_combine_send(v, c, s.ey, cs.ydt, s.es, s.cnt, st, nullptr, cs.packed));
       CK(cuda::moe_combine_recv(v, c, cs.ydt, s.w, s.td, s.y, st));
     } else {
-      CK(cuda::moe_combine(v, c, s.ey, cs.ydt, s.w, s.td, s.es, s.cnt, s.y, st));
+      CK(cuda::moe_combine(v, c, s.ey, cs.ydt, s.w, s.td, s.es, s.cnt, s.y, st, cs.packed));
     }
   }
 }
@@ -582,6 +582,17 @@ int main(int argc, char** argv) {
   c = {"W8 graph replay x30, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.graph = 1; c.rounds = 30; c.inflight = 2; cases.push_back(c);
   c = {"W4 fused and split alternate", 4, 16, 4, 32, 128, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 8; cases.push_back(c);
   c = {"W2 graph replay x30, split, fp8", 2, 8, 8, 64, 128, kMoeF8E4M3, 4, kMoeF32}; c.graph = 1; c.rounds = 30; c.split = true; cases.push_back(c);
+  // packed expert rows (moe_layout.h PACKED EXPERT ROWS; moe_layer's form)
+  c = {"packed W4 bf16 scales", 4, 16, 4, 64, 256, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed W1 256 E top8 7168 H", 1, 256, 8, 32, 7168, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.full = true; cases.push_back(c);
+  c = {"packed W8 all to one expert", 8, 16, 3, 32, 128, kMoeBF16, 0, kMoeF32}; c.hot = 5; c.full = true; c.packed = true; cases.push_back(c);
+  c = {"packed W4 rank 2 zero tokens split", 4, 16, 2, 64, 128, kMoeBF16, 0, kMoeBF16}; c.zero_rank = 2; c.split = true; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed W2 graph replay x20", 2, 8, 2, 48, 128, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 20; c.packed = true; cases.push_back(c);
+  c = {"packed W4 K > L (P = L*W*T)", 4, 8, 4, 16, 64, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  // small enough for compute-sanitizer (the 5 s peer deadline holds under its slowdown)
+  c = {"packed tiny W4 T=5 scales zero rank", 4, 8, 2, 5, 32, kMoeBF16, 1, kMoeBF16}; c.zero_rank = 1; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"packed tiny W2 T=4 split", 2, 4, 2, 4, 32, kMoeBF16, 0, kMoeF32}; c.split = true; c.packed = true; cases.push_back(c);
+  c = {"packed tiny W2 T=4 graph x3", 2, 4, 4, 4, 32, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 3; c.packed = true; cases.push_back(c);
 
   CK(cuda::moe_load_kernels());  // before any rank spins (lazy loading would stall the host)
   int dev;

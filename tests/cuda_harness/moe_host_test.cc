@@ -90,14 +90,15 @@ std::string run_case(const Case& cs) {
         RankOut& o = out[j][r];
         std::string e = host::moe_dispatch_host(v, c, i.x.data(), cs.S ? i.xs.data() : nullptr, i.ids.data(),
                                                 cs.full ? nullptr : &i.n, o.ex.data(), o.cnt.data(),
-                                                cs.S ? o.exs.data() : nullptr, o.td.data(), o.es.data());
+                                                cs.S ? o.exs.data() : nullptr, o.td.data(), o.es.data(),
+                                                cs.packed);
         if (!e.empty()) { o.err = e; return; }
       }
       for (int j = 0; j < cs.inflight; ++j) {
         RankIn& i = in[j][r];
         RankOut& o = out[j][r];
         std::string e = host::moe_combine_host(v, c, i.ey.data(), cs.ydt, i.w.data(), o.td.data(),
-                                               o.es.data(), o.cnt.data(), o.y.data());
+                                               o.es.data(), o.cnt.data(), o.y.data(), cs.packed);
         if (!e.empty()) { o.err = e; return; }
       }
     });
@@ -181,6 +182,11 @@ int main() {
   c = {"W8 two dispatches in flight", 8, 32, 4, 16, 32, kMoeBF16, 2, kMoeF32}; c.inflight = 2; c.rounds = 4; cases.push_back(c);
   c = {"W4 200 rounds", 4, 16, 4, 16, 16, kMoeBF16, 1, kMoeBF16}; c.rounds = 200; cases.push_back(c);
   c = {"W8 40 rounds in flight 3", 8, 16, 2, 8, 16, kMoeF8E4M3, 0, kMoeBF16}; c.rounds = 40; c.inflight = 3; cases.push_back(c);
+  // packed expert rows (moe_layout.h PACKED EXPERT ROWS)
+  c = {"packed W4 bf16 scales", 4, 16, 4, 32, 32, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed W4 all to one expert", 4, 8, 3, 32, 32, kMoeBF16, 0, kMoeF32}; c.hot = 5; c.full = true; c.packed = true; cases.push_back(c);
+  c = {"packed W4 rank 2 zero tokens", 4, 16, 2, 32, 32, kMoeBF16, 0, kMoeBF16}; c.zero_rank = 2; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed W4 K > L", 4, 8, 4, 16, 16, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
 
   int fails = 0;
   std::printf("%-36s %s\n", "case", "result");

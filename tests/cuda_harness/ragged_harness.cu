@@ -19,6 +19,8 @@
 //                                 too: no kernel traps (kernels/common.cuh "Failure"), so the
 //                                 cases after them also show that the CUDA context is healthy
 //   build/ragged_h --error        the error cases only (bad slice, recv_sizes, timeout)
+//   build/ragged_h --ab           chunked path vs one round at sizes both serve (world 1 and
+//                                 2 / 4 virtual ranks, slot sweep): us per call in CUDA graphs
 //   build/ragged_h --graph-time   us per call in CUDA graphs, decode and prefill shapes, W
 //                                 virtual ranks on ONE GPU (the "peers" are local memory and
 //                                 share the SMs: compares kernel variants, not NVLink)
@@ -154,7 +156,9 @@ struct Shape {
   bool i64;         // int64 offsets (else int32)
   int mis_in = 0;   // operand starts this many bytes past a 256-byte boundary
   int mis_out = 0;  // output likewise
+  int64_t chunk = 0;  // 0: one round; > 0: the chunked path's slot; kChunkMax: the largest
 };
+constexpr int64_t kChunkMax = -1;  // resolved per World: ragged_chunk_max(msg, W, k)
 
 enum Pattern {
   kRandom,    // random sizes (often 0, sometimes large), random placement with gaps
@@ -332,6 +336,7 @@ struct Slot {
     a.m_rows = s.M;
     a.row_bytes = s.rb;
     a.k = s.k;
+    a.chunk = s.chunk;
     return a;
   }
   void upload_arrays(const std::vector<int64_t>* v) const {
@@ -352,12 +357,25 @@ struct Slot {
   }
 };
 
-// The communicator size a case needs: every shape's output (and header) fits.
+// The communicator size a case needs: every one-round shape's output (and header) fits, every
+// chunked shape's slot (kChunkMax: any 256 bytes).
 size_t msg_bytes_for(const std::vector<Shape>& shapes, int W) {
   size_t m = 4096;
-  for (const Shape& s : shapes)
-    m = std::max(m, align_up(size_t(s.M) * s.rb + ragged_header_bytes(W, s.k), 256));
+  for (const Shape& s : shapes) {
+    if (s.chunk == 0) {
+      m = std::max(m, align_up(size_t(s.M) * s.rb + ragged_header_bytes(W, s.k), 256));
+      continue;
+    }
+    const size_t want = s.chunk == kChunkMax ? 256 : size_t(s.chunk);
+    while (ragged_chunk_max(m, W, s.k) < want) m *= 2;
+  }
   return m;
+}
+
+// The shape with kChunkMax resolved for a communicator of msg bytes over W ranks.
+Shape resolved(Shape s, size_t msg, int W) {
+  if (s.chunk == kChunkMax) s.chunk = int64_t(ragged_chunk_max(msg, W, s.k));
+  return s;
 }
 
 // First difference of a downloaded allocation from the expected one, described.
@@ -389,19 +407,22 @@ struct Case {
   int rounds = 3;
   int calls = 2;              // calls per rank per round, enqueued back to back
   bool graph = false;         // capture each rank's round into a CUDA graph and replay it
+  size_t msg = 0;             // max_message_bytes (0: msg_bytes_for)
 };
 
 std::string run_case(const Case& cs) {
   const int W = cs.W;
   std::mt19937_64 g(g_seed * 1000003u + std::hash<std::string>()(cs.name));
-  World w(W, msg_bytes_for(cs.shapes, W));
-  for (const Shape& s : cs.shapes)
+  World w(W, cs.msg ? cs.msg : msg_bytes_for(cs.shapes, W));
+  std::vector<Shape> shapes;
+  for (const Shape& s : cs.shapes) shapes.push_back(resolved(s, w.msg, W));
+  for (const Shape& s : shapes)
     if (const char* why = cuda::ragged_check(w.view(0), Slot(s, W).args()))
       return std::string("ragged_check refused a shape: ") + why;
   std::vector<std::vector<Slot*>> slots(W);  // [rank][call]
   for (int r = 0; r < W; ++r)
     for (int c = 0; c < cs.calls; ++c)
-      slots[r].push_back(new Slot(cs.shapes[c % cs.shapes.size()], W));
+      slots[r].push_back(new Slot(shapes[c % shapes.size()], W));
   auto enqueue_call = [&](int c, int r) {
     CK(cuda::ragged_all_to_all(w.view(r), slots[r][c]->args(), w.st[r]));
   };
@@ -470,8 +491,8 @@ std::vector<Case> cases() {
   // int8 x 1 = 1, int8 x 5 = 5, bf16 x 7 = 14, f64 x 2 = 16, f32 x 10 = 40, bf16 x 520 = 1040
   std::vector<Case> v;
   auto add = [&](std::string name, int W, std::vector<Shape> sh, Pattern p, int rounds = 3,
-                 int calls = 2, bool graph = false) {
-    v.push_back({std::move(name), W, std::move(sh), p, rounds, calls, graph});
+                 int calls = 2, bool graph = false, size_t msg = 0) {
+    v.push_back({std::move(name), W, std::move(sh), p, rounds, calls, graph, msg});
   };
   add("W1 self only, k=3, bf16 x 8", 1, {{40, 64, 16, 3, false}}, kRandom);
   add("W2 k=1, f64 x 2 (16 B rows)", 2, {{64, 96, 16, 1, false}}, kRandom);
@@ -510,6 +531,37 @@ std::vector<Case> cases() {
   add("W3 odd world, k=2", 3, {{50, 70, 30, 2, false}}, kRandom, 5);
   add("W16 max world, k=1", 16, {{40, 64, 128, 1, true}}, kRandom);
   add("W16 max world, 0/1 rows, k=2", 16, {{32, 64, 14336, 2, false}}, kTiny);
+  // chunked path (ragged_chunked_kernel): outputs many times max_message_bytes (msg), through
+  // slots of 256 B .. the largest; {N, M, rb, k, i64, mis_in, mis_out, chunk}
+  add("chunked W1 self only, out 65 x msg", 1, {{4096, 4096, 1040, 2, false, 0, 0, kChunkMax}},
+      kRandom, 3, 2, false, 65536);
+  add("chunked W2 k=1, 14 B rows, 256 B slots", 2, {{300, 400, 14, 1, false, 0, 0, 256}},
+      kRandom, 3, 2, false, 4096);
+  add("chunked W2 k=3 packed, out 65 x msg", 2, {{4096, 4096, 1040, 3, false, 0, 0, kChunkMax}},
+      kPacked, 3, 2, false, 65536);
+  add("chunked W4 k=2 +3/+5, 24 B rows, 4 KiB slots", 4,
+      {{8000, 8000, 24, 2, false, 3, 5, 4096}}, kRandom, 3, 2, false, 65536);
+  add("chunked W4 full output, int8 x 5, 256 B slots", 4, {{3000, 5700, 5, 1, false, 0, 0, 256}},
+      kFull, 3, 2, false, 8192);
+  add("chunked W8 k=1 14336 B rows, out 70 x msg", 8,
+      {{640, 640, 14336, 1, true, 0, 0, kChunkMax}}, kRandom, 2, 2, false, 131072);
+  add("chunked W8 k=3, 12 B rows, int64, 512 B slots", 8, {{480, 1600, 12, 3, true, 0, 0, 512}},
+      kRandom, 3, 2, false, 8192);
+  add("chunked W2 k=200 0/1 rows, > 64 segments a piece", 2,
+      {{300, 400, 2, 200, false, 0, 0, 4096}}, kTiny, 3, 2, false, 16384);
+  add("chunked W4 all sizes 0", 4, {{16, 16, 32, 2, true, 0, 0, 256}}, kZero, 2, 2, false, 4096);
+  add("chunked W16 max world, k=1", 16, {{400, 640, 128, 1, true, 0, 0, kChunkMax}}, kRandom, 3,
+      2, false, 16384);
+  add("chunked W4 90 calls, one-round and chunked mixed", 4,
+      {{64, 100, 48, 2, false}, {400, 600, 48, 2, true, 0, 0, 1024},
+       {33, 47, 14336, 1, true, 0, 0, kChunkMax}},
+      kRandom, 30, 3, false, 65536);
+  add("chunked W8 graph replay x30, mixed", 8,
+      {{400, 600, 64, 2, false, 0, 0, 1024}, {40, 80, 64, 2, false},
+       {300, 200, 14336, 1, true, 0, 0, kChunkMax}},
+      kRandom, 30, 3, true, 65536);
+  add("chunked W2 graph replay x30, +1/+7, k=5, 768 B", 2,
+      {{800, 1200, 22, 5, true, 1, 7, 768}}, kRandom, 30, 2, true, 8192);
   return v;
 }
 
@@ -580,8 +632,9 @@ bool peers_poisoned(const World& w, const ErrRun& run, int bad, uint32_t desc,
 
 // A rank with a bad slice: kErrRaggedSlice on it; the peers see its poison (kErrMismatch naming
 // it, poison descriptor), and every launch ends with cudaSuccess (no trap).
-int error_bad_slice(int field) {
-  const Shape s{64, 96, 48, 2, field % 2 == 1};
+int error_bad_slice(int field, int64_t chunk = 0) {
+  const Shape s = chunk ? Shape{640, 960, 48, 2, field % 2 == 1, 0, 0, chunk}
+                        : Shape{64, 96, 48, 2, field % 2 == 1};
   const int W = 4, bad = 2;
   const int64_t i = 3;  // slice 3 of rank 2: to peer 1, j = 1
   World w(W, msg_bytes_for({s}, W));
@@ -597,7 +650,7 @@ int error_bad_slice(int field) {
       default: out = s.M - n + 1;
     }
   });
-  const uint32_t desc = ragged_desc(s.N, s.M, s.rb, s.k);
+  const uint32_t desc = ragged_desc(s.N, s.M, s.rb, s.k, s.chunk);
   bool ok = run.first.empty() && same_record(*w.err_h[bad], kErrRaggedSlice, bad, bad, 2, desc,
                                              ragged_slice_detail(i, uint32_t(field)));
   std::string peers;
@@ -636,8 +689,11 @@ int error_bad_slices_first() {
 // slice to itself) and, where j + 5 < k, from its slice j + 5 (same chunk of 64 when j % 64 <
 // 59): kErrRaggedRecv on rank 1 naming src and (the first slice j, sent, expected), j read back
 // from the record's bits 48..63; nobody else records anything.
-int error_recv(int src, int64_t k = 2, int64_t j = 1) {
-  const Shape s{64, 96, 48, k, src == 1};
+// Chunked (chunk > 0): rank 1 also poisons its peers' round counters, so they record nothing
+// (done before) or kErrMismatch (naming rank 1 or a rank that failed after it), at once.
+int error_recv(int src, int64_t k = 2, int64_t j = 1, int64_t chunk = 0) {
+  const Shape s = chunk ? Shape{640, 960, 48, k, src == 1, 0, 0, chunk}
+                        : Shape{64, 96, 48, k, src == 1};
   const int W = 4, me = 1;
   int64_t sent = 0;
   World w(W, msg_bytes_for({s}, W));
@@ -648,10 +704,14 @@ int error_recv(int src, int64_t k = 2, int64_t j = 1) {
   });
   const uint64_t observed = w.err_h[me]->observed;
   bool ok = run.first.empty() && run.status == cudaSuccess &&
-            same_record(*w.err_h[me], kErrRaggedRecv, me, src, 2, ragged_desc(s.N, s.M, s.rb, s.k),
+            same_record(*w.err_h[me], kErrRaggedRecv, me, src, 2,
+                        ragged_desc(s.N, s.M, s.rb, s.k, s.chunk),
                         ragged_recv_detail(j, sent, sent + 1)) &&
             (observed >> 48) == uint64_t(j);
-  for (int r = 0; r < W; ++r) ok = ok && (r == me || w.err_h[r]->code == 0);
+  for (int r = 0; r < W; ++r)
+    ok = ok && (r == me || w.err_h[r]->code == 0 ||
+                (chunk > 0 && w.err_h[r]->code == kErrMismatch &&
+                 flag_desc(w.err_h[r]->observed) == kRaggedPoisonDesc));
   std::printf("  recv_sizes of rank %d: %lld rows from rank %d's slice %lld, sent %lld: launch -> "
               "%s;%s\n",
               me, (long long)sent + 1, src, (long long)j, (long long)sent,
@@ -661,8 +721,8 @@ int error_recv(int src, int64_t k = 2, int64_t j = 1) {
 }
 
 // Rank 1 never calls a second time: rank 0 reports kErrTimeout naming rank 1 after 300 ms.
-int error_timeout() {
-  const Shape s{32, 48, 64, 1, true};
+int error_timeout(int64_t chunk = 0) {
+  const Shape s = chunk ? Shape{320, 480, 64, 1, true, 0, 0, chunk} : Shape{32, 48, 64, 1, true};
   World w(2, msg_bytes_for({s}, 2), 300'000'000ull);
   const auto t0 = std::chrono::steady_clock::now();
   ErrRun run = two_calls(w, s, [](CallIn&) {}, 1);
@@ -777,6 +837,109 @@ void run_graph_time() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// --ab: the chunked path against the single round at sizes both serve (the communicator holds
+// the whole output), us per call in CUDA graphs; at world 1 (no peers: both copy a rank's own
+// slices) and with 2 / 4 virtual ranks (local "peers": overheads, not NVLink), with a slot sweep.
+
+// us per call of `calls` back-to-back calls of every rank's args, best of 3 graph launches.
+double graph_us(World& w, const std::vector<cuda::RaggedArgs>& args, int calls) {
+  const int W = w.W;
+  std::vector<cudaGraphExec_t> ge(W);
+  for (int r = 0; r < W; ++r) {
+    cudaGraph_t gr;
+    CK(cudaStreamBeginCapture(w.st[r], cudaStreamCaptureModeThreadLocal));
+    for (int c = 0; c < calls; ++c) CK(cuda::ragged_all_to_all(w.view(r), args[r], w.st[r]));
+    CK(cudaStreamEndCapture(w.st[r], &gr));
+    CK(cudaGraphInstantiate(&ge[r], gr, 0));
+    CK(cudaGraphDestroy(gr));
+  }
+  cudaEvent_t e0, e1, ej;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+  float best = 1e30f;
+  for (int rep = 0; rep < 4; ++rep) {  // the first launch warms up
+    CK(cudaEventRecord(e0, w.st[0]));
+    for (int r = 1; r < W; ++r) CK(cudaStreamWaitEvent(w.st[r], e0, 0));
+    for (int r = 0; r < W; ++r) CK(cudaGraphLaunch(ge[r], w.st[r]));
+    for (int r = 1; r < W; ++r) {
+      CK(cudaEventRecord(ej, w.st[r]));
+      CK(cudaStreamWaitEvent(w.st[0], ej, 0));
+    }
+    CK(cudaEventRecord(e1, w.st[0]));
+    if (cudaError_t e = w.wait(); e != cudaSuccess) {
+      std::printf("ab W%d: %s%s\n", W, cudaGetErrorString(e), w.errors().c_str());
+      std::exit(3);
+    }
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (rep > 0) best = std::min(best, ms);
+  }
+  for (auto g : ge) CK(cudaGraphExecDestroy(g));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaEventDestroy(ej));
+  if (!w.errors().empty()) {
+    std::printf("ab W%d: ErrorInfo set:%s\n", W, w.errors().c_str());
+    std::exit(3);
+  }
+  return double(best) * 1000.0 / calls;
+}
+
+int run_ab() {
+  const size_t rb = 7168 * 2;  // hidden 7168, bf16
+  std::printf("\nab: chunked vs one round, rows = tokens x top-8 per rank of 14336 B, packed "
+              "evenly over the W destinations; us per call in CUDA graphs (best of 3); ratio = "
+              "chunked / one round (done-means: <= 1.10 at world 1)\n");
+  std::printf("%3s %6s %10s %12s %10s %7s\n", "W", "tokens", "out MiB", "slot", "us/call",
+              "ratio");
+  int bad = 0;
+  for (int W : {1, 2, 4})
+    for (int64_t tokens : {16, 64, 512}) {
+      const int64_t rows = tokens * 8, per = rows / W;
+      const Shape s{rows, rows, rb, 1, false};
+      const size_t msg = msg_bytes_for({s}, W);
+      World w(W, msg);
+      std::vector<Slot*> slot;
+      std::vector<int64_t> in_off(W), send(W, per), out_off(W);
+      for (int i = 0; i < W; ++i) in_off[i] = i * per;
+      for (int r = 0; r < W; ++r) {
+        slot.push_back(new Slot(s, W));
+        for (int d = 0; d < W; ++d) out_off[d] = r * per;
+        const std::vector<int64_t> v[4] = {in_off, send, out_off, send};
+        slot[r]->upload_arrays(v);
+        CK(cudaMemset(slot[r]->opnd, 0x3C, alloc_bytes(s.N, rb, 0)));
+      }
+      const int calls = tokens >= 512 ? 10 : 50;
+      const int64_t top = int64_t(ragged_chunk_max(msg, W, 1));
+      double base = 0;
+      for (int64_t chunk : {int64_t(0), top, int64_t(1) << 20, int64_t(256) << 10}) {
+        if (chunk > top) continue;
+        std::vector<cuda::RaggedArgs> args;
+        for (int r = 0; r < W; ++r) {
+          args.push_back(slot[r]->args());
+          args.back().chunk = chunk;
+        }
+        const double us = graph_us(w, args, calls);
+        if (chunk == 0) base = us;
+        char name[32];
+        std::snprintf(name, sizeof name, "%s", chunk == 0 ? "one round" : chunk == top ? "max" : "");
+        if (chunk != 0 && chunk != top)
+          std::snprintf(name, sizeof name, "%lld KiB", (long long)(chunk >> 10));
+        const double ratio = chunk == 0 ? 1.0 : us / base;
+        std::printf("%3d %6lld %10.2f %12s %10.2f %7.3f\n", W, (long long)tokens,
+                    double(rows * rb) / (1 << 20), name, us, ratio);
+        std::fflush(stdout);
+        if (W == 1 && chunk != 0 && ratio > 1.10) ++bad;
+      }
+      for (Slot* p : slot) delete p;
+    }
+  std::printf("%s: world-1 chunked within 10%% of one round: %s\n", bad ? "FAIL" : "PASS",
+              bad ? "no" : "yes");
+  return bad ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 
 // Whether name contains one of the '|'-separated parts of `only`.
 bool matches(const std::string& name, const std::string& only) {
@@ -816,7 +979,7 @@ int main(int argc, char** argv) {
   // spinning kernel. (Direct calls are also enqueued step by step across ranks.)
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);
   const char* only = nullptr;
-  bool fork_cases = true, errors_only = false, graph_time = false;
+  bool fork_cases = true, errors_only = false, graph_time = false, ab = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc)
@@ -824,6 +987,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--no-fork")) fork_cases = false;
     else if (!std::strcmp(argv[i], "--error")) errors_only = true;
     else if (!std::strcmp(argv[i], "--graph-time")) graph_time = true;
+    else if (!std::strcmp(argv[i], "--ab")) ab = true;
     else {
       std::printf("unknown argument %s (see the top of ragged_harness.cu)\n", argv[i]);
       return 2;
@@ -833,6 +997,10 @@ int main(int argc, char** argv) {
     CK(cuda::ragged_load_kernels());
     run_graph_time();
     return 0;
+  }
+  if (ab) {
+    CK(cuda::ragged_load_kernels());
+    return run_ab();
   }
   struct Named {
     std::string name;
@@ -865,6 +1033,22 @@ int main(int argc, char** argv) {
   all.push_back({"error: a peer never calls", [] {
                    CK(cuda::ragged_load_kernels());
                    return error_timeout();
+                 }});
+  for (int f : {1, 4})
+    all.push_back({std::string("error: chunked, bad slice, ") + kFieldName[f], [f] {
+                     CK(cuda::ragged_load_kernels());
+                     return error_bad_slice(f, 256);
+                   }});
+  for (int src : {3, 1})
+    all.push_back({src == 1 ? "error: chunked, recv_sizes disagree (own slice)"
+                            : "error: chunked, recv_sizes disagree (a peer's)",
+                   [src] {
+                     CK(cuda::ragged_load_kernels());
+                     return error_recv(src, 2, 1, 512);
+                   }});
+  all.push_back({"error: chunked, a peer never calls", [] {
+                   CK(cuda::ragged_load_kernels());
+                   return error_timeout(256);
                  }});
   if (!errors_only)
     for (const Case& cs : cases())

@@ -126,6 +126,55 @@ def test_gradients_and_vmap(comm, rng):
         assert got[:, b].tobytes() == want.tobytes(), b
 
 
+@pytest.mark.parametrize("world", ["one", "all"])
+def test_outputs_many_times_the_buffers(rng, world):
+    """Outputs of 64+ x max_message_bytes on a 64 KiB communicator: our kernel (the chunked
+    path, chunk_bytes > 0 in the program), bitwise numpy (and XLA's op at world 1), comm.nbytes
+    unchanged; strategy="chunked" at a size one round serves equals it."""
+    n = 1 if world == "one" else len(jax.devices())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("x",))
+    with nvc.Communicator(mesh, "x", max_message_bytes=1 << 16) as c:
+        nb = c.nbytes
+        for dtype, row, k, N, M in [(jnp.bfloat16, (2048,), 1, 1100, 1100),
+                                    (jnp.float32, (7,), 3, 100000, 160000),
+                                    (jnp.float8_e4m3fn, (4096,), 2, 1100, 1100)]:
+            for mode in ("random", "full", "all_to_one"):
+                args = call(rng, n, dtype, row, k, N, M, mode)
+                assert M * args[1][0, 0].nbytes >= 64 * c.max_message_bytes
+                f = runner(c)
+                assert "chunk_bytes = 0" not in f.lower(*args).as_text()
+                got = np.asarray(f(*args))
+                assert got.tobytes() == np_ragged_all_to_all(*args).tobytes(), (dtype, mode)
+                if n == 1 and mode == "random":
+                    assert got.tobytes() == np.asarray(runner(c, "xla")(*args)).tobytes()
+        args = call(rng, n, jnp.bfloat16, (64,), 2, 100, 120, "random")
+        assert np.asarray(runner(c, "chunked")(*args)).tobytes() == \
+            np.asarray(runner(c)(*args)).tobytes() == np_ragged_all_to_all(*args).tobytes()
+        assert c.nbytes == nb
+        c.check()
+
+
+def test_world1_bad_send_size_is_named(rng):
+    """World 1 runs the kernel and its checks like every world size: a send size 10^6 rows past
+    the operand is the named error (the one-round and the chunked path), not a silent call."""
+    for max_bytes, M in ((1 << 20, 64), (1 << 16, 4096)):   # one round; chunked
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        c = nvc.Communicator(mesh, "x", max_message_bytes=max_bytes, timeout_s=10)
+        idx = [np.zeros((1, 1), np.int32) for _ in range(4)]
+        idx[1][0, 0] = idx[3][0, 0] = 10 ** 6
+        x = np.zeros((1, 32, 256), np.float32)
+        out = np.zeros((1, M, 256), np.float32)
+        try:
+            jax.block_until_ready(runner(c)(x, out, *idx))
+        except Exception:  # noqa: BLE001 - the record is what is checked
+            pass
+        with pytest.raises(nvc.CommunicatorError,
+                           match=r"slice i=0 of rank 0's call lies outside operand/output: "
+                                 r"input_offsets\[i\] \+ send_sizes\[i\] > N"):
+            c.check()
+        c.close()
+
+
 SETUPS = gpu_env.setups() + [("sh4", 4, True)]
 
 

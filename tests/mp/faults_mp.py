@@ -21,6 +21,8 @@ Cases (--case=NAME), the faulty rank F = W - 1:
   kill-twoshot   the same with a two-shot all_reduce
   raise          F raises an uncaught exception instead of its call
   stall          F sleeps timeout_s + 2 s, then makes its call
+  ragged-stall   the same with a ragged_all_to_all whose output exceeds max_message_bytes (its
+                 chunked path: rounds acknowledged between the ranks)
   sizes-oneshot  F calls all_reduce (one-shot) with twice the rows of the others
   sizes-twoshot  the same, two-shot
   order          F calls all_gather while the others call all_reduce
@@ -231,6 +233,8 @@ def main():
             return rows_op(comm)
         if CASE == "ragged":
             return ragged_op(comm)
+        if CASE == "ragged-stall":  # W x 600 rows of 1 KiB: beyond the 1 MiB frame
+            return ragged_op(comm, sz=600)
         return all_reduce_op(comm, strategy)
 
     warm = attempt(good_op(), comms)
@@ -247,7 +251,7 @@ def main():
     if FAULTY and CASE == "raise":
         rank_print("fault: raising instead of calling")
         raise RuntimeError(f"fault injected: rank {ME} raises instead of calling")
-    if FAULTY and CASE == "stall":
+    if FAULTY and CASE in ("stall", "ragged-stall"):
         rank_print(f"fault: sleeping {TMO + 2:.0f} s before calling")
         time.sleep(TMO + 2)
     if CASE.startswith("sizes"):

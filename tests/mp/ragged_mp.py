@@ -3,7 +3,8 @@ numpy reference of lax.ragged_all_to_all (tests/ragged_cases.py): fresh random c
 (nothing sent, everything to one rank, operands full, random counts), four configurations of
 dtype / row shape / slices per peer, a loop of calls inside one program, one vmapped call, and
 gradients against numpy (they run on this op itself, so also where ranks share one GPU and
-XLA's collectives cannot run).
+XLA's collectives cannot run), then outputs of 64 x max_message_bytes (the chunked path: random
+calls and a loop) on a 64 KiB communicator.
   python -m jax_nvcomm.launch -n 4 [--share-gpu] tests/mp/ragged_mp.py [--rounds=40]
 --x64=1 passes int64 offsets and sizes (jax_enable_x64). --graph=1 turns on XLA command buffers
 for custom calls and loops (on GPUs the loop then replays a CUDA graph: the handler runs fewer
@@ -187,4 +188,38 @@ with nvc.Communicator(mesh, "x", max_message_bytes=4 << 20) as comm:
         assert np.array_equal(b, want_dout[r]), f"d output rank {r}"
     rank_print("gradients OK")
     assert not comm.errors(), comm.errors()
+
+# outputs 64+ x max_message_bytes: the chunked path, random calls and a loop (a CUDA-graph
+# replay under command buffers), in the communicator's memory as it is
+with nvc.Communicator(mesh, "x", max_message_bytes=1 << 16) as big:
+    nb = big.nbytes
+
+    def one_big(x, out, io, ss, oo, rs):
+        return nvc.ragged_all_to_all(x[0], out[0], io[0], ss[0], oo[0], rs[0], big)[None]
+    fb = jax.jit(jax.shard_map(one_big, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
+    h, k, N, M = 256, 2, 4200, 4200                 # 4200 x 1 KiB rows > 64 x 64 KiB
+    assert M * h * 4 >= 64 * big.max_message_bytes
+    for i, mode in enumerate(("random", "full", "all_to_one")):
+        idx = [a.astype(IDX) for a in make_call(rng, W, k, N, M, mode)]
+        x, out = stacked(jnp.float32, (W, N, h)), stacked(jnp.float32, (W, M, h))
+        want = np_ragged_all_to_all(x, out, *idx)
+        for r, b in blocks(fb(*put(x, out, *idx))).items():
+            assert b.tobytes() == want[r].tobytes(), f"big call {i} ({mode}) rank {r}"
+    iters, n = 10, 2100
+    idx = [a.astype(IDX) for a in make_call(rng, W, 1, n, n, "full")]
+
+    def loop_big(x, io, ss, oo, rs):
+        def step(_, v):
+            return nvc.ragged_all_to_all(v, v * 0 - 1, io[0], ss[0], oo[0], rs[0], big) + 1
+        return lax.fori_loop(0, iters, step, x[0])[None]
+    flb = jax.jit(jax.shard_map(loop_big, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=P("x")))
+    x = rng.integers(-50, 50, (W, n, 512)).astype(np.float32)   # 2 KiB rows: 64 x 64 KiB
+    want = x
+    for _ in range(iters):
+        want = np_ragged_all_to_all(want, np.full_like(want, -1), *idx) + 1
+    for e in range(2):
+        for r, b in blocks(flb(*put(x, *idx))).items():
+            assert np.array_equal(b, want[r]), f"big loop {e}: rank {r}"
+    assert big.nbytes == nb and not big.errors(), big.errors()
+    rank_print(f"outputs of 64 x max_message_bytes (chunked path) OK, nbytes {nb} unchanged")
 rank_print("PASS ragged")

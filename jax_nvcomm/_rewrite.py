@@ -428,7 +428,8 @@ def evaluate(jaxpr, consts, args, ctx):
 def _ordered(eqn, invals):
     """Bind an XLA collective that stays in a shard_map body, in the order chain of our calls
     (`_order`): its operands depend on the latest call's token and the next call's token on
-    its result, through arithmetic that changes no value (x + t * -0.0 is x for every x).
+    its result, through arithmetic that changes no value (x + -0.0 is x for every x; the
+    token carries no data, so its value may change).
     Without this, a device may run it and one of our calls in the other order than its peers
     (XLA:CPU runs independent ops concurrently), each waiting for the other: a deadlock."""
     from . import _order
@@ -436,7 +437,10 @@ def _ordered(eqn, invals):
     if not axes or not invals:
         return _bind(eqn, invals)
     tok = _order.token(axes[0])
-    zero = tok[0] * jnp.float32(-0.0)
+    # the token's bytes are never written (any value, NaN too): a -0.0 computed from it that
+    # XLA cannot fold away, whatever the token holds (x + -0.0 is x for every x)
+    t = tok[0]
+    zero = -(jnp.abs(jnp.where(jnp.isfinite(t), t, jnp.float32(0))) * jnp.float32(0))
 
     def tie(x):
         if not hasattr(x, "dtype") or jnp.size(x) == 0:
@@ -450,7 +454,7 @@ def _ordered(eqn, invals):
     first = next((o for o in outs if hasattr(o, "dtype") and jnp.size(o) > 0 and (
         jnp.issubdtype(o.dtype, jnp.floating) or jnp.issubdtype(o.dtype, jnp.integer))), None)
     if first is not None:
-        _order.record(tok + jnp.reshape(first, (-1,))[:1].astype(jnp.float32) * 0.0)
+        _order.record(tok + jnp.reshape(first, (-1,))[:1].astype(jnp.float32))
     return outs
 
 

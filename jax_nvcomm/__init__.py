@@ -9,6 +9,8 @@ from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
+from ._explain import Explanation, explain
+from ._jit import jit
 from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_experts import moe_layer
@@ -31,5 +33,6 @@ __all__ = [
     "moe_overlap", "DispatchSent", "CombineSent",
     "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
     "ragged_all_to_all", "communicators", "close_all",
-    "register", "unregister", "ragged_dot", "select_ragged_dot_strategy",
+    "register", "unregister", "ragged_dot", "select_ragged_dot_strategy", "jit", "explain",
+    "Explanation",
 ]

@@ -97,6 +97,10 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
+#   bash scripts/gpu_check.sh jit      nvc.jit on unchanged model code (tests/tp_decoder.py, the MoE
+#                                      layer on lax's collectives): world 1 (vs jax.jit, hand calls,
+#                                      dense), then 2 processes sharing GPU 0; our calls in the
+#                                      program, loop time nvc.jit vs hand-written (~2 min + build)
 #   bash scripts/gpu_check.sh opforms1 float32 RMSNorm weights and zero-padded widths in the fused
 #                                      all-reduce kernels: the all-reduce harness rebuilt, its
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
@@ -738,6 +742,13 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
+jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.py): world 1, then
+  # 2 processes sharing GPU 0 (our kernels only: NCCL refuses shared GPUs, so no jax.jit row)
+  step jit_w1 150 $PY tests/mp/jit_check.py
+  step jit_sh2 150 $L -n 2 --share-gpu --timeout 145 tests/mp/jit_check.py
+  grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)" "$OUT/all.log" | tail -30 | \
+    tee -a "$OUT/summary.txt"
+  ;;
 wheel)  # build the wheel here, install it into a fresh venv, import it and run one op
   rm -rf /tmp/nvc_dist /tmp/nvc_wheel_venv
   step wheel_build 200 env JAX_NVCOMM_CUDA=ON JAX_NVCOMM_CUDA_ARCHS=90a AUDITWHEEL=off \
@@ -817,7 +828,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

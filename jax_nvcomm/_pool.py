@@ -1,0 +1,197 @@
+"""The communicators `jax_nvcomm.jit` makes: one per (mesh, axes), made outside any trace at a
+program's first call from its messages, reused by later calls and programs, re-made larger only
+when a message does not fit, closed by `close_all()` or at exit.
+
+Made collectively: every process runs the same program, so every process asks for the same
+communicators in the same order (the program order of their first collective, `_rewrite.needs`)
+and makes them together. Sizes: `max_message_bytes` is the largest message of the program
+rounded up to a power of two (at least 64 KiB, and enough for the one-shot slot to hold the
+largest all-reduce as a default Communicator's would: `_size`), capped by
+JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES (default 256 MiB): larger messages stay XLA's, and `explain`
+says so.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+
+from jax._src import core
+
+from .communicator import Communicator
+
+_lock = threading.RLock()
+_comms: dict = {}      # (mesh, axes) -> Communicator
+_refused: dict = {}    # (mesh, axes) -> why no communicator could be made
+_MIN_BYTES = 64 << 10
+_generation = [0]      # bumped when a communicator is re-made: programs traced before hold
+                       # the old one's id and are traced again (`generation`)
+
+
+def generation() -> int:
+    """A number that changes whenever a communicator programs may hold was replaced."""
+    return _generation[0]
+
+
+def cap_bytes() -> int:
+    """The largest max_message_bytes the pool gives a communicator."""
+    return int(os.environ.get("JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES", str(256 << 20)))
+
+
+_SLOT_CAP = 1 << 20  # the one-shot (Lamport) slot of a default-sized Communicator
+
+
+def _size(need) -> int:
+    """max_message_bytes for a need: a power of two holding its largest message, and large
+    enough that the one-shot slot (about a sixth of it) holds its largest all-reduce up to
+    the slot a default Communicator has, so nvc.jit picks the strategies hand-written code on
+    a default Communicator gets; capped by cap_bytes()."""
+    from . import _ffi
+    world = 1
+    for a in need.axes:
+        world *= int(need.mesh.shape[a])
+    slot_want = min(need.allreduce_bytes, _SLOT_CAP)
+    size = _MIN_BYTES
+    while size < need.nbytes or \
+            int(_ffi._host.layout(size, max(world, 1))["lamport_slot"]) < slot_want:
+        size *= 2
+    return min(size, max(cap_bytes(), 4096))
+
+
+def _register(comm) -> None:
+    """Make comm findable by axis name (the ops' `axis_name=` form) and closed by
+    `jax_nvcomm.close_all()`, where the registry exists."""
+    try:
+        from . import _registry
+    except ImportError:  # pragma: no cover - the registry not in this build
+        return
+    _registry.register(comm)
+
+
+def _unregister(comm) -> None:
+    try:
+        from . import _registry
+    except ImportError:  # pragma: no cover
+        return
+    _registry.unregister(comm)
+
+
+@contextlib.contextmanager
+def outside_trace():
+    """Run the body at the top level of JAX's trace state (communicators refuse to be made
+    inside a trace). Under an outer jax.jit or jax.grad this sets the trace aside for the
+    collective setup, which stages nothing; inside a shard_map (a manual axis environment)
+    it refuses."""
+    ctx = core.trace_ctx
+    if core.trace_state_clean():
+        yield
+        return
+    if ctx.axis_env is not core.top_axis_env and ctx.axis_env.axis_sizes:
+        raise RuntimeError(
+            "jax_nvcomm.jit: a program run with nvc.jit was called inside shard_map (or "
+            "pmap / vmap with a named axis), where its communicators cannot be made: apply "
+            "nvc.jit to the function that calls shard_map, outside it")
+    trace, env = ctx.trace, ctx.axis_env
+    ctx.set_trace(core.eval_trace)
+    ctx.set_axis_env(core.top_axis_env)
+    try:
+        yield
+    finally:
+        ctx.set_trace(trace)
+        ctx.set_axis_env(env)
+
+
+def _usable(comm) -> bool:
+    return comm is not None and not comm.closed
+
+
+def ensure(needs) -> None:
+    """Make (or re-make larger) the communicators `needs` (a list of `_rewrite.Need` in
+    program order) asks for. Collective: every process calls it with the same needs."""
+    with _lock, outside_trace():
+        for need in needs:
+            key = (need.mesh, need.axes)
+            comm = _comms.get(key)
+            want = _size(need)
+            if _usable(comm) and comm.max_message_bytes >= want:
+                continue
+            if key in _refused and not _usable(comm):
+                continue
+            if comm is not None:  # closed, or too small: make it again (larger)
+                _generation[0] += 1
+                if _usable(comm):
+                    _unregister(comm)
+                    comm.close()
+            axis = need.axes[0] if len(need.axes) == 1 else tuple(need.axes)
+            try:
+                comm = Communicator(need.mesh, axis, max_message_bytes=want)
+            except (ValueError, TypeError) as e:
+                # the same on every process (argument checks come before anything collective)
+                _refused[key] = f"no communicator over {axis!r}: {e}"
+                _comms.pop(key, None)
+                continue
+            _comms[key] = comm
+            _register(comm)
+
+
+def lookup(mesh, axes):
+    """(the pool's communicator for mesh and axes, or None, and why none)."""
+    key = (mesh, tuple(axes))
+    with _lock:
+        comm = _comms.get(key)
+        if _usable(comm):
+            return comm, ""
+        if key in _refused:
+            return None, _refused[key]
+    return None, (f"no communicator for axes {tuple(axes)!r} (the program was not prepared: "
+                  "call the nvc.jit function with arrays, or nvc.explain, before tracing it "
+                  "inside another transformation)")
+
+
+def ready(needs) -> bool:
+    """Whether every need has a usable communicator large enough, or a standing refusal."""
+    with _lock:
+        for need in needs:
+            key = (need.mesh, need.axes)
+            comm = _comms.get(key)
+            if _usable(comm) and comm.max_message_bytes >= _size(need):
+                continue
+            if key in _refused and not _usable(comm):
+                continue
+            return False
+    return True
+
+
+def held() -> list:
+    """The pool's open communicators, in the order they were made."""
+    with _lock:
+        return [c for c in _comms.values() if _usable(c)]
+
+
+def close() -> None:
+    """Close the pool's communicators (collective, in the order they were made)."""
+    with _lock:
+        comms = [c for c in _comms.values() if _usable(c)]
+        _comms.clear()
+        _refused.clear()
+        _generation[0] += 1
+    errors = []
+    for c in comms:
+        _unregister(c)
+        try:
+            c.close()
+        except Exception as e:  # close the others, then report
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _at_exit() -> None:
+    try:
+        close()
+    except Exception:  # the job is ending: nothing to report to
+        pass
+
+
+atexit.register(_at_exit)

@@ -90,11 +90,21 @@ def test_multicast_emulation_stays_out_of_the_package():
             assert "cuMulticast" not in f.read(), path
 
 
-# The one measured exception: the world-1 fused epilogue (local_kernel<T, fused, not quant>)
-# runs two blocks per SM at 64 registers and spills 16-20 bytes (36 loaded) doing so, faster than
-# one block per SM without a spill (70-72% against 59-63% of the copy bandwidth, 2 x H200,
-# csrc/kernels/allreduce_local.cuh). It may spill up to this many bytes; nothing else may.
-SPILL_ALLOWED = (re.compile(r"local_kernel\w*Lb1ELb0E"), 40)
+# Measured exceptions (mangled-name pattern, most bytes of stack frame / spill stores / loads).
+# - The world-1 one-block epilogue (local_kernel<T, fused, not quant>) runs two blocks per SM at
+#   64 registers and spills doing so, faster than one block per SM without a spill (70-72%
+#   against 59-63% of the copy bandwidth, 2 x H200, csrc/kernels/allreduce_local.cuh). Since
+#   the epilogue reads a float32 weight too (t.w_f32) and divides by the unpadded width, its
+#   16-bit forms spill 92 bytes (112 loaded) instead of 20; it is not the default world-1 path
+#   (the row kernel is). Measured on one H200 (harness --bench-local, bf16 weight, before /
+#   after): 50.0 -> 52.4 us at 2048 x 8192, 184.8 -> 194.0 us at 8192 x 8192 (+5%).
+# - The fused-FP8 one-shot kernels (oneshot_kernel / oneshot_mc_kernel <16-bit T, fused,
+#   quant>) spill 4-8 bytes since then: measured at 2 virtual ranks (harness --bench), 1 x 7168
+#   5.2-5.3 -> 5.2-5.7 us, 1 x 4096 4.9 -> 5.0 us.
+# The row kernel (the default world-1 epilogue) does not spill; it too got 1-5% slower with the
+# float32-weight support (docs/perf/gpu_checks_h200x1_2026-12-01.md). Nothing else may spill.
+SPILL_ALLOWED = [(re.compile(r"local_kernel\w*Lb1ELb0E"), 112),
+                 (re.compile(r"oneshot(_mc)?_kernelI(6__half|13__nv_bfloat16)Lb1ELb1E"), 8)]
 
 
 def _spills_per_function(out):
@@ -113,8 +123,9 @@ def test_no_register_spills(tmp_path, src):
                os.path.join(ROOT, src), "-o", str(tmp_path / "k.o"))
     funcs = _spills_per_function(out)
     assert funcs, out[-2000:]
-    pattern, limit = SPILL_ALLOWED
-    bad = [f for f in funcs if max(f[1:]) > (limit if pattern.search(f[0]) else 0)]
+    def limit(name):
+        return max([lim for pattern, lim in SPILL_ALLOWED if pattern.search(name)], default=0)
+    bad = [f for f in funcs if max(f[1:]) > limit(f[0])]
     assert not bad, bad[:10]
 
 

@@ -235,32 +235,29 @@ class _Matcher:
             return None
         chain.append(i)
         e = E[i]
-        if e.primitive.name == "rsqrt":
-            inv = e.outvars[0]
-            j = None
-            for _ in range(8):  # rsqrt, broadcast: the mul by the input
-                j = find(inv, mul_of_view(inv))
+        def follow(var, make_pred):
+            """The eqn using `var` that make_pred(var) accepts, looked for through up to 8
+            single-input shape ops (broadcasts, reshapes; each put on the chain); None if none."""
+            for _ in range(8):
+                j = find(var, make_pred(var))
                 if j is not None:
-                    break
-                t = find(inv, lambda q: q.primitive.name in _SHAPE and len(q.invars) == 1)
+                    return j
+                t = find(var, lambda q: q.primitive.name in _SHAPE and len(q.invars) == 1)
                 if t is None:
                     return None
                 chain.append(t)
-                inv = E[t].outvars[0]
+                var = E[t].outvars[0]
+            return None
+
+        def div_by(d):
+            return lambda q: q.primitive.name == "div" and q.invars[1] is d
+
+        if e.primitive.name == "rsqrt":  # rsqrt, broadcast: the mul by the input
+            j = follow(e.outvars[0], mul_of_view)
             if j is None:
                 return None
-        else:
-            sd = e.outvars[0]
-            j = None
-            for _ in range(8):
-                j = find(sd, lambda q: q.primitive.name == "div" and q.invars[1] is sd)
-                if j is not None:
-                    break
-                t = find(sd, lambda q: q.primitive.name in _SHAPE and len(q.invars) == 1)
-                if t is None:
-                    return None
-                chain.append(t)
-                sd = E[t].outvars[0]
+        else:  # sqrt, then x / sd, or 1 / sd and the mul by the input
+            j = follow(e.outvars[0], div_by)
             if j is None:
                 return None
             num = E[j].invars[0]
@@ -268,17 +265,7 @@ class _Matcher:
                 if _lit(num) != 1.0:
                     return None
                 chain.append(j)
-                inv = E[j].outvars[0]
-                j = None
-                for _ in range(8):
-                    j = find(inv, mul_of_view(inv))
-                    if j is not None:
-                        break
-                    t = find(inv, lambda q: q.primitive.name in _SHAPE and len(q.invars) == 1)
-                    if t is None:
-                        return None
-                    chain.append(t)
-                    inv = E[t].outvars[0]
+                j = follow(E[j].outvars[0], mul_of_view)
                 if j is None:
                     return None
         chain.append(j)

@@ -64,6 +64,10 @@
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
+#                            rdotsweep the kernel options (balanced ranges, per-row-count MMA loop, L2
+#                                      prefetch) x tiles: cases (each variant vs float64), memcheck
+#                                      of the cases, the sweep at the decode shapes (every result
+#                                      checked), a matrix of time / bound per variant last (~2 min)
 #                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
 #                                      GPU 0 (the package's op: kernel, graph loop, gradients,
 #                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
@@ -181,7 +185,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | rdotsweep | moelayerk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -385,10 +389,10 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
-    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
   step rdot_cases 60 build/rdot_h
@@ -399,6 +403,31 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
   grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  ;;
+rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda_harness/
+  # ragged_dot_sweep.h kSweepParts) compiled in parallel; the cases (every variant x cluster size
+  # against float64), memcheck of the cases in at most 30 s, then the sweep (cluster size 1, every
+  # variant's result checked, sampled); its matrix and best-per-shape table printed last
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h
+  grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
+  grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
+  step rdot_memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h
+  grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
+  step rdot_sweep 110 build/rdot_h --sweep --budget 80
+  grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -E "^FAIL|HANG" "$OUT/rdot/sweep.txt" | head -20 | tee -a "$OUT/summary.txt"
+  grep -E "^(copy|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   ;;
 rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
   # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
@@ -411,10 +440,10 @@ rdotfinal)  # the kernel harness (cases, production table), the package's op on 
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
-    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
   step rdot_cases 60 build/rdot_h --no-variants
@@ -828,7 +857,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -14,10 +14,10 @@ namespace nvc {
 namespace cuda {
 namespace rdot_launch {
 
-template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW>
+template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW, int OPT = 0>
 struct Kernel {
   using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW>;
-  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW>;
+  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW, OPT>;
 
   // Raise the dynamic shared-memory limit (once per device; returns the error of the first try).
   static cudaError_t prepare() {

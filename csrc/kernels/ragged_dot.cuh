@@ -66,12 +66,24 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace nvc {
 namespace dev {
 namespace rdot {
 
 constexpr int kMaxGroups = 1024;
+
+// Kernel options (the OPT template argument, a bit set; 0 is the kernel described first above):
+//   kBalanced: equal work ranges per cluster in units of kUnitCols columns (see "Balanced
+//     ranges" above) instead of whole BN items dealt round-robin.
+//   kSpecRows: the MMA loop compiled once per count of n8 row tiles (1 .. R/8) and picked per
+//     item, so that no ldmatrix of the rows waits behind a runtime branch.
+//   kPf256: the weight cp.async ask L2 for 256-byte sectors (.L2::256B prefetch size).
+//   kUnit32: balanced units of 32 columns instead of 64.
+constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8;
+template <int OPT>
+constexpr int unit_cols() { return (OPT & kUnit32) ? 32 : 64; }
 
 struct Params {
   const void* lhs;             // [M, K] T
@@ -127,6 +139,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp16_pf(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -200,18 +216,27 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* to
   return before;
 }
 
-// One item's coordinates.
+// One item's coordinates: group g, its rows [r0, r0 + rows), columns [n0, n0 + nw) (nw = BN in
+// the round-robin mode; a multiple of the unit in the balanced one; both clipped to N on use).
 struct Item {
-  int g, r0, rows, n0;
+  int g, r0, rows, n0, nw;
 };
 
-template <int BN, int R>
-__device__ __forceinline__ Item decode(int item, const int* gstart, const int* istart, int g) {
-  int lo = 0, hi = g - 1;  // the largest group with istart[grp] <= item
+// The largest group with istart[grp] <= u (u < istart[g]: groups without work share their
+// successor's istart and are never picked).
+__device__ __forceinline__ int group_of(int u, const int* istart, int g) {
+  int lo = 0, hi = g - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (istart[mid] <= item) lo = mid; else hi = mid - 1;
+    if (istart[mid] <= u) lo = mid; else hi = mid - 1;
   }
+  return lo;
+}
+
+// Round-robin mode: item -> (group, N tile, row chunk), N tile major, chunk minor.
+template <int BN, int R>
+__device__ __forceinline__ Item decode(int item, const int* gstart, const int* istart, int g) {
+  const int lo = group_of(item, istart, g);
   const int rows = gstart[lo + 1] - gstart[lo];
   const int chunks = (rows + R - 1) / R;
   const int local = item - istart[lo];
@@ -221,13 +246,49 @@ __device__ __forceinline__ Item decode(int item, const int* gstart, const int* i
   it.r0 = gstart[lo] + c * R;
   it.rows = min(R, rows - c * R);
   it.n0 = nt * BN;
+  it.nw = BN;
   return it;
 }
 
-template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
+// Balanced mode: the piece of the range [u, u1) that starts at unit u: units of one group and
+// row chunk (units numbered group, chunk, column strip), at most BN / UW of them; *next its end.
+template <int BN, int R, int UW>
+__device__ __forceinline__ Item piece_at(int u, int u1, int nu, const int* gstart,
+                                         const int* istart, int g, int* next) {
+  const int lo = group_of(u, istart, g);
+  const int rows = gstart[lo + 1] - gstart[lo];
+  const int local = u - istart[lo];
+  const int c = local / nu, s = local - c * nu;
+  const int end = min(min(u1, istart[lo] + (c + 1) * nu), u + BN / UW);
+  Item it;
+  it.g = lo;
+  it.r0 = gstart[lo] + c * R;
+  it.rows = min(R, rows - c * R);
+  it.n0 = s * UW;
+  it.nw = (end - u) * UW;
+  *next = end;
+  return it;
+}
+
+// Calls f(std::integral_constant<int, n>) for the runtime n in [1, N] (nothing for other n).
+template <int N, class F>
+__device__ __forceinline__ void with_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) {
+      f(std::integral_constant<int, N>{});
+      return;
+    }
+    with_count<N - 1>(n, f);
+  }
+}
+
+template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
 __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads, 1)
     ragged_dot_kernel(Params p, int cs) {
   using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU>;
+  constexpr bool kBal = (OPT & kBalanced) != 0;
+  constexpr int UW = unit_cols<OPT>();
+  static_assert(!kBal || BN % UW == 0, "a piece is at most one tile wide");
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(128) unsigned char smem[];
@@ -238,13 +299,14 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.m, K = p.k, N = p.n, G = p.g;
-  const int NT = (N + BN - 1) / BN;
+  // work units per row chunk of a group: N tiles (round robin) or column strips (balanced)
+  const int NU = kBal ? (N + UW - 1) / UW : (N + BN - 1) / BN;
   const T* lhs = static_cast<const T*>(p.lhs);
   const T* rhs = static_cast<const T*>(p.rhs);
   const T* rhs2 = static_cast<const T*>(p.rhs2);
   TO* out = static_cast<TO*>(p.out);
 
-  // ---- group row offsets and item prefixes (every block the same) ----
+  // ---- group row offsets and work-unit prefixes (every block the same) ----
   int carry_rows = 0, carry_items = 0;
   for (int base = 0; base < G; base += blockDim.x) {
     const int gi = base + tid;
@@ -254,7 +316,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
     const int ex = block_exclusive_scan(min(sz, M), scan_scratch, &tot);
     const int s0 = min(carry_rows + ex, M), s1 = min(carry_rows + ex + min(sz, M), M);
     const int rows = s1 - s0;
-    const int items = rows > 0 ? ((rows + R - 1) / R) * NT : 0;
+    const int items = rows > 0 ? ((rows + R - 1) / R) * NU : 0;
     int itot = 0;
     const int iex = block_exclusive_scan(items, scan_scratch, &itot);
     if (gi < G) {
@@ -282,25 +344,49 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
 
   const int crank = int(cluster.block_rank());
   const int cid = int(blockIdx.x) / cs, ncl = int(gridDim.x) / cs;
-  if (cid >= total_items) return;  // the whole cluster leaves together: no barrier is pending
-  const int n_my = (total_items - cid + ncl - 1) / ncl;
+  // this cluster's work: round robin, items cid, cid + ncl, ...; balanced, units [u0, u1) cut
+  // into pieces. Every rank of a cluster computes the same list.
+  const int u0 = int((int64_t(cid) * total_items) / ncl);
+  const int u1 = int((int64_t(cid + 1) * total_items) / ncl);
+  int n_my;
+  if constexpr (kBal) {
+    n_my = 0;
+    for (int u = u0; u < u1; ++n_my) piece_at<BN, R, UW>(u, u1, NU, gstart, istart, G, &u);
+  } else {
+    n_my = cid < total_items ? (total_items - cid + ncl - 1) / ncl : 0;
+  }
+  if (n_my == 0) return;  // the whole cluster leaves together: no barrier is pending
   const int KT = (K + BK - 1) / BK;
   const int kt0 = int((int64_t(crank) * KT) / cs), kt1 = int((int64_t(crank + 1) * KT) / cs);
   const int S = kt1 - kt0;  // >= 1 (cs <= KT)
   const int q_total = n_my * S;
 
-  // ---- producer: stage q's loads into slot q % STAGES ----
-  int load_item = -1;  // the item of the last load (decoded once per item, not per stage)
-  Item it;
+  // A walk over this cluster's pieces (the producer and the consumer each have one).
+  struct Cursor {
+    int pi, next;
+    Item it;
+  };
+  auto first = [&](Cursor& c) {
+    c.pi = 0;
+    if constexpr (kBal) c.it = piece_at<BN, R, UW>(u0, u1, NU, gstart, istart, G, &c.next);
+    else c.it = decode<BN, R>(cid, gstart, istart, G);
+  };
+  auto advance = [&](Cursor& c) {
+    ++c.pi;
+    if constexpr (kBal) c.it = piece_at<BN, R, UW>(c.next, u1, NU, gstart, istart, G, &c.next);
+    else c.it = decode<BN, R>(cid + c.pi * ncl, gstart, istart, G);
+  };
+
+  // ---- producer: stage q's loads into slot q % STAGES (q increases by one per call) ----
+  Cursor lc;
+  first(lc);
   auto load = [&](int q) {
-    const int item = cid + (q / S) * ncl;
-    if (item != load_item) {
-      it = decode<BN, R>(item, gstart, istart, G);
-      load_item = item;
-    }
+    if (q / S != lc.pi) advance(lc);
+    const Item& it = lc.it;
     const int k0 = (kt0 + q % S) * BK;
     unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     constexpr int kWChunks = BK * (BN / 8);
+    const int nend = min(it.n0 + it.nw, N);
 #pragma unroll
     for (int w = 0; w < Tl::kNW; ++w) {
       const T* src = (w == 0 ? rhs : rhs2) + size_t(it.g) * K * N;
@@ -309,8 +395,10 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
       for (int c = tid; c < kWChunks; c += Tl::kThreads) {
         const int row = c / (BN / 8), col = (c % (BN / 8)) * 8;
         const int kk = k0 + row, nn = it.n0 + col;
-        const bool ok = kk < K && nn < N;
-        cp16(dst + (row * Tl::kWStride + col) * 2, src + (ok ? size_t(kk) * N + nn : 0), ok);
+        const bool ok = kk < K && nn < nend;
+        const T* a = src + (ok ? size_t(kk) * N + nn : 0);
+        if constexpr ((OPT & kPf256) != 0) cp16_pf(dst + (row * Tl::kWStride + col) * 2, a, ok);
+        else cp16(dst + (row * Tl::kWStride + col) * 2, a, ok);
       }
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
@@ -343,7 +431,8 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   }
 
   bool pending = false;  // a cluster arrive whose wait has not come yet
-  Item cur = decode<BN, R>(cid, gstart, istart, G);
+  Cursor cc;
+  first(cc);
   const int col0 = warp * MT * 16;  // this warp's first column in the tile
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
@@ -352,27 +441,30 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
     cp_commit();
 
     const int sq = q % S;
-    if (sq == 0 && q > 0) cur = decode<BN, R>(cid + (q / S) * ncl, gstart, istart, G);
+    if (sq == 0 && q > 0) advance(cc);
+    const Item& cur = cc.it;
     const int nrt = (cur.rows + 7) >> 3;
     const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWBytes);
+    // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
+    auto mma_stage = [&](auto nrt_c) {
+      constexpr int NRT = decltype(nrt_c)::value;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[Tl::kNW][MT][4];
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
-      for (int w = 0; w < Tl::kNW; ++w) {
-        const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+        for (int w = 0; w < Tl::kNW; ++w) {
+          const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const int mi = lane >> 3, rr = lane & 7;
-          const int krow = kk * 16 + rr + ((mi >> 1) << 3);
-          const int ncol = col0 + i * 16 + ((mi & 1) << 3);
-          ldsm_x4_trans(a[w][i], wbase + (krow * Tl::kWStride + ncol) * 2);
+          for (int i = 0; i < MT; ++i) {
+            const int mi = lane >> 3, rr = lane & 7;
+            const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+            const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+            ldsm_x4_trans(a[w][i], wbase + (krow * Tl::kWStride + ncol) * 2);
+          }
         }
-      }
 #pragma unroll
-      for (int j = 0; j < R / 8; ++j) {
-        if (j < nrt) {
+        for (int j = 0; j < NRT; ++j) {
           uint32_t b0, b1;
           const int l = lane & 15;
           ldsm_x2(b0, b1, lbase + ((j * 8 + (l & 7)) * Tl::kLStride + kk * 16 + ((l >> 3) << 3)) * 2);
@@ -380,6 +472,42 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
           for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
             for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+        }
+      }
+    };
+    // warps whose columns lie past the piece's width have only zeros to multiply (balanced)
+    if (!kBal || col0 < cur.nw) {
+      if constexpr ((OPT & kSpecRows) != 0) {
+        with_count<R / 8>(nrt, mma_stage);
+      } else {
+        // one loop over R / 8 row tiles, each behind its runtime test (the first kernel)
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          uint32_t a[Tl::kNW][MT][4];
+#pragma unroll
+          for (int w = 0; w < Tl::kNW; ++w) {
+            const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              const int mi = lane >> 3, rr = lane & 7;
+              const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+              const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+              ldsm_x4_trans(a[w][i], wbase + (krow * Tl::kWStride + ncol) * 2);
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < R / 8; ++j) {
+            if (j < nrt) {
+              uint32_t b0, b1;
+              const int l = lane & 15;
+              ldsm_x2(b0, b1,
+                      lbase + ((j * 8 + (l & 7)) * Tl::kLStride + kk * 16 + ((l >> 3) << 3)) * 2);
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+                for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+            }
+          }
         }
       }
     }
@@ -409,7 +537,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
       for (int x = b + tid; x < e; x += Tl::kThreads) {
         const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;
         const int nn = cur.n0 + col;
-        if (nn >= N) continue;
+        if (col >= cur.nw || nn >= N) continue;
         float4 s[Tl::kNW];
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w) {

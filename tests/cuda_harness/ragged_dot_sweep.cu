@@ -4,8 +4,8 @@
 // harness's list at static initialisation. Variant names: BN x BK, rows tile R, stages, m16 tiles
 // per warp ("w"), then the kernel options (kernels/ragged_dot.cuh): "bal" balanced ranges of
 // 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
-// 256-byte L2 prefetch size on the weight loads; "sw": a ragged_dot_swiglu tile (timed on the
-// swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
+// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA; "sw": a
+// ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
 // options: an instantiation in two translation units is two kernels, and the shared-memory limit
 // raised for one is not raised for the other.
 #include "ragged_dot_sweep.h"
@@ -20,7 +20,8 @@ namespace {
 using B = __nv_bfloat16;
 using nvc::cuda::RaggedDotArgs;
 namespace r = nvc::dev::rdot;
-[[maybe_unused]] constexpr int kB = r::kBalanced, kS = r::kSpecRows, kP = r::kPf256, kU = r::kUnit32;
+[[maybe_unused]] constexpr int kB = r::kBalanced, kS = r::kSpecRows, kP = r::kPf256, kU = r::kUnit32,
+                                kT = r::kTma;
 template <int BN, int BK, int R, int ST, int MT, bool SW, int OPT>
 using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_V(BN, BK, R, ST, MT, OPT, TAG)                                                   \
@@ -34,6 +35,7 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS, " spec"),
     RDOT_V(256, 64, 16, 4, 2, kB | kS, " bal spec"),
     RDOT_V(256, 64, 16, 4, 2, kB | kS | kP, " bal spec pf"),
+    RDOT_V(256, 64, 16, 4, 2, kB | kS | kT, " bal spec tma"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
@@ -46,11 +48,13 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 32, 4, 2, kB | kS, " bal spec"),
     RDOT_V(128, 128, 64, 3, 2, kS, " spec"),
     RDOT_V(128, 64, 16, 4, 1, kB | kS, " bal spec"),  // 96 KB: two blocks per SM
+    RDOT_V(256, 64, 16, 5, 2, kB | kS | kT, " bal spec tma"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
     RDOT_V(128, 128, 64, 3, 2, kB | kS, " bal spec"),
     RDOT_V(256, 64, 64, 3, 2, kB | kS, " bal spec"),
+    RDOT_V(128, 128, 64, 3, 2, kB | kS | kT, " bal spec tma"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
@@ -69,6 +73,7 @@ const SweepVariant kV[] = {
     RDOT_VS(128, 64, 16, 4, 1, kB | kS, " bal spec"),
     RDOT_VS(128, 64, 16, 4, 1, kB | kS | kP, " bal spec pf"),
     RDOT_VS(256, 32, 16, 4, 2, kB | kS, " bal spec"),
+    RDOT_VS(128, 64, 16, 4, 1, kB | kS | kT, " bal spec tma"),
 };
 #else
 const SweepVariant kV[] = {

@@ -406,8 +406,9 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   ;;
 rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda_harness/
   # ragged_dot_sweep.h kSweepParts) compiled in parallel; the cases (every variant x cluster size
-  # against float64), memcheck of the cases in at most 30 s, then the sweep (cluster size 1, every
-  # variant's result checked, sampled); its matrix and best-per-shape table printed last
+  # against float64), memcheck of the cases with the TMA variants (balanced, row-count loop) in at
+  # most 30 s, then the sweep (cluster size 1, every variant's result checked, sampled); its
+  # matrix and best-per-shape table printed last
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
@@ -421,7 +422,7 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
   grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
-  step rdot_memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h
+  step rdot_memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
   grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
   step rdot_sweep 110 build/rdot_h --sweep --budget 80
   grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"

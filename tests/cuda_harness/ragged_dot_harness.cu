@@ -20,6 +20,7 @@
 //                           shape, then the best per shape
 //   --no-variants           correctness without the sweep variants (compute-sanitizer runs)
 //   --budget S              --sweep: start no variant after S seconds of sweeping
+//   --variants SUBSTR       the cases: only the variants whose name contains SUBSTR
 //   --seed N                random inputs from seed N (default 1)
 #include <unistd.h>
 
@@ -61,7 +62,8 @@ std::vector<SweepVariant>& sweep_variants() {
   } while (0)
 
 static int g_fail = 0;
-static double g_budget_s = 0;  // --budget: seconds of sweep after which no variant starts
+static double g_budget_s = 0;
+static const char* g_variants = "";  // --variants: only the variants whose name holds this  // --budget: seconds of sweep after which no variant starts
 static uint64_t g_seed = 1;
 constexpr double kHbm = 4.8e12;  // the bound's bandwidth (datasheet)
 
@@ -447,6 +449,7 @@ static void correctness(bool variants) {
   Problem vs = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, true);
   const std::vector<double> vref = reference_all(vp), sref = reference_all(vs);
   for (int v = 0; v < (variants ? variant_count() : 0); ++v) {
+    if (std::strstr(variant_name(v), g_variants) == nullptr) continue;
     const bool sw = variant_swiglu(v);
     for (int cs : {1, 2, 4, 8})
       run_case(sw ? vs : vp,
@@ -699,8 +702,9 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--sweep")) time = sweep = true;
     else if (!std::strcmp(argv[i], "--no-variants")) variants = false;
     else if (!std::strcmp(argv[i], "--budget") && i + 1 < argc) g_budget_s = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) g_variants = argv[++i];
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = std::strtoull(argv[++i], nullptr, 10);
-    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--budget S] [--seed N]\n", argv[0]); return 2; }
+    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--budget S] [--seed N]\n", argv[0]); return 2; }
   }
   sort_variants();
   std::printf("seed %llu, %d sweep variants\n", (unsigned long long)g_seed, variant_count());

@@ -424,11 +424,21 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
   step rdot_memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
   grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
-  step rdot_sweep 110 build/rdot_h --sweep --budget 80
+  # variants that failed or hung in the cases stay out of the sweep (a hang there would end it);
+  # one TMA variant wrong: all of them
+  local skip
+  skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
+  case "$skip" in *tma*) skip="${skip}*tma" ;; esac
+  [ -n "$skip" ] && say "rdot sweep skips: $skip"
+  step rdot_sweep 110 build/rdot_h --sweep --budget 80 --skip "$skip"
   grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
   grep -E "^FAIL|HANG" "$OUT/rdot/sweep.txt" | head -20 | tee -a "$OUT/summary.txt"
   grep -E "^(copy|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
-  sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  if grep -q "^sweep matrix" "$OUT/rdot/sweep.txt"; then
+    sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  else  # the sweep did not finish: the rows it printed on the way
+    grep -E "^mrow " "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  fi
   ;;
 rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
   # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)

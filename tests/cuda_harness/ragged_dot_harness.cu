@@ -21,6 +21,8 @@
 //   --no-variants           correctness without the sweep variants (compute-sanitizer runs)
 //   --budget S              --sweep: start no variant after S seconds of sweeping
 //   --variants SUBSTR       the cases: only the variants whose name contains SUBSTR
+//   --skip A|B|*X           --sweep: leave out the variants named A, B and those whose name
+//                           contains X
 //   --seed N                random inputs from seed N (default 1)
 #include <unistd.h>
 
@@ -63,7 +65,16 @@ std::vector<SweepVariant>& sweep_variants() {
 
 static int g_fail = 0;
 static double g_budget_s = 0;
-static const char* g_variants = "";  // --variants: only the variants whose name holds this  // --budget: seconds of sweep after which no variant starts
+static const char* g_variants = "";  // --variants: only the variants whose name holds this
+// --skip A|B|..: no variant named A, B, ...; an entry *X: none whose name contains X
+static std::vector<std::string> g_skip;
+static bool skipped(const char* name) {
+  for (const std::string& x : g_skip) {
+    if (x.size() > 1 && x[0] == '*' && std::strstr(name, x.c_str() + 1) != nullptr) return true;
+    if (x == name) return true;
+  }
+  return false;
+}  // --budget: seconds of sweep after which no variant starts
 static uint64_t g_seed = 1;
 constexpr double kHbm = 4.8e12;  // the bound's bandwidth (datasheet)
 
@@ -601,6 +612,31 @@ static void timing(bool sweep) {
     const int nv = variant_count();
     std::vector<std::vector<std::array<double, 3>>> t(
         size_t(nv), std::vector<std::array<double, 3>>(cases.size(), {-1.0, -1.0, -1.0}));
+    auto bound = [&](size_t ci, int o) {
+      const Case& c = cases[ci];
+      return (o == 0 ? c.gate : o == 1 ? c.down : c.sw).bound_us();
+    };
+    auto cell = [](double us, double bd) {
+      char b[16];
+      if (us < 0) std::snprintf(b, sizeof b, "%7s", "-");
+      else std::snprintf(b, sizeof b, "%7.2f", us / bd);
+      return std::string(b);
+    };
+    // the matrix: x the bound per variant and shape; columns E x T
+    std::string head;
+    for (const Case& c : cases) {
+      char b[16];
+      std::snprintf(b, sizeof b, "%7s", (std::to_string(c.sh.e) + "x" + std::to_string(c.sh.tokens)).c_str());
+      head += b;
+    }
+    auto prow = [&](const char* tag, const char* name, const char* op, int o, const std::function<double(size_t)>& us) {
+      std::string r;
+      for (size_t ci = 0; ci < cases.size(); ++ci) r += cell(us(ci), bound(ci, o));
+      std::printf("%s%-34s %-6s%s\n", tag, name, op, r.c_str());
+    };
+    // each variant's row as soon as it is timed ("mrow"; a hang later keeps them), the whole
+    // matrix again at the end
+    std::printf("mrow %-34s %-6s%s\n", "variant", "op", head.c_str());
     const auto t_start = std::chrono::steady_clock::now();
     for (int v = 0; v < nv; ++v) {
       const bool sw = variant_swiglu(v);
@@ -610,6 +646,10 @@ static void timing(bool sweep) {
         std::printf("  sweep: budget of %.0f s spent; %s and later variants not timed\n",
                     g_budget_s, variant_name(v));
         break;
+      }
+      if (skipped(variant_name(v))) {
+        std::printf("  sweep %s skipped (--skip)\n", variant_name(v));
+        continue;
       }
       for (size_t ci = 0; ci < cases.size(); ++ci)
         for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o) {
@@ -628,38 +668,19 @@ static void timing(bool sweep) {
           t[size_t(v)][ci][size_t(o)] = us;
           std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, us, us / p.bound_us());
         }
+      for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o)
+        prow("mrow ", variant_name(v), o == 0 ? "gate" : o == 1 ? "down" : "swiglu", o,
+             [&](size_t ci) { return t[size_t(v)][ci][size_t(o)]; });
       std::fflush(stdout);
-    }
-    auto bound = [&](size_t ci, int o) {
-      const Case& c = cases[ci];
-      return (o == 0 ? c.gate : o == 1 ? c.down : c.sw).bound_us();
-    };
-    auto cell = [](double us, double bd) {
-      char b[16];
-      if (us < 0) std::snprintf(b, sizeof b, "%7s", "-");
-      else std::snprintf(b, sizeof b, "%7.2f", us / bd);
-      return std::string(b);
-    };
-    // the matrix: x the bound per variant and shape; columns E x T
-    std::string head;
-    for (const Case& c : cases) {
-      char b[16];
-      std::snprintf(b, sizeof b, "%7s", (std::to_string(c.sh.e) + "x" + std::to_string(c.sh.tokens)).c_str());
-      head += b;
     }
     std::printf("sweep matrix (time / weight-read bound; cs 1; '-' refused or wrong):\n");
     std::printf("%-34s %-6s%s\n", "variant", "op", head.c_str());
-    auto prow = [&](const char* name, const char* op, int o, const std::function<double(size_t)>& us) {
-      std::string r;
-      for (size_t ci = 0; ci < cases.size(); ++ci) r += cell(us(ci), bound(ci, o));
-      std::printf("%-34s %-6s%s\n", name, op, r.c_str());
-    };
-    prow("production", "gate", 0, [&](size_t ci) { return cases[ci].tg; });
-    prow("production", "down", 1, [&](size_t ci) { return cases[ci].td; });
-    prow("production", "swiglu", 2, [&](size_t ci) { return cases[ci].ts; });
+    prow("", "production", "gate", 0, [&](size_t ci) { return cases[ci].tg; });
+    prow("", "production", "down", 1, [&](size_t ci) { return cases[ci].td; });
+    prow("", "production", "swiglu", 2, [&](size_t ci) { return cases[ci].ts; });
     for (int v = 0; v < nv; ++v)
       for (int o = variant_swiglu(v) ? 2 : 0; o < (variant_swiglu(v) ? 3 : 2); ++o)
-        prow(variant_name(v), o == 0 ? "gate" : o == 1 ? "down" : "swiglu", o,
+        prow("", variant_name(v), o == 0 ? "gate" : o == 1 ? "down" : "swiglu", o,
              [&](size_t ci) { return t[size_t(v)][ci][size_t(o)]; });
     // best per shape and product, and the two expert blocks from the best tiles
     std::printf("best per shape (x the bound; production in brackets):\n");
@@ -703,8 +724,16 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--no-variants")) variants = false;
     else if (!std::strcmp(argv[i], "--budget") && i + 1 < argc) g_budget_s = std::atof(argv[++i]);
     else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) g_variants = argv[++i];
+    else if (!std::strcmp(argv[i], "--skip") && i + 1 < argc) {
+      std::string l = argv[++i];
+      for (size_t a = 0, b; a <= l.size(); a = b + 1) {
+        b = l.find('|', a);
+        if (b == std::string::npos) b = l.size();
+        g_skip.push_back(l.substr(a, b - a));
+      }
+    }
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = std::strtoull(argv[++i], nullptr, 10);
-    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--budget S] [--seed N]\n", argv[0]); return 2; }
+    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--skip A|B] [--budget S] [--seed N]\n", argv[0]); return 2; }
   }
   sort_variants();
   std::printf("seed %llu, %d sweep variants\n", (unsigned long long)g_seed, variant_count());

@@ -407,7 +407,7 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
 rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda_harness/
   # ragged_dot_sweep.h kSweepParts) compiled in parallel; the cases (every variant x cluster size
   # against float64), memcheck of the cases with the TMA variants (balanced, row-count loop) in at
-  # most 30 s, then the sweep (cluster size 1, every variant's result checked, sampled); its
+  # most 25 s, then the sweep (cluster size 1, every variant's result checked, sampled); its
   # matrix and best-per-shape table printed last
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
@@ -422,7 +422,7 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
   grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
-  step rdot_memcheck 30 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
+  step rdot_memcheck 25 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
   grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
   # variants that failed or hung in the cases stay out of the sweep (a hang there would end it);
   # one TMA variant wrong: all of them
@@ -430,7 +430,7 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
   case "$skip" in *tma*) skip="${skip}*tma" ;; esac
   [ -n "$skip" ] && say "rdot sweep skips: $skip"
-  step rdot_sweep 110 build/rdot_h --sweep --budget 80 --skip "$skip"
+  step rdot_sweep 95 build/rdot_h --sweep --budget 60 --skip "$skip"
   grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
   grep -E "^FAIL|HANG" "$OUT/rdot/sweep.txt" | head -20 | tee -a "$OUT/summary.txt"
   grep -E "^(copy|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"

@@ -68,6 +68,10 @@
 #                                      prefetch) x tiles: cases (each variant vs float64), memcheck
 #                                      of the cases, the sweep at the decode shapes (every result
 #                                      checked), a matrix of time / bound per variant last (~2 min)
+#                            rdotlayer the package's tiles after the sweep: harness cases (float64, no
+#                                      variants), the production table, then the layer rows of
+#                                      bench moelayer (layer, layer two-dot; device time from
+#                                      traces) (~2 min + build)
 #                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
 #                                      GPU 0 (the package's op: kernel, graph loop, gradients,
 #                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
@@ -439,6 +443,28 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   else  # the sweep did not finish: the rows it printed on the way
     grep -E "^mrow " "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   fi
+  ;;
+rdotlayer)  # the grouped kernel with the package's tiles: the harness (its production units
+  # only, no sweep parts) cases and table, then nvc.moe_layer's rows of bench moelayer (the
+  # layer and its two-dot form, device time from profiler traces); logs in $OUT/rdot, $OUT/moelayer
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h --no-variants
+  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^FAIL|failure" | tee -a "$OUT/summary.txt"
+  step rdot_time 60 build/rdot_h --time
+  grep -A200 "=== rdot_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/time.txt"
+  grep -E "^(copy|FAIL|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/time.txt" | tee -a "$OUT/summary.txt"
+  step ml_bench 200 $PY -m jax_nvcomm.bench.moelayer_layer --layer-methods layer "layer two-dot" \
+    --out "$OUT/moelayer"
+  grep -hE "vs layer" "$OUT/all.log" | tail -6 | tee -a "$OUT/summary.txt"
+  grep -hE "^(experts|-------|[0-9]+ +[0-9]+ +[0-9.]+ )" "$OUT/all.log" | tail -8 | \
+    tee -a "$OUT/summary.txt"
   ;;
 rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
   # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
@@ -868,7 +894,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

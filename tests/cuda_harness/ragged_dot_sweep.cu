@@ -80,6 +80,7 @@ const SweepVariant kV[] = {
     RDOT_VS(128, 64, 64, 3, 1, kB | kS, " bal spec"),
     RDOT_VS(128, 64, 48, 3, 1, kB | kS, " bal spec"),
     RDOT_VS(128, 32, 64, 4, 1, kB | kS, " bal spec"),
+    RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT, " bal spec tma"),
 };
 #endif
 const int kRegistered = [] {

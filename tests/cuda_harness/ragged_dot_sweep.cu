@@ -42,10 +42,12 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kB | kS | kU, " bal u32 spec"),
     RDOT_V(256, 64, 16, 5, 2, kB | kS, " bal spec"),
     RDOT_V(128, 128, 16, 4, 1, kB | kS, " bal spec"),
+    RDOT_V(128, 128, 16, 4, 1, kB | kS | kT, " bal spec tma"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 32, 4, 2, kB | kS, " bal spec"),
+    RDOT_V(256, 64, 32, 4, 2, kB | kS | kT, " bal spec tma"),
     RDOT_V(128, 128, 64, 3, 2, kS, " spec"),
     RDOT_V(128, 64, 16, 4, 1, kB | kS, " bal spec"),  // 96 KB: two blocks per SM
     RDOT_V(256, 64, 16, 5, 2, kB | kS | kT, " bal spec tma"),

@@ -127,12 +127,16 @@ struct Kernel {
   }
 
   // Module loaded, shared-memory limit raised, the occupancy of the package's cluster size (1)
-  // cached: a first launch then makes no runtime query (it may be inside a graph capture).
+  // cached (and for TMA kernels the tensor-map encoder found): a first launch then makes no
+  // runtime query (it may be inside a graph capture).
   static cudaError_t load() {
     cudaFuncAttributes fa;
     if (cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
     if (cudaError_t e = prepare(); e != cudaSuccess) return e;
     clusters(1);
+    // TMA kernels: the driver's tensor-map encoder looked up now, not inside a graph capture
+    if constexpr (Tl::kTmaW)
+      if (tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
     return cudaSuccess;
   }
 };

@@ -4,13 +4,16 @@
 // instantiated in ONE translation unit only: without relocatable device code every unit holds
 // its own copy of the kernel, and the per-device caches (shared-memory limit raised once) would
 // then apply to one copy while another is launched (seen: "invalid argument").
-// From the tile sweep on one H200 (docs/perf/ragged_dot.md, round 1):
+// From the tile sweeps on one H200 (docs/perf/ragged_dot.md):
 //   R 16 (decode, up to ~10 rows per group): BN 256 x BK 64, 4 stages, 8 warps of 2 m16 tiles,
-//        no split-K: 1.23-1.52x the weight-read bound (the best of 14 variants x 4 cluster
-//        sizes at 10 of the 12 decode shapes).
-//   R 64 (~32 rows per group): BN 128 x BK 128, 3 stages, 4 warps of 2 m16 tiles, no split-K:
-//        1.97x / 2.15x at 32 experts x 128 tokens (the best measured there).
-//   swiglu: BN 128 x BK 64 over two weights, 8 warps of 1 m16 tile, 4 stages (3 at R 64).
+//        items dealt round-robin, cp.async weights: 1.25-1.49x the weight-read bound (gate),
+//        1.26-1.35x (down); balanced ranges were slower at every shape (1.3-2.4x), the
+//        row-count loop alone within +-10%.
+//   R 64 (~32 rows per group): BN 128 x BK 128, 3 stages, 4 warps of 2 m16 tiles, balanced
+//        ranges, the row-count loop and TMA weights: 1.58x / 1.79x at 32 experts x 128 tokens
+//        (was 1.99x / 2.16x; the row-count loop alone 1.75x / 1.92x).
+//   swiglu: BN 128 x BK 64 over two weights, 8 warps of 1 m16 tile, 4 stages (R 16); at the
+//        R 64 tier a rows tile of 48, 3 stages, balanced, the row-count loop: 1.73x (was 1.85x).
 // Blocks per cluster: 1 (ragged_dot.cu ragged_dot_cluster): split-K over a cluster lost to it at
 // every decode shape but one.
 #pragma once
@@ -25,11 +28,16 @@ struct DefaultTile;
 template <class T, class TO>
 struct DefaultTile<T, TO, 16, false> { using K = Kernel<T, TO, 256, 64, 16, 4, 2, false>; };
 template <class T, class TO>
-struct DefaultTile<T, TO, 64, false> { using K = Kernel<T, TO, 128, 128, 64, 3, 2, false>; };
+struct DefaultTile<T, TO, 64, false> {
+  using K = Kernel<T, TO, 128, 128, 64, 3, 2, false,
+                   dev::rdot::kBalanced | dev::rdot::kSpecRows | dev::rdot::kTma>;
+};
 template <class T, class TO>
 struct DefaultTile<T, TO, 16, true> { using K = Kernel<T, TO, 128, 64, 16, 4, 1, true>; };
 template <class T, class TO>
-struct DefaultTile<T, TO, 64, true> { using K = Kernel<T, TO, 128, 64, 64, 3, 1, true>; };
+struct DefaultTile<T, TO, 64, true> {  // rows tile 48: a group past 48 rows takes two chunks
+  using K = Kernel<T, TO, 128, 64, 48, 3, 1, true, dev::rdot::kBalanced | dev::rdot::kSpecRows>;
+};
 
 template <class T, class TO, int R, bool SW>
 using Default = typename DefaultTile<T, TO, R, SW>::K;

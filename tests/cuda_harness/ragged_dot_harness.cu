@@ -659,7 +659,8 @@ static void timing(bool sweep) {
           std::snprintf(what, sizeof what, "%s E%d T%d %s", o == 0 ? "gate" : o == 1 ? "down" : "swiglu",
                         c.sh.e, c.sh.tokens, variant_name(v));
           p.poison();
-          const double us = watched(what, [&] { return time_graph(p, variant(v, 1), 5, 7); });
+          const double us = watched(
+              what, [&] { return time_graph(p, variant(v, sweep_variants()[size_t(v)].cs), 5, 7); });
           if (us < 0) {
             std::printf("  sweep %s refused\n", what);
             continue;
@@ -673,7 +674,8 @@ static void timing(bool sweep) {
              [&](size_t ci) { return t[size_t(v)][ci][size_t(o)]; });
       std::fflush(stdout);
     }
-    std::printf("sweep matrix (time / weight-read bound; cs 1; '-' refused or wrong):\n");
+    std::printf("sweep matrix (time / weight-read bound; cluster size 1 unless named; '-' refused "
+                "or wrong):\n");
     std::printf("%-34s %-6s%s\n", "variant", "op", head.c_str());
     prow("", "production", "gate", 0, [&](size_t ci) { return cases[ci].tg; });
     prow("", "production", "down", 1, [&](size_t ci) { return cases[ci].td; });

@@ -27,6 +27,10 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_V(BN, BK, R, ST, MT, OPT, TAG)                                                   \
   SweepVariant{"BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, false,                      \
                &K<BN, BK, R, ST, MT, false, OPT>::launch}
+// the same timed with split-K over clusters of CS blocks
+#define RDOT_VC(BN, BK, R, ST, MT, OPT, TAG, CS)                                               \
+  SweepVariant{"BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG " cs" #CS, RDOT_SWEEP_PART,    \
+               false, &K<BN, BK, R, ST, MT, false, OPT>::launch, CS}
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
@@ -38,11 +42,14 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
     RDOT_V(256, 64, 16, 4, 2, kT, " tma"),
     RDOT_V(256, 64, 16, 4, 2, kS, " spec"),
+    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 2),
+    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 4),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 5, 2, kS | kT, " spec tma"),
     RDOT_V(256, 96, 16, 3, 2, kS | kT, " spec tma"),
+    RDOT_VC(256, 64, 16, 5, 2, kS | kT, " spec tma", 4),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {

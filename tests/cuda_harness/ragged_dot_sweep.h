@@ -14,6 +14,7 @@ struct SweepVariant {
   int part;     // RDOT_SWEEP_PART of its translation unit (the harness lists them by part)
   bool swiglu;  // a ragged_dot_swiglu tile (timed on the swiglu product)
   cudaError_t (*launch)(const nvc::cuda::RaggedDotArgs&, int cs, cudaStream_t);
+  int cs = 1;  // blocks per cluster (split-K) the sweep times it with
 };
 
 std::vector<SweepVariant>& sweep_variants();

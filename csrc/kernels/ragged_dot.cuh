@@ -48,6 +48,11 @@
 // loaded (zeros), warps whose columns all lie past nw skip their MMAs, and the epilogue stores
 // columns < nw only. Neighbouring clusters stream neighbouring column strips of one group, so the
 // chunks of a group with more than R rows (numbered next to each other) meet in L2 as before.
+// Measured (one H200, cp.async weights): slower than round robin at every decode shape (32 x 8
+// gate 2.37x the bound against 1.49x). A reading: round robin has the CTAs of one group's N
+// tiles streaming the same K rows together, so each weight row is read whole while its DRAM
+// pages are open; contiguous strip ranges start ~5 CTAs per group at different strips. The
+// package uses it only where it measured faster (R 64 with TMA: cuda/ragged_dot_family.cuh).
 //
 // Per-row-count MMA loop (option kSpecRows): the loop over the n8 row tiles of an item (1 .. R/8)
 // compiled once per count and picked per item, instead of R/8 runtime tests inside the k loop

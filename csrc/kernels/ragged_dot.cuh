@@ -52,7 +52,8 @@
 // gate 2.37x the bound against 1.49x). A reading: round robin has the CTAs of one group's N
 // tiles streaming the same K rows together, so each weight row is read whole while its DRAM
 // pages are open; contiguous strip ranges start ~5 CTAs per group at different strips. The
-// package uses it only where it measured faster (R 64 with TMA: cuda/ragged_dot_family.cuh).
+// package uses it only where it measured faster, always with TMA weights (R 64; R 16 gate-shaped
+// products over >= 128 groups: cuda/ragged_dot_family.cuh).
 //
 // Per-row-count MMA loop (option kSpecRows): the loop over the n8 row tiles of an item (1 .. R/8)
 // compiled once per count and picked per item, instead of R/8 runtime tests inside the k loop

@@ -34,9 +34,9 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
-// Round 2 of the sweep: the weights by TMA on the round-robin items (no balanced ranges), next
-// to the best of round 1 (docs/perf/ragged_dot.md). The package's R 64 tiles (balanced, row
-// loop, TMA; swiglu R 48 balanced, row loop) are not repeated here.
+// The next candidates after the sweeps of 2026-12-02 (docs/perf/ragged_dot.md): TMA weights on
+// round-robin items (no balanced ranges), split-K over clusters of 2 / 4 for the 8-token shapes'
+// uneven item counts. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
@@ -54,7 +54,6 @@ const SweepVariant kV[] = {
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
     RDOT_V(128, 128, 16, 4, 1, kS | kT, " spec tma"),
-    RDOT_V(256, 64, 16, 4, 2, kB | kS | kT, " bal spec tma"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
@@ -79,9 +78,7 @@ const SweepVariant kV[] = {
 };
 #else
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT, " bal spec tma"),
     RDOT_VS(128, 64, 48, 3, 1, kB | kS | kT, " bal spec tma"),
-    RDOT_VS(128, 64, 16, 4, 1, kS, " spec"),
 };
 #endif
 const int kRegistered = [] {

@@ -68,10 +68,10 @@
 #                                      prefetch) x tiles: cases (each variant vs float64), memcheck
 #                                      of the cases, the sweep at the decode shapes (every result
 #                                      checked), a matrix of time / bound per variant last (~2 min)
-#                            rdotlayer the package's tiles after the sweep: harness cases (float64, no
-#                                      variants), the production table, then the layer rows of
-#                                      bench moelayer (layer, layer two-dot; device time from
-#                                      traces) (~2 min + build)
+#                            rdotlayer the package's tiles after the sweeps: harness cases (float64),
+#                                      the production table, the sweep's next candidates (30 s),
+#                                      then the layer rows of bench moelayer (layer, layer
+#                                      two-dot; device time from traces) (~2.5 min + build)
 #                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
 #                                      GPU 0 (the package's op: kernel, graph loop, gradients,
 #                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
@@ -446,22 +446,29 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
     grep -E "^mrow " "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   fi
   ;;
-rdotlayer)  # the grouped kernel with the package's tiles: the harness (its production units
-  # only, no sweep parts) cases and table, then nvc.moe_layer's rows of bench moelayer (the
-  # layer and its two-dot form, device time from profiler traces); logs in $OUT/rdot, $OUT/moelayer
+rdotlayer)  # the grouped kernel with the package's tiles: the harness cases (float64; every
+  # variant of the sweep too), its production table, the sweep's next candidates in at most 30 s
+  # (matrix last of that step), then nvc.moe_layer's rows of bench moelayer (the layer and its
+  # two-dot form, device time from profiler traces); logs in $OUT/rdot, $OUT/moelayer
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
   rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
-  step rdot_cases 60 build/rdot_h --no-variants
-  grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^FAIL|failure" | tee -a "$OUT/summary.txt"
-  step rdot_time 60 build/rdot_h --time
-  grep -A200 "=== rdot_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/time.txt"
-  grep -E "^(copy|FAIL|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/time.txt" | tee -a "$OUT/summary.txt"
+  step rdot_cases 60 build/rdot_h
+  grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
+  grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
+  local skip
+  skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
+  step rdot_sweep 75 build/rdot_h --sweep --budget 30 --skip "$skip"
+  grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -E "^(copy|FAIL|HANG|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   step ml_bench 200 $PY -m jax_nvcomm.bench.moelayer_layer --layer-methods layer "layer two-dot" \
     --out "$OUT/moelayer"
   grep -hE "vs layer" "$OUT/all.log" | tail -6 | tee -a "$OUT/summary.txt"

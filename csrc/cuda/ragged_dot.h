@@ -7,7 +7,9 @@
 // group; group_sizes: device int32 [G], read by the kernel (no host sync); out [M, N].
 //
 // Contract: no allocation, no synchronisation, no host state beyond per-device caches of
-// occupancy answers: CUDA-graph capturable (one kernel launch on `s`). Deterministic: the same
+// occupancy answers and the driver's tensor-map encoder (looked up once; TMA tiles encode their
+// weights' maps on the host at each launch, into the kernel's parameters): CUDA-graph
+// capturable (one kernel launch on `s`). Deterministic: the same
 // inputs give the same bits (fixed-order split-K reduction). Arguments the kernel does not take
 // (ragged_dot_check says why, as static text) return cudaErrorInvalidValue before anything is
 // launched. M == 0 or N == 0 launches nothing.

@@ -108,8 +108,8 @@
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
 #                                      in the time left (no package build; ~150 s)
 #   bash scripts/gpu_check.sh wform    the fused all-reduce kernels' weight form as a template
-#                                      parameter: the all-reduce harness, every case (W 1-8
-#                                      virtual ranks on GPU 0), then main 33dd3d5's kernels
+#                                      parameter: the all-reduce harness, --wtail and --quick
+#                                      (W 1-8 virtual ranks on GPU 0), main 33dd3d5's kernels
 #                                      (scripts/wform_old.patch) against this tree's, built side by
 #                                      side, alternated: --bench-local (row kernel, one-block
 #                                      epilogue) and --bench --ranks 2 (no package build; ~150 s)
@@ -855,9 +855,9 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   ;;
 wform)  # the weight form (x's dtype / float32) of the fused all-reduce kernels as a template
   # parameter (csrc/kernels/rmsnorm.cuh kWf32; the float32-weight kernels in
-  # csrc/cuda/allreduce_wf32.cu): (1) the all-reduce harness from this tree, every case (float64
-  # references, one-shot == two-shot bitwise, the float32-weight / padded-width cases, FP8,
-  # graphs; W = 1, 2, 4, 8 virtual ranks on GPU 0); (2) A/B: main 33dd3d5's kernels (this tree's
+  # csrc/cuda/allreduce_wf32.cu): (1) the all-reduce harness from this tree, --wtail and --quick
+  # (float64 references, one-shot == two-shot bitwise, the float32-weight / padded-width cases,
+  # FP8, graphs; W = 1, 2, 4, 8 virtual ranks on GPU 0); (2) A/B: main 33dd3d5's kernels (this tree's
   # csrc with scripts/wform_old.patch applied: the runtime weight-form switches) against this
   # tree's, the same harness linked to each, alternated twice on the same GPU: --bench-local
   # (world 1: row kernel, then the one-block epilogue, JAX_NVCOMM_AR_LOCAL_ROWS=0) and
@@ -928,10 +928,17 @@ PYEOF
     say "wform: A/B round $1 done at $((SECONDS - t0)) s"
   }
   wf_ab 1
-  step wf_cases 75 bash -c "build/wf_new > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
-  if [ $((SECONDS - t0)) -lt 130 ]; then wf_ab 2; else say "wform: A/B round 2 skipped (time)"; fi
+  # correctness as opforms1: --wtail (every float32-weight / padded-width kernel, W 1-8), then
+  # --quick (every other case kind); then the second A/B round in the time left
+  step wf_wtail 60 bash -c "build/wf_new --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
+  local left=$((140 - (SECONDS - t0)))
+  if [ "$left" -gt 15 ]; then
+    step wf_quick "$left" bash -c "build/wf_new --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
+  else say "wform: --quick skipped (time)"; fi
+  if [ $((SECONDS - t0)) -lt 125 ]; then wf_ab 2; else say "wform: A/B round 2 skipped (time)"; fi
   { echo "--- wform (weight form as a template parameter: harness cases, then A/B old = main 33dd3d5, new = this tree)"
-    grep -E "FAIL|bitwise|float32 weight|host validation|RESULT" "$d/cases.log" | tail -12
+    grep -hE "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log" 2>/dev/null | tail -6
+    [ -f "$d/quick.log" ] && grep -E "FAIL|bitwise|RESULT" "$d/quick.log" | tail -8
     $PY - "$d" <<'PYEOF'
 import glob, os, re, sys
 d = sys.argv[1]

@@ -921,9 +921,9 @@ PYEOF
     local b
     for b in old new; do
       [ -x build/wf_$b ] || continue
-      timeout 20 build/wf_$b --bench-local > "$d/local_${b}_$1.log" 2>&1
-      JAX_NVCOMM_AR_LOCAL_ROWS=0 timeout 20 build/wf_$b --bench-local > "$d/block_${b}_$1.log" 2>&1
-      timeout 30 build/wf_$b --bench --ranks 2 > "$d/bench_${b}_$1.log" 2>&1
+      timeout 40 build/wf_$b --bench-local > "$d/local_${b}_$1.log" 2>&1
+      JAX_NVCOMM_AR_LOCAL_ROWS=0 timeout 40 build/wf_$b --bench-local > "$d/block_${b}_$1.log" 2>&1
+      timeout 40 build/wf_$b --bench --ranks 2 > "$d/bench_${b}_$1.log" 2>&1
     done
     say "wform: A/B round $1 done at $((SECONDS - t0)) s"
   }

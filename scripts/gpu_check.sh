@@ -108,11 +108,12 @@
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
 #                                      in the time left (no package build; ~150 s)
 #   bash scripts/gpu_check.sh wform    the fused all-reduce kernels' weight form as a template
-#                                      parameter: the all-reduce harness, --wtail and --quick
-#                                      (W 1-8 virtual ranks on GPU 0), main 33dd3d5's kernels
-#                                      (scripts/wform_old.patch) against this tree's, built side by
-#                                      side, alternated: --bench-local (row kernel, one-block
-#                                      epilogue) and --bench --ranks 2 (no package build; ~150 s)
+#                                      parameter: main 33dd3d5's kernels (scripts/wform_old.patch)
+#                                      against this tree's, built side by side: --bench-local (row
+#                                      kernel, one-block epilogue) and --bench --ranks 2, old then
+#                                      new; then the harness's --wtail (W 1-8 virtual ranks on
+#                                      GPU 0). wform2: --quick, then the A/B new then old (no
+#                                      package build; ~140 s each)
 #   bash scripts/gpu_check.sh opforms  the ops' new forms on the package (built if needed): axis_name=,
 #                                      tuple-axes communicator, fused [B, S, H] / odd widths /
 #                                      float32 weights (both kernels), ragged groups / int16 sizes /
@@ -189,7 +190,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -853,7 +854,7 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-wform)  # the weight form (x's dtype / float32) of the fused all-reduce kernels as a template
+wform | wform2)  # the weight form (x's dtype / float32) of the fused all-reduce kernels as a template
   # parameter (csrc/kernels/rmsnorm.cuh kWf32; the float32-weight kernels in
   # csrc/cuda/allreduce_wf32.cu): (1) the all-reduce harness from this tree, --wtail and --quick
   # (float64 references, one-shot == two-shot bitwise, the float32-weight / padded-width cases,
@@ -861,8 +862,10 @@ wform)  # the weight form (x's dtype / float32) of the fused all-reduce kernels 
   # csrc with scripts/wform_old.patch applied: the runtime weight-form switches) against this
   # tree's, the same harness linked to each, alternated twice on the same GPU: --bench-local
   # (world 1: row kernel, then the one-block epilogue, JAX_NVCOMM_AR_LOCAL_ROWS=0) and
-  # --bench --ranks 2 (one-shot fused / FP8); us per call, CUDA graphs. Table last.
-  local t0=$SECONDS d="$OUT/wform" old=/tmp/wform_old
+  # --bench --ranks 2 (one-shot fused / FP8); us per call, CUDA graphs. Table last. wform2: the
+  # second half of the same check (the first took ~140 s): --quick, then one A/B round in the
+  # other order (new, then old).
+  local t0=$SECONDS d="$OUT/$1" old=/tmp/wform_old
   mkdir -p build "$d"
   local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177"
   rm -rf "$old" build/wf_*; mkdir -p "$old"; cp -r csrc "$old/"
@@ -917,9 +920,9 @@ PYEOF
     $NV -I csrc -c -o build/wf_new.o csrc/cuda/allreduce.cu & $NV -I csrc -c -o build/wf_neww.o csrc/cuda/allreduce_wf32.cu &
     $NV -I $old/csrc -c -o build/wf_old.o $old/csrc/cuda/allreduce.cu & wait
     $NV -o build/wf_new build/wf_h.o build/wf_new.o build/wf_neww.o && $NV -o build/wf_old build/wf_h.o build/wf_old.o"
-  wf_ab() {  # wf_ab ROUND: old, then new (each: row kernel, one-block epilogue, 2 ranks)
+  wf_ab() {  # wf_ab ROUND ORDER: the builds in ORDER (each: row kernel, one-block epilogue, 2 ranks)
     local b
-    for b in old new; do
+    for b in $2; do
       [ -x build/wf_$b ] || continue
       timeout 40 build/wf_$b --bench-local > "$d/local_${b}_$1.log" 2>&1
       JAX_NVCOMM_AR_LOCAL_ROWS=0 timeout 40 build/wf_$b --bench-local > "$d/block_${b}_$1.log" 2>&1
@@ -927,16 +930,16 @@ PYEOF
     done
     say "wform: A/B round $1 done at $((SECONDS - t0)) s"
   }
-  wf_ab 1
-  # correctness as opforms1: --wtail (every float32-weight / padded-width kernel, W 1-8), then
-  # --quick (every other case kind); then the second A/B round in the time left
-  step wf_wtail 60 bash -c "build/wf_new --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
-  local left=$((140 - (SECONDS - t0)))
-  if [ "$left" -gt 15 ]; then
-    step wf_quick "$left" bash -c "build/wf_new --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
-  else say "wform: --quick skipped (time)"; fi
-  if [ $((SECONDS - t0)) -lt 125 ]; then wf_ab 2; else say "wform: A/B round 2 skipped (time)"; fi
-  { echo "--- wform (weight form as a template parameter: harness cases, then A/B old = main 33dd3d5, new = this tree)"
+  # correctness as opforms1: --wtail (every float32-weight / padded-width kernel, W 1-8) after
+  # the first A/B round (wform), --quick (every other case kind) before the second (wform2)
+  if [ "$1" = wform ]; then
+    wf_ab 1 "old new"
+    step wf_wtail 60 bash -c "build/wf_new --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
+  else
+    step wf_quick 60 bash -c "build/wf_new --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
+    wf_ab 2 "new old"
+  fi
+  { echo "--- $1 (weight form as a template parameter: harness cases, A/B old = main 33dd3d5, new = this tree)"
     grep -hE "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log" 2>/dev/null | tail -6
     [ -f "$d/quick.log" ] && grep -E "FAIL|bitwise|RESULT" "$d/quick.log" | tail -8
     $PY - "$d" <<'PYEOF'
@@ -972,7 +975,7 @@ for kind in ("local", "block", "bench"):
 PYEOF
   } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|wform]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|wform|wform2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

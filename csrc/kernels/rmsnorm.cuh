@@ -8,10 +8,10 @@
 //   r            = float(sum) + float(residual)        float32
 //   residual_out = T(r)
 //   normed       = T( (r * rsqrt(sum(r^2) / n + eps)) * float(weight) )
-// n = t.norm_hidden: the row's true width when the caller zero-padded the rows to a whole number of
-// 16-byte vectors (padding adds +0.0 to the sum of squares: exact), else hidden; the launcher
-// rounds it to float once (the same value the kernel's conversion gave), so a padded width
-// costs the kernels nothing. The weight's form is a template parameter of every fused kernel
+// n = t.norm_hidden: the row's true width when the caller zero-padded the rows to a whole
+// number of 16-byte vectors (padding adds +0.0 to the sum of squares: exact), else hidden; the
+// launcher resolves it (never 0 here), so the kernels divide by float(n) whatever the padding
+// and a padded width costs them nothing. The weight's form is a template parameter of every fused kernel
 // (kWf32, chosen once by the launcher): a T weight (kWf32 false, the only form for float32 T)
 // is widened exactly; a float32 weight (kWf32, 16-bit T only) is read as float32, 4 * E bytes
 // per vector of the row, the product above with the weight unrounded (as model code that keeps

@@ -319,8 +319,38 @@ def _shard_map(eqn, invals, ctx):
     return list(outs)
 
 
+_worth_cache: dict = {}
+
+
+def _worth_inlining(jaxpr) -> bool:
+    """Whether a jitted helper may take part in a rewrite: it holds a collective, or the ops
+    of an add + RMSNorm (so that a psum in one helper and the norm in another fuse). Others
+    (a sort, the routing) keep their call, so the program XLA sees, and so its schedule, stay
+    those of jax.jit."""
+    hit = _worth_cache.get(id(jaxpr))
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    names = set()
+
+    def walk(j):
+        for e in j.eqns:
+            names.add(e.primitive.name)
+            for _, _, sub in sub_jaxprs(e.params):
+                walk(sub)
+            if e.primitive.name in _CALLS:
+                walk(_call_jaxpr(e))
+
+    walk(jaxpr)
+    worth = has_collectives(jaxpr) or bool(names & {"rsqrt", "sqrt"})
+    if len(_worth_cache) > 4096:
+        _worth_cache.clear()
+    _worth_cache[id(jaxpr)] = (jaxpr, worth)
+    return worth
+
+
 def _inline_eval(jaxpr, consts, args):
-    """Evaluate jaxpr with every pjit in it inlined (recursively), nothing else changed."""
+    """Evaluate jaxpr with the pjit calls in it that may take part in a rewrite inlined
+    (recursively, `_worth_inlining`), nothing else changed."""
     env = dict(zip(jaxpr.constvars, consts or jaxpr.consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -329,7 +359,7 @@ def _inline_eval(jaxpr, consts, args):
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS:
+        if eqn.primitive.name in _CALLS and _worth_inlining(_call_jaxpr(eqn)):
             sub = _call_jaxpr(eqn)
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback,

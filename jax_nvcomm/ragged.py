@@ -29,20 +29,25 @@ Where it runs (the same results everywhere):
   ValueError on CPU devices (XLA:CPU has no ragged all-to-all to fall back on).
 
 Transformations:
-- gradients (custom_vjp, lax's transpose rule, run with this op itself, so on CPUs and on ranks
-  sharing a GPU too): the operand's cotangent is ragged_all_to_all of the result's cotangent
-  with the roles swapped (input and output offsets exchanged among the ranks, which is one
-  more call of this op moving K two-integer rows); the output's cotangent is the result's,
-  zeroed on the rows slices land on. Like lax's rule it assumes that the input slices do not
-  overlap (an operand row sent twice gets one of the two cotangents). Forward mode (jax.jvp,
-  jacfwd, check_grads' "fwd") where the call is traced under it (`_with_tangents`): the op is
-  linear, its tangent is the op on the tangents, and one kernel call carries primal and
-  tangent rows. jax.jvp of a program that was traced before (jax.jvp(jax.jit(f))) meets the
-  custom_vjp in its jaxpr and is refused by JAX ("can't apply forward-mode autodiff (jvp) to
-  a custom_vjp function"): put the jvp inside the jit (jax.jit(lambda *a: jax.jvp(f, ...))).
+- derivatives (`_with_gradient`: a custom_jvp; the op is linear in operand and output): its
+  tangent is a linear primitive (`_ragged_linear`), the op on the tangents, whose transpose
+  is lax's rule, run with this op itself (so on CPUs and on ranks sharing a GPU
+  too): the operand's cotangent is ragged_all_to_all of the result's cotangent with the
+  roles swapped (input and output offsets exchanged among the ranks, which is one more call
+  of this op moving K two-integer rows); the output's cotangent is the result's, zeroed on
+  the rows slices land on. Like lax's rule it assumes that the input slices do not overlap
+  (an operand row sent twice gets one of the two cotangents). Forward mode where the call is
+  traced under jax.jvp itself (jacfwd, check_grads' "fwd", eager or inside a jit:
+  `_with_tangents`) makes ONE call whose rows carry primal and tangent. jax.jvp of a program
+  traced before (jax.jvp(jax.jit(f))) runs the primitive: a second call per exchange, after
+  the primal's and after the previous tangent call (the order token's tangent chains them);
+  the next exchange's primal call is not ordered after it (a primal cannot depend on a
+  tangent: JAX linearizes jitted programs from the same jvp), which XLA:CPU's concurrent
+  executor or a CUDA graph's parallel branches could run in either order: with several
+  exchanges in one such program, put the jvp inside the jit.
 - axis_index_groups (lax's): one call over the communicator's axis in which the slots of
   ranks outside the caller's group have size 0 (`expand_groups`).
-- jax.vmap (`_shard.batching` under the custom_vjp): one call for the whole batch, as lax's
+- jax.vmap (`_shard.batching` under the custom_jvp): one call for the whole batch, as lax's
   batching rule does it: the batch is folded into the slices per peer (k -> k * B, offsets
   shifted by b * N and b * M).
 - partially manual shard_map (`axis_names` leaving mesh axes to the compiler): the kernel call
@@ -57,7 +62,7 @@ import numpy as np
 from jax import lax
 from jax._src.interpreters import ad
 
-from . import _ffi, _order, _registry, _shard, _warn, reference
+from . import _ffi, _order, _ragged_linear, _registry, _shard, _warn, reference
 from .communicator import Communicator
 
 _STRATEGIES = ("auto", "xla", "chunked")
@@ -330,27 +335,48 @@ def _landed(oo_, rs, m_rows):
     return jnp.cumsum(edge)[:m_rows] > 0
 
 
+def linear_map(*args, comm, n_rows, transposed):
+    """The op's tangent map (`_ragged_linear`): not transposed, (t_operand, t_output, io, ss,
+    oo, rs) -> [the op on the tangents]; transposed, (ct, io, ss, oo, rs) -> [d_operand,
+    d_output] by lax's rule, run with this op (so on CPUs and ranks sharing a GPU too)."""
+    if not transposed:
+        t_op, t_out, io, ss, oo, rs = args
+        return [ragged_all_to_all(t_op, t_out, io, ss, oo, rs, comm)]
+    ct, io, ss, oo, rs = args
+    oo_, io_ = _exchange(comm, oo, io)
+    zeros = jnp.zeros((n_rows,) + ct.shape[1:], ct.dtype)
+    d_operand = ragged_all_to_all(ct, zeros, oo_, rs, io_, ss, comm)
+    keep = ~_landed(oo_, rs, ct.shape[0]).reshape((-1,) + (1,) * (ct.ndim - 1))
+    return [d_operand, jnp.where(keep, ct, jnp.zeros((), ct.dtype))]
+
+
 def _with_gradient(comm, kernel, n_rows):
-    @jax.custom_vjp
+    """The op with its derivatives: a `jax.custom_jvp` whose tangent is the op on the
+    tangents as a linear primitive with lax's transpose rule (`_ragged_linear`). Reverse mode
+    runs the kernel forward and the transposed exchange backward (the tangent map itself is
+    never run); forward mode also works on programs traced before (jax.jvp(jax.jit(f))), where
+    a custom_vjp is refused; jax.vmap of either folds into one call per exchange."""
+    @jax.custom_jvp
     def op(operand, output, io, ss, oo, rs, tok):
         return _dispatch(comm, kernel, operand, output, io, ss, oo, rs, tok)
 
-    def fwd(operand, output, io, ss, oo, rs, tok):
-        return op(operand, output, io, ss, oo, rs, tok), (io, ss, oo, rs)
+    @op.defjvp
+    def rule(primals, tangents):
+        operand, output, io, ss, oo, rs, tok = primals
+        if not jnp.issubdtype(operand.dtype, jnp.inexact):  # integer rows: no tangents
+            out, tok = op(*primals)
+            return (out, tok), (np.zeros(out.shape, jax.dtypes.float0),
+                                _order.zero_tangent(tok))
+        # the tangent: the linear primitive, whose transpose the backward pass runs (never
+        # the map itself there); in forward mode over a traced program (jax.jvp(jax.jit(f)))
+        # it runs, after the primal's call and after the previous tangent call: the order
+        # token's tangent carries that chain from call to call
+        t_op, t_out = (t.astype(operand.dtype) for t in tangents[:2])
+        out, tok = op(*primals)
+        t, t_tok = _ragged_linear.tangent(linear_map, comm, n_rows, t_op, t_out, io, ss, oo,
+                                          rs, tok + tangents[6])
+        return (out, tok), (t, t_tok)
 
-    def bwd(res, cts):
-        io, ss, oo, rs = res
-        ct = cts[0]
-        if not jnp.issubdtype(ct.dtype, jnp.inexact):  # integer data: no cotangents
-            return (None,) * 7
-        oo_, io_ = _exchange(comm, oo, io)
-        zeros = jnp.zeros((n_rows,) + ct.shape[1:], ct.dtype)
-        d_operand = ragged_all_to_all(ct, zeros, oo_, rs, io_, ss, comm)
-        keep = ~_landed(oo_, rs, ct.shape[0]).reshape((-1,) + (1,) * (ct.ndim - 1))
-        d_output = jnp.where(keep, ct, jnp.zeros((), ct.dtype))
-        return d_operand, d_output, None, None, None, None, None
-
-    op.defvjp(fwd, bwd)
     return op
 
 
@@ -433,8 +459,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     Returns:
       [M, ...] in output's dtype, varying across the axis. Differentiable in operand and output
-      (reverse mode, lax's transpose rule; forward mode where the call is traced under
-      jax.jvp; see the module docstring), batched by jax.vmap into one call; in a partially manual shard_map the dims after the rows split over the auto
+      (reverse mode, lax's transpose rule; forward mode, also of jitted programs; see the
+      module docstring), batched by jax.vmap into one call; in a partially manual shard_map the dims after the rows split over the auto
       mesh axes where they divide.
 
     Raises:

@@ -145,6 +145,50 @@ def test_jvp_is_the_op_on_the_tangents(rng):
         np.testing.assert_array_equal(np.asarray(ty2), np.asarray(ty))
 
 
+def test_forward_mode_of_a_traced_program(rng):
+    """jax.jvp of a program traced before (jax.jvp(jax.jit(f)), where lax's op works too; a
+    custom_vjp was refused there), jacfwd of a gradient and vmap of a gradient: against the op
+    on the tangents and lax's transpose rule (the numpy-checked forward, transposed)."""
+    W = 4
+    mesh = make_mesh((W,), ("x",))
+    operand, output, *idx = random_case(rng, W, [tuple(range(W))], 2, (3,))
+    t_op = rng.standard_normal(operand.shape).astype(np.float32)
+    t_out = rng.standard_normal(output.shape).astype(np.float32)
+    with nvc.communicators(mesh, max_message_bytes=1 << 16):
+        f = sharded(mesh, ours())                      # jitted before jvp sees it
+        text = jax.jit(lambda *a: jax.jvp(lambda a, b: f(a, b, *idx), a[:2], a[2:])).lower(
+            operand, output, t_op, t_out).as_text()
+        assert text.count("nvc_ragged_all_to_all") == 2   # the primal's call, the tangent's
+        y, ty = jax.jvp(lambda a, b: f(a, b, *idx), (operand, output), (t_op, t_out))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(f(operand, output, *idx)))
+        np.testing.assert_array_equal(np.asarray(ty), np.asarray(f(t_op, t_out, *idx)))
+        want = np_ragged(t_op, t_out, *idx, [tuple(range(W))])
+        for r in range(W):
+            np.testing.assert_array_equal(np.asarray(ty)[r], want[r].astype(np.float32))
+        c = rng.standard_normal(output.shape).astype(np.float32)
+
+        def loss(a, b):
+            return jnp.sum(c * f(a, b, *idx) ** 2)
+
+        # against the gradient of the pure-JAX emulation from dense all_to_alls
+        from jax_nvcomm import reference
+        dense = sharded(mesh, lambda *a: reference.ragged_all_to_all_xla(*a, axis_name="x"))
+        ga, gb = jax.jit(jax.grad(loss, argnums=(0, 1)))(operand, output)
+        wa, wb = jax.grad(lambda a, b: jnp.sum(c * dense(a, b, *idx) ** 2),
+                          argnums=(0, 1))(operand, output)
+        np.testing.assert_allclose(np.asarray(ga), np.asarray(wa), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(gb), np.asarray(wb), rtol=1e-6, atol=1e-6)
+        h = jax.jacfwd(jax.grad(lambda a: loss(a, output)))(operand)   # forward over reverse
+        assert h.shape == operand.shape * 2 and np.isfinite(np.asarray(h)).all()
+        # the Hessian of a quadratic form: symmetric
+        hm = np.asarray(h).reshape(operand.size, operand.size)
+        np.testing.assert_allclose(hm, hm.T, rtol=1e-5, atol=1e-5)
+        gv = jax.vmap(jax.grad(lambda a, s: jnp.sum(c * f(a * s, output, *idx) ** 2)),
+                      in_axes=(None, 0))(operand, jnp.array([1.0, 2.0]))
+        np.testing.assert_allclose(np.asarray(gv[1]), 4 * np.asarray(gv[0]), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_jvp_of_integer_rows_has_no_tangent(rng):
     W = 4
     mesh = make_mesh((W,), ("x",))

@@ -103,6 +103,10 @@ enum MoeDtype : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2, kMoeF8E4M3 = 3 };
 struct MoeConfig {
   int world, rank, num_experts, top_k, max_tokens, hidden, dtype /*MoeDtype*/, scale_cols;
   int max_in_flight = 1;  // split SENDs outstanding at most (1: the fused protocol's layout)
+  // 0: a data slot holds a whole call (W*T dispatch rows, T*K combine rows). Else the bytes of
+  // one data slot (a multiple of 256): calls run in ROUNDS of at most moe_dispatch_round_tokens /
+  // moe_combine_round_tokens tokens through two slots (BOUNDED SLOTS above).
+  int64_t slot_bytes = 0;
 };
 
 constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
@@ -127,7 +131,11 @@ static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit 
 
 // A power of two (max_in_flight is 1, 2 or 4), so the slot of call s is s & (slots - 1): a
 // 64-bit modulo would call a division routine in every kernel (and spill around it).
-NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * c.max_in_flight); }
+NVC_HD bool moe_bounded(const MoeConfig& c) { return c.slot_bytes > 0; }
+// SENDs that may be outstanding: bounded slots hold one round at a time (split calls of one
+// round only, one outstanding), else max_in_flight.
+NVC_HD int moe_in_flight(const MoeConfig& c) { return moe_bounded(c) ? 1 : c.max_in_flight; }
+NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * moe_in_flight(c)); }
 NVC_HD size_t moe_slot(const MoeConfig& c, uint64_t s) { return size_t(s & (moe_slots(c) - 1)); }
 NVC_HD MoeCtrl* moe_ctrl(char* buf) { return reinterpret_cast<MoeCtrl*>(buf + kMoeCtrlOffset); }
 // Flag of call s raised by rank `src`, block `block`, in the Ctrl of the rank that receives.
@@ -175,17 +183,46 @@ NVC_HD size_t moe_hdr_bytes(const MoeConfig& c) {
 NVC_HD size_t moe_y_row_bytes(const MoeConfig& c, int y_dtype) {
   return size_t(c.hidden) * moe_dtype_bytes(y_dtype);
 }
+// Bytes of a dispatch region set for `rows` rows per source (W headers + W x rows rows).
+NVC_HD size_t moe_dispatch_region_rows_bytes(const MoeConfig& c, int64_t rows) {
+  return size_t(c.world) * moe_hdr_bytes(c) + size_t(c.world) * size_t(rows) * moe_drow_bytes(c);
+}
 NVC_HD size_t moe_dispatch_region_bytes(const MoeConfig& c) {
-  return size_t(c.world) * moe_hdr_bytes(c) +
-         size_t(c.world) * c.max_tokens * moe_drow_bytes(c);
+  return moe_dispatch_region_rows_bytes(c, c.max_tokens);
+}
+NVC_HD size_t moe_combine_row_bytes(const MoeConfig& c) {  // one token's K landing rows (f32)
+  return size_t(c.top_k) * moe_y_row_bytes(c, kMoeF32);
 }
 NVC_HD size_t moe_combine_region_bytes(const MoeConfig& c) {
-  return size_t(c.max_tokens) * c.top_k * moe_y_row_bytes(c, kMoeF32);
+  return size_t(c.max_tokens) * moe_combine_row_bytes(c);
 }
-NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
+// The data slot of the unbounded layout: a whole call (what slot_bytes = 0 gives).
+NVC_HD size_t moe_full_half_bytes(const MoeConfig& c) {
   size_t d = moe_dispatch_region_bytes(c), m = moe_combine_region_bytes(c);
   return align_up(d > m ? d : m, 256);
 }
+NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
+  return moe_bounded(c) ? size_t(c.slot_bytes) : moe_full_half_bytes(c);
+}
+// Tokens of one round (source tokens per dispatch round, destination tokens per combine
+// round): the most whose rows fit a slot, at most max_tokens; max_tokens when unbounded.
+NVC_HD int moe_dispatch_round_tokens(const MoeConfig& c) {
+  if (!moe_bounded(c)) return c.max_tokens;
+  const size_t hdr = size_t(c.world) * moe_hdr_bytes(c), half = moe_half_bytes(c);
+  if (half <= hdr) return 0;
+  const size_t r = (half - hdr) / (size_t(c.world) * moe_drow_bytes(c));
+  return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
+}
+NVC_HD int moe_combine_round_tokens(const MoeConfig& c) {
+  if (!moe_bounded(c)) return c.max_tokens;
+  const size_t r = moe_half_bytes(c) / moe_combine_row_bytes(c);
+  return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
+}
+NVC_HD int moe_rounds(const MoeConfig& c, int round_tokens) {
+  return round_tokens < 1 ? 0 : (c.max_tokens + round_tokens - 1) / round_tokens;
+}
+NVC_HD int moe_dispatch_rounds(const MoeConfig& c) { return moe_rounds(c, moe_dispatch_round_tokens(c)); }
+NVC_HD int moe_combine_rounds(const MoeConfig& c) { return moe_rounds(c, moe_combine_round_tokens(c)); }
 NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) {
   return kCtrlBytes + size_t(moe_slots(c)) * moe_half_bytes(c);
 }
@@ -198,10 +235,17 @@ NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t s) {
 NVC_HD int32_t* moe_hdr(char* half, const MoeConfig& c, int src) {
   return reinterpret_cast<int32_t*>(half + size_t(src) * moe_hdr_bytes(c));
 }
-NVC_HD char* moe_drow(char* half, const MoeConfig& c, int src, int slot) {
+// Row `slot` of source src's region: regions hold moe_dispatch_round_tokens rows (max_tokens
+// when unbounded).
+// moe_drow_in: the same with the region's rows given (the kernels pass them as a parameter).
+NVC_HD char* moe_drow_in(char* half, const MoeConfig& c, int region_rows, int src, int slot) {
   return half + size_t(c.world) * moe_hdr_bytes(c) +
-         (size_t(src) * c.max_tokens + slot) * moe_drow_bytes(c);
+         (size_t(src) * region_rows + slot) * moe_drow_bytes(c);
 }
+NVC_HD char* moe_drow(char* half, const MoeConfig& c, int src, int slot) {
+  return moe_drow_in(half, c, moe_dispatch_round_tokens(c), src, slot);
+}
+// Landing row of (t, k), t relative to the combine round's first token: slot = t * K + k.
 NVC_HD char* moe_landing(char* half, const MoeConfig& c, int y_dtype, size_t slot /*t*K+k*/) {
   return half + slot * moe_y_row_bytes(c, y_dtype);
 }
@@ -223,6 +267,9 @@ NVC_HD uint64_t moe_config_hash(const MoeConfig& c) {
   const int f[7] = {c.num_experts, c.top_k, c.max_tokens, c.hidden, c.dtype, c.scale_cols,
                     c.max_in_flight};
   for (int i = 0; i < 7; ++i) h = (h ^ uint64_t(uint32_t(f[i]))) * 0x100000001B3ull + 0x9E37ull;
+  if (c.slot_bytes != 0)  // the unbounded layout keeps its descriptors
+    for (int i = 0; i < 2; ++i)
+      h = (h ^ uint64_t(uint32_t(uint64_t(c.slot_bytes) >> (32 * i)))) * 0x100000001B3ull + 0x9E37ull;
   return h;
 }
 NVC_HD uint32_t moe_dispatch_desc(const MoeConfig& c) {
@@ -247,6 +294,10 @@ inline const char* moe_config_error(const MoeConfig& c) {
   if (c.scale_cols < 0) return "scale_cols must be >= 0";
   if (c.max_in_flight != 1 && c.max_in_flight != 2 && c.max_in_flight != 4)
     return "max_in_flight must be 1, 2 or 4";
+  if (c.slot_bytes < 0 || c.slot_bytes % 256 != 0)
+    return "slot_bytes must be 0 or a positive multiple of 256";
+  if (moe_bounded(c) && (moe_dispatch_round_tokens(c) < 1 || moe_combine_round_tokens(c) < 1))
+    return "slot_bytes too small for one token's rows";
   return nullptr;
 }
 inline bool moe_y_dtype_ok(int y_dtype) { return y_dtype >= kMoeF32 && y_dtype <= kMoeF16; }

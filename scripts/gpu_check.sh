@@ -60,6 +60,11 @@
 #                                      max_message_bytes (world 1, all GPUs), world 1's named
 #                                      error, the CUDA-graph runs of ragged_mp.py (1 process, 2
 #                                      sharing GPU 0, with its big-output section) (~2 min)
+#   bash scripts/gpu_check.sh moeboundk MoE dispatch / combine with bounded slots (calls in rounds,
+#                                      moe_layout.h BOUNDED SLOTS), kernel harness on GPU 0 (virtual
+#                                      ranks, no package build): every case (bounded and whole-call),
+#                                      --error (a bad id in a bounded call's last round), memcheck
+#                                      on the tiny bounded cases, the --bounded-time table (~2.5 min)
 #   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
@@ -181,7 +186,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -828,7 +833,26 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
+moeboundk)  # MoE dispatch / combine with bounded slots: the MoE harness rebuilt from this tree,
+  # every case (the bounded ones and the whole-call ones, whose kernels changed beside them),
+  # --error (bounded: a bad id in the last round found in the first, every rank at once),
+  # memcheck on the tiny bounded cases, the rounds' cost (--bounded-time); logs in $OUT/moeboundk
+  local d="$OUT/moeboundk"
+  mkdir -p build "$d"
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step moeb_build 120 $NV -o build/moeb_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu
+  step moeb_cases 120 bash -c "build/moeb_h > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
+  step moeb_error 45 bash -c "build/moeb_h --error > $d/error.log 2>&1; rc=\$?; cat $d/error.log; exit \$rc"
+  step moeb_memcheck 120 bash -c "compute-sanitizer --tool memcheck --error-exitcode 1 build/moeb_h \
+    --only 'bounded tiny' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
+  step moeb_time 60 bash -c "build/moeb_h --bounded-time > $d/time.log 2>&1; rc=\$?; cat $d/time.log; exit \$rc"
+  { echo "--- moeboundk (bounded MoE slots, virtual ranks on GPU 0)"
+    grep -E "^bounded|FAIL|failure" "$d/cases.log"
+    grep -E "bounded slots|FAIL|^PASS" "$d/error.log"
+    grep -E "ERROR SUMMARY|PASS:|FAIL" "$d/memcheck.log"
+    grep -E "^EP2|^config|bounded-time" "$d/time.log"; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|moeboundk|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

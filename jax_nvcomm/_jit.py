@@ -17,6 +17,16 @@ import jax
 from . import _pool, _rewrite
 
 
+class _NotPrepared(Exception):
+    """Raised inside the trace of a call whose communicators are missing or too small: the
+    call sets the trace aside, makes them (`_pool.ensure`, outside any trace) and runs again.
+    Never seen by users."""
+
+    def __init__(self, needs):
+        super().__init__("jax_nvcomm.jit: communicators not prepared")
+        self.needs = needs
+
+
 def _normalize_argnums(nums, n):
     if nums is None:
         return ()
@@ -112,6 +122,9 @@ class Jitted:
 
     def _run(self, records, args, kwargs):
         closed, tree, dyn = self._trace(args, kwargs)
+        needs = _rewrite.needs(closed.jaxpr)
+        if not _pool.ready(needs):
+            raise _NotPrepared(needs)
         ctx = _rewrite.Ctx(lookup=_pool.lookup, records=records)
         outs = _rewrite.evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(dyn), ctx)
         return jax.tree.unflatten(tree, outs)
@@ -134,7 +147,16 @@ class Jitted:
 
     # -- the jax.jit surface -------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._prepare(args, kwargs)
+        # The hot path is jax.jit's own dispatch: a signature seen before runs its compiled
+        # program with no Python work here. A new signature is traced by jax.jit; when its
+        # communicators are missing the trace raises _NotPrepared, they are made outside the
+        # trace, and the call runs again (traced once more, on the pool's new generation).
+        for _ in range(3):
+            try:
+                return self._jitted()(*args, **kwargs)
+            except _NotPrepared as e:
+                _pool.ensure(e.needs)
+        self._prepare(args, kwargs)  # pragma: no cover - the pool refused to settle
         return self._jitted()(*args, **kwargs)
 
     def lower(self, *args, **kwargs):

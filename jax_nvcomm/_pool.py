@@ -29,6 +29,10 @@ _generation = [0]      # bumped when a communicator is re-made: programs traced 
                        # the old one's id and are traced again (`generation`)
 
 
+def _bump() -> None:
+    _generation[0] += 1
+
+
 def generation() -> int:
     """A number that changes whenever a communicator programs may hold was replaced."""
     return _generation[0]
@@ -118,11 +122,9 @@ def ensure(needs) -> None:
                 continue
             if key in _refused and not _usable(comm):
                 continue
-            if comm is not None:  # closed, or too small: make it again (larger)
-                _generation[0] += 1
-                if _usable(comm):
-                    _unregister(comm)
-                    comm.close()
+            if _usable(comm):  # too small: make it again, larger (close() bumps the
+                _unregister(comm)  # generation through its hook, as any close of it does)
+                comm.close()
             axis = need.axes[0] if len(need.axes) == 1 else tuple(need.axes)
             try:
                 comm = Communicator(need.mesh, axis, max_message_bytes=want)
@@ -132,6 +134,7 @@ def ensure(needs) -> None:
                 _comms.pop(key, None)
                 continue
             _comms[key] = comm
+            comm._close_hooks = (_bump,)  # closed by anyone (close_all, the user): retrace
             _register(comm)
 
 

@@ -347,6 +347,8 @@ class _Base:
             return
         self._final_errors = self._records()
         self._closed = True
+        for hook in getattr(self, "_close_hooks", ()):
+            hook()  # e.g. nvc.jit's pool: programs holding this communicator trace again
         if self._backend == "cuda":
             for dev in self._sym.local_devices():
                 try:

@@ -102,6 +102,8 @@
 #   bash scripts/gpu_check.sh benchragged `bench ragged` (nvc vs lax.ragged_all_to_all at MoE
 #                                      shapes, all local GPUs); stepragged: `bench step` ep-ragged
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
+#   bash scripts/gpu_check.sh jitprof  nvc.jit vs hand-written at world 1 (40 rounds, profiler traces
+#                                      of each program), then 4 processes sharing the GPU
 #   bash scripts/gpu_check.sh jit      nvc.jit on unchanged model code (tests/tp_decoder.py, the MoE
 #                                      layer on lax's collectives): world 1 (vs jax.jit, hand calls,
 #                                      dense), then 2 processes sharing GPU 0; our calls in the
@@ -754,6 +756,22 @@ jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.p
   grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)" "$OUT/all.log" | tail -30 | \
     tee -a "$OUT/summary.txt"
   ;;
+jitprof)  # nvc.jit vs hand-written, measured harder: world 1 with 40 alternated rounds and a
+  # profiler trace of each program (device time per kernel), then 4 processes sharing GPU 0
+  mkdir -p "$OUT/traces"
+  step jitp_w1 200 env JIT_CHECK_REPS=40 JIT_CHECK_TRACE="$OUT/traces" JIT_CHECK_HLO=1 \
+    $PY tests/mp/jit_check.py
+  cp /tmp/jit_check_*.hlo "$OUT/" 2>/dev/null
+  local t ts  # the summariser of the machine's shared tools (next to the checkout)
+  ts=$(ls {..,../..,../../..}/shared/tools/trace_summary.py 2>/dev/null | head -1)
+  for t in "$OUT"/traces/*/; do
+    [ -n "$ts" ] && step "trace_$(basename "$t")" 60 $PY "$ts" "$t" --steps 1
+  done
+  step jitp_sh4 200 $L -n 4 --share-gpu --timeout 190 tests/mp/jit_check.py
+  rm -rf "$OUT/traces"
+  grep -E "^(\[rank 0\] )?(decoder|moe|jit_check)|busy|^== |program|device 0" "$OUT/all.log" | \
+    tail -60 | tee -a "$OUT/summary.txt"
+  ;;
 wheel)  # build the wheel here, install it into a fresh venv, import it and run one op
   rm -rf /tmp/nvc_dist /tmp/nvc_wheel_venv
   step wheel_build 200 env JAX_NVCOMM_CUDA=ON JAX_NVCOMM_CUDA_ARCHS=90a AUDITWHEEL=off \
@@ -852,7 +870,7 @@ moeboundk)  # MoE dispatch / combine with bounded slots: the MoE harness rebuilt
     grep -E "ERROR SUMMARY|PASS:|FAIL" "$d/memcheck.log"
     grep -E "^EP2|^config|bounded-time" "$d/time.log"; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|moeboundk|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|moeboundk|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

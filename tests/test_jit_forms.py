@@ -207,6 +207,23 @@ def test_pool_reused_grown_and_closed():
     assert len(_pool.held()) == 1                 # made again after close_all
 
 
+def test_pool_communicator_closed_by_hand_is_made_again():
+    """A compiled program holding a pool communicator that is closed by anyone (not only
+    close_all) is traced again on its next call, not run on the closed buffers: the fast path
+    (jax.jit's own dispatch) must not serve a stale program."""
+    f = smap(lambda v: lax.psum(v, "tp"), in_specs=P(), out_specs=P())
+    x = _x((16, 32))
+    j = nvc.jit(f)
+    want = np.asarray(jax.jit(f)(x))
+    np.testing.assert_array_equal(np.asarray(j(x)), want)
+    (comm,) = _pool.held()
+    comm.close()
+    np.testing.assert_array_equal(np.asarray(j(x)), want)   # same signature, new communicator
+    (again,) = _pool.held()
+    assert again is not comm and not again.closed
+    nvc.close_all()
+
+
 def test_fixable_fallback_warns_once_per_site(monkeypatch):
     from jax_nvcomm import _rewrite
     _rewrite.reset_warnings()

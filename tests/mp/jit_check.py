@@ -56,14 +56,32 @@ def counts(text):
     return len(ours), len(xla)
 
 
-def timed(rows, *args, reps=7):
+REPS = int(os.environ.get("JIT_CHECK_REPS", "7"))
+TRACE_DIR = os.environ.get("JIT_CHECK_TRACE")  # a profiler trace per program, process 0
+
+
+def traced(tag, rows, *args):
+    """With JIT_CHECK_TRACE set: a profiler trace of 3 calls of each program (device time per
+    kernel: ../shared/tools/trace_summary.py DIR/<tag>_<name>)."""
+    if not TRACE_DIR or ME != 0:
+        return
+    for name, f in rows:
+        jax.block_until_ready(f(*args))
+        jax.profiler.start_trace(os.path.join(TRACE_DIR, f"{tag}_{name.replace('.', '_')}"),
+                                 create_perfetto_trace=True)
+        for _ in range(3):
+            jax.block_until_ready(f(*args))
+        jax.profiler.stop_trace()
+
+
+def timed(rows, *args, reps=None):
     """{name: ms per pass} of the looped programs, measured in turns (one call of each per
     round, the median over rounds), so that drift on the machine hits them alike."""
     for _, f in rows:
         jax.block_until_ready(f(*args))
         jax.block_until_ready(f(*args))
     ts = {name: [] for name, _ in rows}
-    for _ in range(reps):
+    for _ in range(reps or REPS):
         for name, f in rows:
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args))
@@ -148,6 +166,7 @@ def decoder():
             with open(f"/tmp/jit_check_{name}.hlo", "w") as fh:
                 fh.write(f.lower(params, x).compile().as_text())
     times = timed(rows, params, x)
+    traced("decoder", rows, params, x)
     for name, t in times.items():
         say(f"decoder time  {name:8s} {t:8.3f} ms/pass")
     say(f"decoder: nvc.jit / hand = {times['nvc.jit'] / times['hand']:.3f}")
@@ -192,7 +211,12 @@ def moe():
         want = np.asarray(jax.jit(fwd)(params, x), np.float64)
         say(f"moe: nvc.jit vs jax.jit rel {rel(got, want):.2e}")
         rows.append(("jax.jit", jax.jit(looped(fwd))))
+    if os.environ.get("JIT_CHECK_HLO"):
+        for name, f in rows:
+            with open(f"/tmp/jit_check_moe_{name}.hlo", "w") as fh:
+                fh.write(f.lower(params, x).compile().as_text())
     times = timed(rows, params, x)
+    traced("moe", rows, params, x)
     for name, t in times.items():
         say(f"moe time      {name:8s} {t:8.3f} ms/pass")
     say(f"moe: nvc.jit / hand = {times['nvc.jit'] / times['hand']:.3f}")

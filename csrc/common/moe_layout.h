@@ -50,6 +50,8 @@
 //     combine view:   landing[t * K + k] (T x K rows of H * sizeof(expert_y dtype))
 //   half = align256(max(W*hdr_bytes + W*T*drow_bytes, T*K*H*4))   (combine sized for float32 y)
 //   moe_buffer_bytes = kCtrlBytes + N * half
+//   Bounded slots (BOUNDED SLOTS below): half = slot_bytes, N = 2, a region Td rows, a landing
+//   area Tc * K rows.
 //   Scales with W*T rows (dispatch) and T*K rows (combine), never with num_experts * T.
 //
 // INVARIANTS
@@ -73,6 +75,49 @@
 //   timing out. After any error the communicator is dead (reset Ctrl to zero on every rank).
 // - Initial state: the control block (Ctrl, MoeCtrl) all zero on every rank; data slots need
 //   no initialisation.
+//
+// BOUNDED SLOTS (slot_bytes > 0: a buffer bounded by a budget, not by W*T rows)
+//   Why: the layout above holds a whole call per slot, W*T dispatch rows and T*K combine rows of
+//   hidden x 4 bytes, whatever the routing: 2 * max_in_flight * 940 MB per rank at W 8, T 4096,
+//   hidden 7168 (MoECommunicator's default max_in_flight 2: 3.5 GiB). With slot_bytes > 0 the
+//   buffer is kCtrlBytes + 2 slots of slot_bytes, and a fused call (moe_dispatch /
+//   moe_combine) runs as R consecutive calls of the protocol above, ROUNDS, each moving a range
+//   of tokens that fits a slot:
+//     dispatch round j: the source tokens [j*Td, min((j+1)*Td, n)) of every source rank,
+//       Td = moe_dispatch_round_tokens = (slot_bytes - W*hdr) / (W*drow_bytes) (at most T),
+//       R = ceil(T / Td) rounds on every rank (a function of the config, not of num_tokens:
+//       no agreement needed; a round past a rank's num_tokens sends only its header);
+//     combine round j: the destination tokens [j*Tc, min((j+1)*Tc, T)) of every rank,
+//       Tc = moe_combine_round_tokens = slot_bytes / (K*H*4); the SEND walks all its expert rows
+//       and copies those whose token is in the round (reading expert_src first), into landing
+//       row (t - j*Tc)*K + k; the RECV sums the round's tokens.
+//   Each round is an ordinary call: its own s (s = send_seq + 1, the counters advance once per
+//   round), slot and flags s % 2, the same checks. What carries over between the rounds of a
+//   dispatch is in the data: the header of every round holds the round's rows (<= Td: the
+//   region of a source is Td rows, moe_drow) and the call's TOTAL per-expert counts (block G-1
+//   counts the tokens after its round too, validating their ids, so an id out of range
+//   anywhere fails the first round; a repeated id fails its round on CUDA, the first on the
+//   host), so off[e][src] is the same in every round; a row's meta carries the
+//   call's idx (tokens before the row's token, from token 0). Rows land where a one-round call
+//   puts them: the results are bitwise those of the unbounded layout.
+//   Flow control: none beyond the protocol's own, because the rounds of a call are calls with
+//   one in flight (M = 1, N = 2 slots: the INVARIANTS' argument). Rank A writes round j+1
+//   into B's slot (j+1) % 2 only after its RECV of round j saw the flags of every block of B's
+//   SEND of round j, which B's blocks raised after B's RECV of round j-1, the last reader of
+//   that slot. No acknowledgement flags, no rank-wide barrier, no memory past the 2 slots.
+//   Cost: a flag exchange (and on CUDA a SEND and a RECV launch) per round; a round moves up to
+//   slot_bytes (128 MiB at the default 256 MiB budget), so rounds exist only where a call
+//   moves more than that. CUDA runs the rounds with their own kernels (*_rounds_kernel: the
+//   round's token range as kernel parameters), so the one-kernel fused calls of the unbounded
+//   layout keep their code and registers; a bounded call of one round is the unbounded call.
+//   Split halves (moe_*_send / moe_*_recv): a SEND of several rounds cannot finish before its
+//   RECV has run, so a split half of an op with R > 1 is refused (Python at trace time, the
+//   handlers and launchers too); one of one round works, one outstanding (moe_in_flight = 1).
+//   Against the other designs: sizing the slots by what arrives bounds nothing (one routing
+//   sends all T tokens of every source to one rank: W*T rows), and a cap that fails the call
+//   on a skewed routing would make a learned router's choice an error; the second round such
+//   a cap needs is this protocol. Pulling from the senders' staged rows stages T x
+//   destinations rows on the sender, the same size again.
 //
 // PACKED EXPERT ROWS (the form of lax.ragged_dot's lhs; moe_layer uses it): a dispatch may
 // deliver expert_x as [P, H] (and expert_x_scale as [P, S]) instead of [L, W*T, H]: the rows of

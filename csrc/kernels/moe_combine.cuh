@@ -30,6 +30,11 @@
 //   poison and skip the row, and its block then leaves instead of publishing (publish_all's
 //   vote), so the block's flag stays poison. RECV: a token_dest entry out of range
 //   (kErrBadExpert, recorded) makes its warp skip the token (y's row unspecified).
+// Bounded slots (moe_layout.h BOUNDED SLOTS): a call is rounds, each a combine_send_rounds_kernel
+// then a combine_recv_rounds_kernel (the kRounds bodies; the round's tokens [round_lo,
+// round_lo + round_tokens) are kernel parameters): SEND reads each row's slot first and copies
+// only the rows whose token is in the round, to landing row (t - round_lo) * K + k; RECV sums
+// the round's tokens. The whole-call kernels are the unbounded layout's, unchanged.
 #pragma once
 #include "moe_dispatch.cuh"
 

@@ -35,6 +35,13 @@
 //   expert_src entry keeps the second index). The block with the last arrival ticket (taken after the
 //   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
+// Bounded slots (moe_layout.h BOUNDED SLOTS): a call is rounds, each a dispatch_send_rounds_kernel
+// then a dispatch_recv_rounds_kernel (the <true> bodies): SEND takes the round's tokens
+// [round_lo, round_lo + round_tokens) of [0, n) (a kernel parameter), blocks split them as
+// above, A counts [0, t0) per expert (the call's idx) and [round_lo, t0) per destination (the
+// round's positions), and block G-1 adds the tokens after the round to the per-expert totals it
+// writes into the header (validating their ids); RECV reads regions of round_tokens rows. The
+// whole-call kernels (<false>) are the unbounded layout's, unchanged.
 //
 // Failure (kernels/common.cuh; no kernel traps, so the CUDA context stays usable):
 // - begin_send / begin_recv return 0 (every thread alike, by __syncthreads_or at the block's

@@ -255,3 +255,33 @@ def test_budget_arguments_and_default():
     with pytest.raises(TypeError, match="max_buffer_bytes must be an int, got str"):
         nvc.MoECommunicator(mesh1d(W), "x", num_experts=16, top_k=2, max_tokens=64, hidden=16,
                             dtype=jnp.float32, max_buffer_bytes="1")
+
+
+def test_moe_layer_packed_rows_in_rounds_bitwise_as_whole_calls(rng):
+    """nvc.moe_layer (the packed dispatch / combine forms) on a bounded communicator gives the
+    bits of the same layer on whole-call slots."""
+    W, E, K, T, H, F = 8, 16, 4, 96, 32, 16
+    L = E // W
+    x = jnp.asarray(rng.standard_normal((W * T, H)), jnp.bfloat16)
+    ids = routing(rng, W * T, E, K)
+    w = rng.random((W * T, K)).astype(np.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) * 0.2, jnp.bfloat16) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) * 0.2, jnp.bfloat16)
+    nt = np.array([T, 40, 0, T, 7, T, T - 1, 1], np.int32)
+    outs = []
+    for b in (None, budget(W, E, K, T, H, jnp.bfloat16, 0.3)):
+        with nvc.MoECommunicator(mesh1d(W), "x", num_experts=E, top_k=K, max_tokens=T,
+                                 hidden=H, dtype=jnp.bfloat16, max_buffer_bytes=b) as moe:
+            assert moe.bounded == (b is not None)
+            if b is not None:
+                assert moe.dispatch_rounds > 1 and moe.combine_rounds > 1, moe
+
+            def f(x, ids, w, nt, wg, wu, wd):
+                return nvc.moe_layer(x, ids, w, wg, wu, wd, moe, num_tokens=nt[0])
+
+            outs.append(np.asarray(jax.jit(jax.shard_map(
+                f, mesh=moe.mesh, in_specs=(P("x"),) * 7, out_specs=P("x")))(
+                    x, ids, w, nt, wg, wu, wd)).view(np.uint16))
+    assert L * W == E
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert np.any(outs[0] != 0)

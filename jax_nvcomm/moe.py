@@ -153,7 +153,8 @@ class MoECommunicator(_Base):
 
     @property
     def combine_round_tokens(self) -> int:
-        """Destination tokens a combine round moves (max_tokens: one round)."""
+        """Destination tokens a combine round moves with a float32 expert_y (max_tokens: one
+        round); `combine_rounds_for` gives a 16-bit expert_y's (twice as many per round)."""
         return int(self._layout["combine_round_tokens"])
 
     @property
@@ -163,8 +164,13 @@ class MoECommunicator(_Base):
 
     @property
     def combine_rounds(self) -> int:
-        """Rounds of one moe_combine (1 unless bounded)."""
+        """Rounds of one moe_combine of a float32 expert_y (1 unless bounded)."""
         return int(self._layout["combine_rounds"])
+
+    def combine_rounds_for(self, dtype) -> int:
+        """Rounds of one moe_combine of an expert_y of `dtype` (landing rows of its size)."""
+        wide = jnp.dtype(dtype).itemsize == 4
+        return int(self._layout["combine_rounds" if wide else "combine_rounds_16"])
 
     @property
     def split_in_flight(self) -> int:
@@ -204,10 +210,11 @@ def moe_layout(world, num_experts, top_k, max_tokens, hidden, dtype, scale_cols,
         raise ValueError(f"jax_nvcomm: {what}: {e}") from None
 
 
-def check_one_round(moe, op, what):
-    """Raise when a split half of `op` ("dispatch" / "combine") would need several rounds:
-    its SEND could not finish before its RECV runs (moe_layout.h BOUNDED SLOTS)."""
-    rounds = moe.dispatch_rounds if op == "dispatch" else moe.combine_rounds
+def check_one_round(moe, op, what, y_dtype=jnp.float32):
+    """Raise when a split half of `op` ("dispatch" / "combine" of an expert_y of y_dtype)
+    would need several rounds: its SEND could not finish before its RECV runs (moe_layout.h
+    BOUNDED SLOTS)."""
+    rounds = moe.dispatch_rounds if op == "dispatch" else moe.combine_rounds_for(y_dtype)
     if rounds == 1:
         return
     need = moe_layout(moe.world_size, moe.num_experts, moe.top_k, moe.max_tokens, moe.hidden,

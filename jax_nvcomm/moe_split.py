@@ -260,7 +260,7 @@ def moe_combine_send(expert_y, handle, moe=None, *, axis_name=None) -> CombineSe
     _check_combine_args(expert_y, None, moe, what)
     if moe.xla_fallback:
         return _FallbackSent((expert_y, handle), "combine")
-    check_one_round(moe, "combine", what)
+    check_one_round(moe, "combine", what, expert_y.dtype)
     _inflight.check_send(moe, what)
     axis = moe.axis_name
 
@@ -319,7 +319,7 @@ def moe_combine_recv(csent, topk_weights, moe=None, *, axis_name=None, after=Non
     if not isinstance(csent, CombineSent):
         raise TypeError(f"jax_nvcomm: {what}: csent must be the CombineSent of "
                         f"moe_combine_send, got {type(csent).__name__}")
-    check_one_round(moe, "combine", what)
+    check_one_round(moe, "combine", what, csent.expert_y.dtype)
     _inflight.check_recv(moe, csent.seq, what)
     axis = moe.axis_name
     seq_in = _after(csent.seq, after)

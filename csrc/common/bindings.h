@@ -94,6 +94,9 @@ inline void add_common_bindings(nb::module_& m) {
     d["combine_round_tokens"] = moe_combine_round_tokens(c);
     d["dispatch_rounds"] = moe_dispatch_rounds(c);
     d["combine_rounds"] = moe_combine_rounds(c);
+    // with a 16-bit expert_y (landing rows of its dtype): twice the tokens per round
+    d["combine_round_tokens_16"] = moe_combine_round_tokens(c, kMoeBF16);
+    d["combine_rounds_16"] = moe_combine_rounds(c, kMoeBF16);
     // the smallest bounded slot: one token's rows of either op
     const size_t one_d = moe_dispatch_region_rows_bytes(c, 1), one_c = moe_combine_row_bytes(c);
     d["min_slot_bytes"] = align_up(one_d > one_c ? one_d : one_c, 256);

@@ -88,7 +88,9 @@
 //       R = ceil(T / Td) rounds on every rank (a function of the config, not of num_tokens:
 //       no agreement needed; a round past a rank's num_tokens sends only its header);
 //     combine round j: the destination tokens [j*Tc, min((j+1)*Tc, T)) of every rank,
-//       Tc = moe_combine_round_tokens = slot_bytes / (K*H*4); the SEND walks all its expert rows
+//       Tc = moe_combine_round_tokens = slot_bytes / (K*H*sizeof(y)) (the landing rows have
+//       expert_y's dtype, the same on every rank: a 16-bit y takes half the rounds of float32,
+//       the size the whole-call layout reserves); the SEND walks all its expert rows
 //       and copies those whose token is in the round (reading expert_src first), into landing
 //       row (t - j*Tc)*K + k; the RECV sums the round's tokens.
 //   Each round is an ordinary call: its own s (s = send_seq + 1, the counters advance once per
@@ -258,16 +260,20 @@ NVC_HD int moe_dispatch_round_tokens(const MoeConfig& c) {
   const size_t r = (half - hdr) / (size_t(c.world) * moe_drow_bytes(c));
   return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
 }
-NVC_HD int moe_combine_round_tokens(const MoeConfig& c) {
+// A combine's landing rows have expert_y's dtype (y_dtype: every rank's call has the same, its
+// descriptor says so): a 16-bit y fits twice the tokens of the float32 the slot is sized for.
+NVC_HD int moe_combine_round_tokens(const MoeConfig& c, int y_dtype = kMoeF32) {
   if (!moe_bounded(c)) return c.max_tokens;
-  const size_t r = moe_half_bytes(c) / moe_combine_row_bytes(c);
+  const size_t r = moe_half_bytes(c) / (size_t(c.top_k) * moe_y_row_bytes(c, y_dtype));
   return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
 }
 NVC_HD int moe_rounds(const MoeConfig& c, int round_tokens) {
   return round_tokens < 1 ? 0 : (c.max_tokens + round_tokens - 1) / round_tokens;
 }
 NVC_HD int moe_dispatch_rounds(const MoeConfig& c) { return moe_rounds(c, moe_dispatch_round_tokens(c)); }
-NVC_HD int moe_combine_rounds(const MoeConfig& c) { return moe_rounds(c, moe_combine_round_tokens(c)); }
+NVC_HD int moe_combine_rounds(const MoeConfig& c, int y_dtype = kMoeF32) {
+  return moe_rounds(c, moe_combine_round_tokens(c, y_dtype));
+}
 NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) {
   return kCtrlBytes + size_t(moe_slots(c)) * moe_half_bytes(c);
 }

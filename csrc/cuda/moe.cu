@@ -168,7 +168,7 @@ cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* 
                              cudaStream_t st, uint32_t* seq_out, bool packed, int round) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !expert_y || !expert_src || !expert_counts)
     return cudaErrorInvalidValue;
-  const int rounds = moe_combine_rounds(c);
+  const int rounds = moe_combine_rounds(c, y_dtype);
   if ((seq_out != nullptr && rounds != 1) || round < 0 || round >= rounds)
     return cudaErrorInvalidValue;
   moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype,
@@ -178,7 +178,7 @@ cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* 
   if (rounds == 1) {  // the whole call (a bounded call of one round has the same landing rows)
     moe::combine_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
   } else {
-    moe::combine_round_args(c, round, &a);
+    moe::combine_round_args(c, y_dtype, round, &a);
     moe::combine_send_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
   }
   return cudaGetLastError();
@@ -189,11 +189,11 @@ cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& c, int y_dtype,
                              cudaStream_t st, const uint32_t* seq_in, int round) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
-  const int rounds = moe_combine_rounds(c);
+  const int rounds = moe_combine_rounds(c, y_dtype);
   if ((seq_in != nullptr && rounds != 1) || round < 0 || round >= rounds)
     return cudaErrorInvalidValue;
   moe::CombineRecvArgs a{topk_weights, token_dest, static_cast<uint8_t*>(y), seq_in};
-  moe::combine_round_args(c, round, &a);
+  moe::combine_round_args(c, y_dtype, round, &a);
   const int g = moe_blocks(c);
   const bool r1 = rounds == 1;
   switch (y_dtype) {
@@ -220,7 +220,7 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* exper
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
   if (!expert_y || !expert_src || !expert_counts) return cudaErrorInvalidValue;
-  const int rounds = moe_combine_rounds(c);
+  const int rounds = moe_combine_rounds(c, y_dtype);
   if (rounds > 1) {  // bounded slots: each round its SEND and RECV kernels (two launches)
     for (int r = 0; r < rounds; ++r) {
       cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st,

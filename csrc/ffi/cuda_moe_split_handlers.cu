@@ -68,9 +68,9 @@ ffi::Error CombineSendCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_split_rounds(c, false); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_send(c, expert_y, expert_src, counts, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return launch_result(
       cuda::moe_combine_send(ctx->view, c, expert_y.untyped_data(), yd,
                              static_cast<const int32_t*>(expert_src.untyped_data()),
@@ -86,9 +86,9 @@ ffi::Error CombineRecvCudaImpl(cudaStream_t stream, int32_t device, Seq seq, ffi
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_split_rounds(c, false); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_recv(c, w, token_dest, *y, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return launch_result(
       cuda::moe_combine_recv(ctx->view, c, yd, static_cast<const float*>(w.untyped_data()),
                              static_cast<const int32_t*>(token_dest.untyped_data()),

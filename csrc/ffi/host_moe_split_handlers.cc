@@ -57,9 +57,9 @@ ffi::Error CombineSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_split_rounds(c, false); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_send(c, expert_y, expert_src, counts, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return from_text(host::moe_combine_send_host(
       ctx->view, c, expert_y.untyped_data(), yd,
       static_cast<const int32_t*>(expert_src.untyped_data()),
@@ -73,9 +73,9 @@ ffi::Error CombineRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, ffi::AnyBuff
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
-  if (auto e = check_split_rounds(c, false); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_recv(c, w, token_dest, *y, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return from_text(host::moe_combine_recv_host(
       ctx->view, c, yd, static_cast<const float*>(w.untyped_data()),
       static_cast<const int32_t*>(token_dest.untyped_data()), y->untyped_data(),

@@ -23,8 +23,8 @@ inline ffi::Error moe_config_of(const RankContext& ctx, MoeConfig* c) {
 // A split half (moe_*_send / moe_*_recv) must move its call in one round: a SEND of several
 // rounds cannot finish before its RECV runs (moe_layout.h BOUNDED SLOTS). The Python ops refuse
 // it at trace time; this is the handlers' own check.
-inline ffi::Error check_split_rounds(const MoeConfig& c, bool dispatch) {
-  const int rounds = dispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c);
+inline ffi::Error check_split_rounds(const MoeConfig& c, bool dispatch, int y_dtype = kMoeF32) {
+  const int rounds = dispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c, y_dtype);
   if (rounds == 1) return ffi::Error::Success();
   return precondition(std::string("jax_nvcomm: ") + (dispatch ? "moe_dispatch" : "moe_combine") +
                       " split halves need the call in one round; this communicator's slots take " +

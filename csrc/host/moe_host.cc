@@ -145,9 +145,10 @@ std::string check(const CommView& v, const MoeConfig& c, uint32_t op) {
 }
 
 // A split half (seq pointer given) must be the call's one round; round in [0, rounds).
-std::string check_round(const MoeConfig& c, uint32_t op, bool split, int round) {
+std::string check_round(const MoeConfig& c, uint32_t op, bool split, int round,
+                        int y_dtype = kMoeF32) {
   const char* name = op == kOpMoeDispatch ? "moe_dispatch" : "moe_combine";
-  const int rounds = op == kOpMoeDispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c);
+  const int rounds = op == kOpMoeDispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c, y_dtype);
   if (split && rounds != 1)
     return fmt("jax_nvcomm %s: split halves need the call in one round; this communicator's "
                "slots take %d rounds (use the fused op or a larger max_buffer_bytes)", name, rounds);
@@ -323,9 +324,10 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
                                   const int32_t* expert_counts, uint32_t* seq_out, bool packed,
                                   int round) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
-  if (std::string e = check_round(c, kOpMoeCombine, seq_out != nullptr, round); !e.empty())
-    return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (std::string e = check_round(c, kOpMoeCombine, seq_out != nullptr, round, y_dtype);
+      !e.empty())
+    return e;
   if (!expert_y || !expert_src || !expert_counts) return "jax_nvcomm moe_combine: null input pointer";
   const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
   const uint32_t desc = moe_combine_desc(c, y_dtype);
@@ -334,7 +336,7 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
   const size_t erows = moe_expert_rows(c), yrow = moe_y_row_bytes(c, y_dtype);
   const int64_t slots = int64_t(T) * K;
   // This round's destination tokens [lo, lo + Tc) (all T unbounded); landing rows relative to lo
-  const int64_t Tc = moe_combine_round_tokens(c), lo = int64_t(round) * Tc;
+  const int64_t Tc = moe_combine_round_tokens(c, y_dtype), lo = int64_t(round) * Tc;
   size_t g = 0;  // packed: the data row of (le, i) is the g-th counted row
   for (int le = 0; le < L; ++le) {
     const int cnt = expert_counts[le];
@@ -366,9 +368,10 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
                                   const float* topk_weights, const int32_t* token_dest, void* y,
                                   const uint32_t* seq_in, int round) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
-  if (std::string e = check_round(c, kOpMoeCombine, seq_in != nullptr, round); !e.empty())
-    return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (std::string e = check_round(c, kOpMoeCombine, seq_in != nullptr, round, y_dtype);
+      !e.empty())
+    return e;
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens, H = c.hidden;
   const uint32_t desc = moe_combine_desc(c, y_dtype);
@@ -379,7 +382,8 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
   char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, y_dtype);
   std::vector<float> acc(H);
-  const int Tc = moe_combine_round_tokens(c), lo = int(std::min<int64_t>(T, int64_t(round) * Tc));
+  const int Tc = moe_combine_round_tokens(c, y_dtype);
+  const int lo = int(std::min<int64_t>(T, int64_t(round) * Tc));
   for (int t = lo; t < std::min(T, lo + Tc); ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
@@ -418,7 +422,7 @@ std::string moe_combine_host(const CommView& v, const MoeConfig& c, const void* 
                              const int32_t* expert_src, const int32_t* expert_counts, void* y,
                              bool packed) {
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
-  for (int r = 0; r < moe_combine_rounds(c); ++r) {  // one round unless the slots are bounded
+  for (int r = 0; r < moe_combine_rounds(c, y_dtype); ++r) {  // one round unless bounded
     std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts,
                                           nullptr, packed, r);
     if (e.empty()) e = moe_combine_recv_host(v, c, y_dtype, topk_weights, token_dest, y, nullptr, r);

@@ -32,9 +32,9 @@
 //   (kErrBadExpert, recorded) makes its warp skip the token (y's row unspecified).
 // Bounded slots (moe_layout.h BOUNDED SLOTS): a call is rounds, each a combine_send_rounds_kernel
 // then a combine_recv_rounds_kernel (the kRounds bodies; the round's tokens [round_lo,
-// round_lo + round_tokens) are kernel parameters): SEND reads each row's slot first and copies
-// only the rows whose token is in the round, to landing row (t - round_lo) * K + k; RECV sums
-// the round's tokens. The whole-call kernels are the unbounded layout's, unchanged.
+// round_lo + round_tokens) are kernel parameters): SEND reads the slots of 32 rows per warp at
+// once and copies only the rows whose token is in the round, to landing row (t - round_lo) * K
+// + k; RECV sums the round's tokens. The whole-call kernels are the unbounded layout's, unchanged.
 #pragma once
 #include "moe_dispatch.cuh"
 
@@ -56,9 +56,9 @@ struct CombineSendArgs {
 // The round fields (round_lo, round_tokens) of round r, for both halves' arguments: kernel
 // parameters, so the loops read them from the constant bank instead of holding registers.
 template <class Args>
-inline void combine_round_args(const MoeConfig& c, int r, Args* a) {
+inline void combine_round_args(const MoeConfig& c, int y_dtype, int r, Args* a) {
   if (!moe_bounded(c)) { a->round_lo = 0; a->round_tokens = 0; return; }
-  const int Tc = moe_combine_round_tokens(c);
+  const int Tc = moe_combine_round_tokens(c, y_dtype);
   a->round_lo = r * Tc;
   a->round_tokens = Tc < c.max_tokens - a->round_lo ? Tc : c.max_tokens - a->round_lo;
 }
@@ -133,28 +133,45 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   const int64_t slots = int64_t(T) * K;
   bool bad_slot = false;  // this warp found a bad expert_src entry: the block must not publish
   if constexpr (kRounds) {
-    // Only this round's destination tokens: a row's slot is read first and rows of other
-    // rounds are skipped before they are loaded; landing rows are relative to the round.
-    for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
-      int l = 0, h = L - 1;  // last e with pre[e] <= g
-      while (l < h) {
-        const int mid = (l + h + 1) >> 1;
-        if (pre[mid] <= g) l = mid; else h = mid - 1;
+    // Only this round's destination tokens. The warp reads the slots of 32 rows at once (one
+    // per lane: the walk over every row of the call in every round costs a load latency per
+    // 32 rows, not per row), then copies the rows of the round among them, one after another
+    // (landing rows are relative to the round; each has one writer).
+    const int qlo = a.round_lo * K, qn = a.round_tokens * K;
+    for (int g0 = (b * kWarps + warp) * 32; g0 < total; g0 += G * kWarps * 32) {
+      const int g = g0 + lane;
+      int64_t er = 0;
+      int slot = 0, l = 0;
+      bool in = false, bad = false;
+      if (g < total) {
+        int h = L - 1;  // last e with pre[e] <= g
+        while (l < h) {
+          const int mid = (l + h + 1) >> 1;
+          if (pre[mid] <= g) l = mid; else h = mid - 1;
+        }
+        er = int64_t(l) * erows + (g - pre[l]);
+        slot = __ldg(a.expert_src + er);
+        bad = slot < 0 || slot >= W * slots;
+        const int q = bad ? -1 : int(slot % slots) - qlo;
+        in = q >= 0 && q < qn;
       }
-      const int64_t er = int64_t(l) * erows + (g - pre[l]);
-      const int slot = __ldg(a.expert_src + er);
-      if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
-        if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+      const uint32_t badm = __ballot_sync(0xFFFFFFFFu, bad);
+      if (badm != 0) {  // recorded once, the row skipped; the block must not publish
+        if (lane == __ffs(badm) - 1)
+          poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
         bad_slot = true;
-        continue;
       }
-      const int src = int(slot / slots);
-      const int q = int(slot - src * slots) - a.round_lo * K;  // landing row in the round
-      if (q < 0 || q >= a.round_tokens * K) continue;        // another round's token
-      const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
-      char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(q));
-      warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
-                [&](int) { return dst; });
+      for (uint32_t inm = __ballot_sync(0xFFFFFFFFu, in); inm != 0; inm &= inm - 1) {
+        const int j = __ffs(inm) - 1;
+        const int gj = __shfl_sync(0xFFFFFFFFu, g, j), sj = __shfl_sync(0xFFFFFFFFu, slot, j);
+        const int64_t erj = __shfl_sync(0xFFFFFFFFu, er, j);
+        const int src = int(sj / slots);
+        const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(gj) : erj) * yrow;
+        char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype,
+                                size_t(int(sj - src * slots) - qlo));
+        warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
+                  [&](int) { return dst; });
+      }
     }
   } else {
     for (int g = b * kWarps + warp; g < total; g += G * kWarps) {

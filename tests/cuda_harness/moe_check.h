@@ -48,14 +48,14 @@ inline MoeConfig case_config(const Case& cs, int r) {
 // "" when the case's config runs as it means to: a bounded case in rounds for both ops.
 inline std::string case_config_check(const Case& cs, const MoeConfig& c) {
   if (const char* e = moe_config_error(c)) return std::string("bad case config: ") + e;
-  if (cs.slot_frac > 0 && (moe_dispatch_rounds(c) < 2 || moe_combine_rounds(c) < 2))
+  if (cs.slot_frac > 0 && (moe_dispatch_rounds(c) < 2 || moe_combine_rounds(c, cs.ydt) < 2))
     return "bounded case without rounds (dispatch " + std::to_string(moe_dispatch_rounds(c)) +
-           ", combine " + std::to_string(moe_combine_rounds(c)) + ")";
+           ", combine " + std::to_string(moe_combine_rounds(c, cs.ydt)) + ")";
   return "";
 }
 // Protocol calls (sequence numbers) of one dispatch + combine pair.
-inline uint64_t calls_per_pair(const MoeConfig& c) {
-  return uint64_t(moe_dispatch_rounds(c) + moe_combine_rounds(c));
+inline uint64_t calls_per_pair(const MoeConfig& c, int y_dtype) {
+  return uint64_t(moe_dispatch_rounds(c) + moe_combine_rounds(c, y_dtype));
 }
 
 struct RankIn {

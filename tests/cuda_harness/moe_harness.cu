@@ -296,7 +296,7 @@ std::string run_case(const Case& cs) {
       std::fprintf(stderr, "%s: %s%s\n", cs.name, cudaGetErrorString(e), w.errors().c_str());
       std::exit(3);  // the context is gone
     }
-    calls += calls_per_pair(c0) * cs.inflight;  // a protocol call per round
+    calls += calls_per_pair(c0, cs.ydt) * cs.inflight;  // a protocol call per round
     for (int j = 0; j < cs.inflight && result.empty(); ++j) {
       std::vector<RankOut> out;
       for (int r = 0; r < cs.W; ++r) out.push_back(download(cs, c0, slots[r][j]));
@@ -492,8 +492,8 @@ void run_graph_time() {
 }
 
 // --bounded-time: a dispatch + combine pair in CUDA graphs (10 pairs per graph, best of 3
-// launches), whole-call slots against bounded slots of 1/2, 1/4 and 1/8 of a call (the
-// rounds' extra launches and flag exchanges), W = 2 virtual ranks on ONE GPU, top-8 bf16.
+// launches), whole-call slots against bounded slots of 1/2, 1/4 and 1/8 of a dispatch call
+// (the rounds' extra launches and flag exchanges), W = 2 virtual ranks on ONE GPU, top-8 bf16.
 // Also the buffer bytes of each: what the bound buys.
 void run_bounded_time() {
   struct PC { const char* name; int E, T, H; };
@@ -545,9 +545,9 @@ void run_bounded_time() {
       const double us = best * 1000.0 / pairs;
       if (frac == 0) base = us;
       char rounds[32];
-      std::snprintf(rounds, sizeof rounds, "%d+%d", moe_dispatch_rounds(c0), moe_combine_rounds(c0));
+      std::snprintf(rounds, sizeof rounds, "%d+%d", moe_dispatch_rounds(c0), moe_combine_rounds(c0, cs.ydt));
       std::printf("%-30s | %-10s %8s %8.1f %10.1f %7.2fx%s\n", pc.name,
-                  frac == 0 ? "whole call" : frac == 0.5f ? "1/2" : frac == 0.25f ? "1/4" : "1/8",
+                  frac == 0 ? "whole call" : frac == 0.5f ? "1/2 disp" : frac == 0.25f ? "1/4 disp" : "1/8 disp",
                   rounds, moe_buffer_bytes(c0) / 1048576.0, us, us / base,
                   w.errors().empty() ? "" : (" ERROR" + w.errors()).c_str());
       for (auto g : ge) CK(cudaGraphExecDestroy(g));

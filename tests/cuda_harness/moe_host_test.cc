@@ -105,7 +105,7 @@ std::string run_case(const Case& cs) {
       if (!e.empty()) return "round " + std::to_string(round) + " op " + std::to_string(j) + ": " + e;
     }
     for (int r = 0; r < W; ++r) {
-      const uint64_t want = uint64_t(round + 1) * calls_per_pair(c0) * cs.inflight;
+      const uint64_t want = uint64_t(round + 1) * calls_per_pair(c0, cs.ydt) * cs.inflight;
       if (reinterpret_cast<Ctrl*>(world.bufs[r])->seq != want)
         return "seq did not advance once per call (round)";
     }

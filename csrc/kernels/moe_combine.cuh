@@ -136,11 +136,12 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
     // Only this round's destination tokens. The warp reads the slots of 32 rows at once (one
     // per lane: the walk over every row of the call in every round costs a load latency per
     // 32 rows, not per row), then copies the rows of the round among them, one after another
-    // (landing rows are relative to the round; each has one writer).
-    const int qlo = a.round_lo * K, qn = a.round_tokens * K;
-    for (int g0 = (b * kWarps + warp) * 32; g0 < total; g0 += G * kWarps * 32) {
-      const int g = g0 + lane;
-      int64_t er = 0;
+    // (landing rows are relative to the round; each has one writer). Lane l of warp w takes
+    // row g0 + l * nw + w, so consecutive rows (an expert's rows of one round lie together)
+    // spread over the warps as in the whole-call walk.
+    const int qlo = a.round_lo * K, qn = a.round_tokens * K, nw = G * kWarps;
+    for (int g0 = 0; g0 < total; g0 += 32 * nw) {
+      const int g = g0 + lane * nw + b * kWarps + warp;
       int slot = 0, l = 0;
       bool in = false, bad = false;
       if (g < total) {
@@ -149,8 +150,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
           const int mid = (l + h + 1) >> 1;
           if (pre[mid] <= g) l = mid; else h = mid - 1;
         }
-        er = int64_t(l) * erows + (g - pre[l]);
-        slot = __ldg(a.expert_src + er);
+        slot = __ldg(a.expert_src + int64_t(l) * erows + (g - pre[l]));
         bad = slot < 0 || slot >= W * slots;
         const int q = bad ? -1 : int(slot % slots) - qlo;
         in = q >= 0 && q < qn;
@@ -164,9 +164,17 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       for (uint32_t inm = __ballot_sync(0xFFFFFFFFu, in); inm != 0; inm &= inm - 1) {
         const int j = __ffs(inm) - 1;
         const int gj = __shfl_sync(0xFFFFFFFFu, g, j), sj = __shfl_sync(0xFFFFFFFFu, slot, j);
-        const int64_t erj = __shfl_sync(0xFFFFFFFFu, er, j);
         const int src = int(sj / slots);
-        const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(gj) : erj) * yrow;
+        int64_t row = gj;  // packed: row gj itself; else (e, i) of it (the search again: smem)
+        if (!a.packed) {
+          int le = 0, h = L - 1;
+          while (le < h) {
+            const int mid = (le + h + 1) >> 1;
+            if (pre[mid] <= gj) le = mid; else h = mid - 1;
+          }
+          row = int64_t(le) * erows + (gj - pre[le]);
+        }
+        const uint8_t* yr = a.expert_y + size_t(row) * yrow;
         char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype,
                                 size_t(int(sj - src * slots) - qlo));
         warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },

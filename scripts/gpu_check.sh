@@ -769,6 +769,7 @@ jitprof)  # nvc.jit vs hand-written, measured harder: world 1 with 40 alternated
   cp /tmp/jit_check_*.hlo "$OUT/" 2>/dev/null
   local t ts  # the summariser of the machine's shared tools (next to the checkout)
   ts=$(ls {..,../..,../../..}/shared/tools/trace_summary.py 2>/dev/null | head -1)
+  say "trace summariser: ${ts:-none found}; traces: $(ls "$OUT/traces" 2>/dev/null | tr '\n' ' ')"
   for t in "$OUT"/traces/*/; do
     [ -n "$ts" ] && step "trace_$(basename "$t")" 60 $PY "$ts" "$t" --steps 1
   done

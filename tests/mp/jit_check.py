@@ -81,8 +81,8 @@ def timed(rows, *args, reps=None):
         jax.block_until_ready(f(*args))
         jax.block_until_ready(f(*args))
     ts = {name: [] for name, _ in rows}
-    for _ in range(reps or REPS):
-        for name, f in rows:
+    for i in range(reps or REPS):
+        for name, f in rows[i % len(rows):] + rows[:i % len(rows)]:  # each row first in turn
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args))
             ts[name].append(time.perf_counter() - t0)
@@ -207,6 +207,13 @@ def moe():
         "collectives")
     say(f"moe: nvc.jit vs hand max|d| {np.abs(got - got_hand).max():.2e}")
     rows = [("nvc.jit", nvc.jit(looped(fwd))), ("hand", jax.jit(looped(hand)))]
+    from jax_nvcomm import _pool
+    pool_comm, _ = _pool.lookup(mesh, ("ep",))
+    if pool_comm is not None:  # the hand-written program on nvc.jit's own communicator
+        rows.append(("hand@pool", jax.jit(looped(fwd_of(
+            mr.collectives("nvc", axis_name="ep", comm=pool_comm))))))
+        say(f"moe: communicators: hand {comm.max_message_bytes} B, nvc.jit's "
+            f"{pool_comm.max_message_bytes} B")
     if SOLO and GPU:  # XLA:CPU has no ragged all-to-all
         want = np.asarray(jax.jit(fwd)(params, x), np.float64)
         say(f"moe: nvc.jit vs jax.jit rel {rel(got, want):.2e}")

@@ -60,6 +60,16 @@
 #                                      max_message_bytes (world 1, all GPUs), world 1's named
 #                                      error, the CUDA-graph runs of ragged_mp.py (1 process, 2
 #                                      sharing GPU 0, with its big-output section) (~2 min)
+#   bash scripts/gpu_check.sh moeboundk MoE dispatch / combine with bounded slots (calls in rounds,
+#                                      moe_layout.h BOUNDED SLOTS), kernel harness on GPU 0 (virtual
+#                                      ranks, no package build): every case (bounded and whole-call),
+#                                      --error (a bad id in a bounded call's last round), memcheck
+#                                      on the tiny bounded cases, the --bounded-time table (~2.5 min)
+#   bash scripts/gpu_check.sh moebound bounded MoE slots and ragged_all_to_all's big outputs through
+#                                      the package (built if needed): tests/mp/moe_bounded_mp.py
+#                                      (calls in rounds, direct and in a fori_loop under command
+#                                      buffers) and ragged_mp.py's chunked section, 2 and 4 processes
+#                                      sharing GPU 0, then 1 process in the time left (~150 s + build)
 #   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
@@ -190,7 +200,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | moelayerk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -976,7 +986,50 @@ for kind in ("local", "block", "bench"):
 PYEOF
   } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|wform|wform2]..." >&2; exit 2 ;;
+moeboundk)  # MoE dispatch / combine with bounded slots: the MoE harness rebuilt from this tree,
+  # every case (the bounded ones and the whole-call ones, whose kernels changed beside them),
+  # --error (bounded: a bad id in the last round found in the first, every rank at once),
+  # memcheck on the tiny bounded cases, the rounds' cost (--bounded-time); logs in $OUT/moeboundk
+  local d="$OUT/moeboundk"
+  mkdir -p build "$d"
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step moeb_build 120 $NV -o build/moeb_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu
+  step moeb_cases 120 bash -c "build/moeb_h > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
+  step moeb_error 45 bash -c "build/moeb_h --error > $d/error.log 2>&1; rc=\$?; cat $d/error.log; exit \$rc"
+  step moeb_memcheck 120 bash -c "compute-sanitizer --tool memcheck --error-exitcode 1 build/moeb_h \
+    --only 'bounded tiny' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
+  step moeb_time 60 bash -c "build/moeb_h --bounded-time > $d/time.log 2>&1; rc=\$?; cat $d/time.log; exit \$rc"
+  { echo "--- moeboundk (bounded MoE slots, virtual ranks on GPU 0)"
+    grep -E "^bounded|FAIL|failure" "$d/cases.log"
+    grep -E "bounded slots|FAIL|^PASS" "$d/error.log"
+    grep -E "ERROR SUMMARY|PASS:|FAIL" "$d/memcheck.log"
+    grep -E "^EP2|^config|bounded-time" "$d/time.log"; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: calls in rounds,
+  # direct and a fori_loop under XLA command buffers, against numpy) and ragged_all_to_all's
+  # outputs of 64 x max_message_bytes (ragged_mp.py --graph=1, its chunked section), 2 and 4
+  # processes sharing GPU 0 (our kernels only: NCCL refuses shared GPUs), then world 1 in the
+  # time left; logs in $OUT/moebound
+  local t0=$SECONDS d="$OUT/moebound"
+  mkdir -p "$d"
+  for n in 2 4; do
+    step "moeb_sh$n" 75 bash -c "$L -n $n --share-gpu --timeout 70 tests/mp/moe_bounded_mp.py --graph=1 > $d/moe_sh$n.log 2>&1; rc=\$?; cat $d/moe_sh$n.log; exit \$rc"
+  done
+  for n in 2 4; do
+    local left=$((150 - (SECONDS - t0)))
+    [ "$left" -gt 20 ] && step "ragbig_sh$n" "$left" bash -c "$L -n $n --share-gpu --timeout $((left - 5)) tests/mp/ragged_mp.py --rounds=2 --graph=1 > $d/ragged_sh$n.log 2>&1; rc=\$?; cat $d/ragged_sh$n.log; exit \$rc"
+  done
+  local left=$((150 - (SECONDS - t0)))
+  [ "$left" -gt 20 ] && step moeb_w1 "$left" bash -c "$PY tests/mp/moe_bounded_mp.py --graph=1 > $d/moe_w1.log 2>&1; rc=\$?; cat $d/moe_w1.log; exit \$rc"
+  { echo "--- moebound (bounded MoE slots | ragged chunked; processes sharing GPU 0, CUDA-graph loops)"
+    for f in "$d"/moe_sh2.log "$d"/moe_sh4.log "$d"/moe_w1.log; do
+      [ -f "$f" ] && grep -hE "^(\[rank 0\] )?\[p0\] (layout|bounded|3 direct|fori_loop|moe_bounded_mp)|Error|FAIL" "$f" | tail -6
+    done
+    for f in "$d"/ragged_sh2.log "$d"/ragged_sh4.log; do
+      [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
+    done; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|moeboundk|moebound|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|wform|wform2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -55,29 +55,30 @@ def _out_dtype(lhs_dtype, preferred_element_type):
 
 
 def _decide(m, k, g, n, dt, rdt, odt, platform, rows_rule):
-    """(strategy, why) of `select_ragged_dot_strategy`; rows_rule=False skips the rows-per-group
-    rule (strategy="kernel")."""
+    """(strategy, why, fixable) of `select_ragged_dot_strategy`; rows_rule=False skips the
+    rows-per-group rule (strategy="kernel"). fixable: XLA's path for a reason the caller can
+    change (a dtype mix, a result dtype, K or N off a multiple of 8)."""
     if platform not in ("cpu", "cuda"):
-        return "xla", f"platform {platform!r} has no kernel"
+        return "xla", f"platform {platform!r} has no kernel", False
     if dt != rdt or dt not in _KERNEL_DTYPES:
         return "xla", (f"operands {dt.name} x {rdt.name} (the kernel takes one dtype of "
-                       "bfloat16, float16, float32)")
+                       "bfloat16, float16, float32)"), True
     if platform == "cuda" and dt == jnp.float32:
-        return "xla", "float32 operands on CUDA devices (XLA's GEMM)"
+        return "xla", "float32 operands on CUDA devices (XLA's GEMM)", False
     if odt not in (dt, jnp.dtype(jnp.float32)):
-        return "xla", f"result dtype {odt.name} (the kernel gives {dt.name} or float32)"
+        return "xla", f"result dtype {odt.name} (the kernel gives {dt.name} or float32)", True
     if platform == "cuda" and (k % 8 or n % 8):
-        return "xla", f"K {k} or N {n} not a multiple of 8"
+        return "xla", f"K {k} or N {n} not a multiple of 8", True
     if not 1 <= g <= MAX_GROUPS or m > MAX_ROWS:
-        return "xla", f"G {g} outside [1, {MAX_GROUPS}] or M {m} > {MAX_ROWS}"
+        return "xla", f"G {g} outside [1, {MAX_GROUPS}] or M {m} > {MAX_ROWS}", False
     if m == 0 or n == 0:
-        return "xla", "an empty product"
+        return "xla", "an empty product", False
     if rows_rule and m > KERNEL_MAX_ROWS_PER_GROUP * g:
         return "xla", (f"{m / g:.1f} rows per group on average > {KERNEL_MAX_ROWS_PER_GROUP} "
-                       "(compute-bound: XLA's GEMM)")
+                       "(compute-bound: XLA's GEMM)"), False
     return "kernel", (f"{m / g:.1f} rows per group on average" +
                       (f" <= {KERNEL_MAX_ROWS_PER_GROUP} (bound by reading the weights)"
-                       if rows_rule else " (strategy='kernel')"))
+                       if rows_rule else " (strategy='kernel')")), False
 
 
 def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element_type=None,
@@ -109,7 +110,7 @@ def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element
     dt = jnp.dtype(dtype)
     rdt = jnp.dtype(rhs_dtype) if rhs_dtype is not None else dt
     odt = _out_dtype(jnp.result_type(dt, rdt), preferred_element_type)
-    strat, why = _decide(m, k, g, n, dt, rdt, odt, platform, True)
+    strat, why, _ = _decide(m, k, g, n, dt, rdt, odt, platform, True)
     if not explain:
         return strat
     return RaggedDotChoice(strat, platform, f"ragged_dot [{m}, {k}] x [{g}, {k}, {n}] "
@@ -126,11 +127,49 @@ def _kernel_platforms(strategy, lhs, rhs, out_dtype) -> tuple:
     for p in ("cpu", "cuda"):
         if p == "cuda" and not _ffi.CUDA_BUILT:
             continue
-        s, _ = _decide(m, k, g, n, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                       jnp.dtype(out_dtype), p, strategy == "auto")
+        s, _, _ = _decide(m, k, g, n, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
+                          jnp.dtype(out_dtype), p, strategy == "auto")
         if s == "kernel":
             out.append(p)
     return tuple(out)
+
+
+def _default_platform() -> str:
+    """The platform ("cpu" / "cuda") of the default backend, the one a fallback is reported for."""
+    try:
+        b = jax.default_backend()
+    except RuntimeError:
+        return "cpu"
+    return "cuda" if b in ("gpu", "cuda") else b
+
+
+def fallback(strategy, lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, out_dtype):
+    """(why, fixable) when a call with `strategy` takes lax's path on the default backend's
+    platform although the kernel could serve it there; None when the kernel runs there or the
+    caller asked for XLA (strategy="xla"), or there is no kernel for the platform (a build
+    without CUDA: nothing the call can change)."""
+    if strategy == "xla":
+        return None
+    p = _default_platform()
+    if p not in ("cpu", "cuda") or (p == "cuda" and not _ffi.CUDA_BUILT):
+        return None
+    m, k = (int(d) for d in lhs_shape)
+    g, _, n = (int(d) for d in rhs_shape)
+    s, why, fixable = _decide(m, k, g, n, jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype),
+                              jnp.dtype(out_dtype), p, strategy == "auto")
+    if s == "kernel":
+        return None
+    return (f"ragged_dot [{m}, {k}] x [{g}, {k}, {n}] {jnp.dtype(lhs_dtype).name} x "
+            f"{jnp.dtype(rhs_dtype).name} -> {jnp.dtype(out_dtype).name} takes "
+            f"lax.ragged_dot on {p}: {why}"), fixable
+
+
+def _warn_fallback(strategy, lhs, rhs, out_dtype):
+    """Once per call site: the call takes lax's path for a reason the caller can fix."""
+    f = fallback(strategy, lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_dtype)
+    if f is not None and f[1]:
+        from . import _warn
+        _warn.warn_once(f"jax_nvcomm: {f[0]} (JAX_NVCOMM_QUIET=1 silences this)")
 
 
 def _check(lhs, rhs, group_sizes, what):
@@ -258,6 +297,12 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=
     Raises:
       ValueError / TypeError: shapes other than the MoE form, non-integer group_sizes, an
         unknown strategy; each names the argument, the expected and the actual value.
+
+    Warns:
+      a UserWarning (XlaPathWarning), once per call site, when the call takes lax's path on the
+      default backend for a reason the caller can change (operands of two dtypes, a result
+      dtype the kernel does not give, K or N not a multiple of 8 on CUDA devices); not for the
+      rows-per-group rule or strategy="xla". `JAX_NVCOMM_QUIET=1` silences it.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"jax_nvcomm: ragged_dot: strategy must be one of {STRATEGIES}, got "
@@ -265,8 +310,16 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes, "ragged_dot")
     gs = group_sizes.astype(jnp.int32)
+    return _ragged_dot(lhs, rhs, gs, preferred_element_type, precision, strategy, True)
+
+
+def _ragged_dot(lhs, rhs, gs, preferred_element_type, precision, strategy, warn):
+    """`ragged_dot` past its argument checks (gs int32); warn: a fixable fallback warns once
+    per call site (nvc.jit's rewrite warns at the program's own line instead)."""
     out_dtype = _out_dtype(jnp.result_type(lhs.dtype, rhs.dtype), preferred_element_type)
     platforms = _kernel_platforms(strategy, lhs, rhs, out_dtype)
+    if warn:
+        _warn_fallback(strategy, lhs, rhs, out_dtype)
     if not platforms:
         return _lax_ragged_dot(lhs, rhs, gs, preferred_element_type, precision)
     return _kernel_ragged_dot(lhs, rhs, gs, out_dtype, precision, platforms)

@@ -74,6 +74,14 @@
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
+#                            rdotsweep the kernel options (balanced ranges, per-row-count MMA loop, L2
+#                                      prefetch) x tiles: cases (each variant vs float64), memcheck
+#                                      of the cases, the sweep at the decode shapes (every result
+#                                      checked), a matrix of time / bound per variant last (~2 min)
+#                            rdotlayer the package's tiles after the sweeps: harness cases (float64),
+#                                      the production table, the sweep's next candidates (30 s),
+#                                      then the layer rows of bench moelayer (layer, layer
+#                                      two-dot; device time from traces) (~2.5 min + build)
 #                            rdotpy    tests/test_ragged_dot.py and tests/gpu/test_gpu_ragged_dot.py on
 #                                      GPU 0 (the package's op: kernel, graph loop, gradients,
 #                                      shard_map; 1, 2 and 4 processes) (~2 min + build)
@@ -200,7 +208,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | rdotsweep | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -404,10 +412,10 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
-    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
   step rdot_cases 60 build/rdot_h
@@ -418,6 +426,71 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
   grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  ;;
+rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda_harness/
+  # ragged_dot_sweep.h kSweepParts) compiled in parallel; the cases (every variant x cluster size
+  # against float64), memcheck of the cases with the TMA variants (balanced, row-count loop) in at
+  # most 25 s, then the sweep (cluster size 1, every variant's result checked, sampled); its
+  # matrix and best-per-shape table printed last
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h
+  grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
+  grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
+  step rdot_memcheck 25 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
+  grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
+  # variants that failed or hung in the cases stay out of the sweep (a hang there would end it);
+  # one TMA variant wrong: all of them
+  local skip
+  skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
+  case "$skip" in *tma*) skip="${skip}*tma" ;; esac
+  [ -n "$skip" ] && say "rdot sweep skips: $skip"
+  step rdot_sweep 95 build/rdot_h --sweep --budget 60 --skip "$skip"
+  grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -E "^FAIL|HANG" "$OUT/rdot/sweep.txt" | head -20 | tee -a "$OUT/summary.txt"
+  grep -E "^(copy|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  if grep -q "^sweep matrix" "$OUT/rdot/sweep.txt"; then
+    sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  else  # the sweep did not finish: the rows it printed on the way
+    grep -E "^mrow " "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  fi
+  ;;
+rdotlayer)  # the grouped kernel with the package's tiles: the harness cases (float64; every
+  # variant of the sweep too), its production table, the sweep's next candidates in at most 30 s
+  # (matrix last of that step), then nvc.moe_layer's rows of bench moelayer (the layer and its
+  # two-dot form, device time from profiler traces); logs in $OUT/rdot, $OUT/moelayer
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+  step rdot_cases 60 build/rdot_h
+  grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
+  say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
+  grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
+  local skip
+  skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
+  step rdot_sweep 75 build/rdot_h --sweep --budget 30 --skip "$skip"
+  grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"
+  grep -E "^(copy|FAIL|HANG|E  |[0-9]+ +[0-9]+ +[0-9]+ )" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  sed -n '/^sweep matrix/,$p' "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
+  step ml_bench 200 $PY -m jax_nvcomm.bench.moelayer_layer --layer-methods layer "layer two-dot" \
+    --out "$OUT/moelayer"
+  grep -hE "vs layer" "$OUT/all.log" | tail -6 | tee -a "$OUT/summary.txt"
+  grep -hE "^(experts|-------|[0-9]+ +[0-9]+ +[0-9.]+ )" "$OUT/all.log" | tail -8 | \
+    tee -a "$OUT/summary.txt"
   ;;
 rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference and lax, then
   # tests/gpu/test_gpu_ragged_dot.py (one process, 2 and 4 sharing GPU 0, CUDA-graph loop)
@@ -430,10 +503,10 @@ rdotfinal)  # the kernel harness (cases, production table), the package's op on 
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    $NV -DRDOT_SWEEP_PART=0 -c $H/ragged_dot_sweep.cu -o $B/sweep0.o &
-    $NV -DRDOT_SWEEP_PART=1 -c $H/ragged_dot_sweep.cu -o $B/sweep1.o &
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
   step rdot_cases 60 build/rdot_h --no-variants
@@ -1029,7 +1102,7 @@ moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: 
       [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
     done; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|moeboundk|moebound|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|wform|wform2]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|wform|wform2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

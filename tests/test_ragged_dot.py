@@ -152,9 +152,42 @@ def test_mixed_dtypes_take_lax():
     c = nvc.select_ragged_dot_strategy(lhs.shape, rhs.shape, lhs.dtype, rhs_dtype=rhs.dtype,
                                        platform="cpu", explain=True)
     assert c.strategy == "xla" and "bfloat16 x float32" in c.reason
-    got = nvc.ragged_dot(lhs, rhs, gs)
+    with pytest.warns(UserWarning, match="takes lax.ragged_dot"):   # a fixable fallback
+        got = nvc.ragged_dot(lhs, rhs, gs)
     want = lax.ragged_dot(lhs, rhs, gs)
     assert got.dtype == want.dtype and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fixable_fallback_warns_once_per_call_site(monkeypatch):
+    import warnings
+    from jax_nvcomm import _warn
+    monkeypatch.delenv("JAX_NVCOMM_QUIET", raising=False)
+    _warn.reset()
+    rng = np.random.default_rng(6)
+    lhs = rand(rng, (10, 16), jnp.bfloat16)
+    rhs = rand(rng, (2, 16, 8), jnp.float32)
+    gs = jnp.asarray([4, 6], jnp.int32)
+    plat = "cuda" if ON_GPU else "cpu"
+    with pytest.warns(UserWarning, match=rf"ragged_dot \[10, 16\] x \[2, 16, 8\] bfloat16 x "
+                                         rf"float32 -> float32 takes lax.ragged_dot on {plat}: "
+                                         r"operands bfloat16 x float32") as rec:
+        for _ in range(3):
+            nvc.ragged_dot(lhs, rhs, gs)          # one line: one warning
+    assert len(rec) == 1 and rec[0].filename.endswith("test_ragged_dot.py"), rec
+    same = rand(rng, (2, 16, 8), jnp.bfloat16)
+    many = rand(rng, (200, 16), jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nvc.ragged_dot(lhs, rhs, gs, strategy="xla")            # asked for XLA
+        nvc.ragged_dot(lhs, same, gs)                           # the kernel's
+        nvc.ragged_dot(many, same, jnp.asarray([100, 100], jnp.int32))  # rows rule: not a fault
+    with pytest.warns(UserWarning, match="result dtype float16"):
+        nvc.ragged_dot(lhs, same, gs, preferred_element_type=jnp.float16)
+    _warn.reset()
+    monkeypatch.setenv("JAX_NVCOMM_QUIET", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nvc.ragged_dot(lhs, rhs, gs)
 
 
 def test_strategy_rule():

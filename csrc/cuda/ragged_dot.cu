@@ -1,5 +1,5 @@
-// The launcher of ragged_dot / ragged_dot_swiglu (ragged_dot.h): argument checks, the rows tile
-// and split-K choice, dispatch to the instantiation of the operand family (ragged_dot_parts.h).
+// The launcher of ragged_dot / ragged_dot_swiglu (ragged_dot.h): argument checks, the tile and
+// split-K choice, dispatch to the instantiation of the operand family (ragged_dot_parts.h).
 #include "ragged_dot.h"
 
 #include <cstdint>
@@ -39,6 +39,11 @@ int ragged_dot_rows_tile(const RaggedDotArgs& a) {
   return 3 * avg <= 32 ? 16 : 64;
 }
 
+int ragged_dot_tile(const RaggedDotArgs& a, bool swiglu) {
+  if (ragged_dot_rows_tile(a) > 16) return kRows64;
+  return a.g >= 128 && (swiglu || a.n <= a.k) ? kRows16ManyGroups : kRows16;
+}
+
 int ragged_dot_cluster(const RaggedDotArgs&) {
   // split-K over a cluster cost more (its reduction, the co-scheduling of the cluster's blocks)
   // than the better balance gained at every decode shape measured but one (ragged_dot_family.cuh)
@@ -47,14 +52,14 @@ int ragged_dot_cluster(const RaggedDotArgs&) {
 
 cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s) {
   if (ragged_dot_check(a, false) != nullptr) return cudaErrorInvalidValue;
-  const int r = ragged_dot_rows_tile(a), c = ragged_dot_cluster(a);
-  return a.dtype == 1 ? rdot_parts::bf16(a, r, c, s) : rdot_parts::f16(a, r, c, s);
+  const int t = ragged_dot_tile(a, false), c = ragged_dot_cluster(a);
+  return a.dtype == 1 ? rdot_parts::bf16(a, t, c, s) : rdot_parts::f16(a, t, c, s);
 }
 
 cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s) {
   if (ragged_dot_check(a, true) != nullptr) return cudaErrorInvalidValue;
-  const int r = ragged_dot_rows_tile(a), c = ragged_dot_cluster(a);
-  return a.dtype == 1 ? rdot_parts::swiglu_bf16(a, r, c, s) : rdot_parts::swiglu_f16(a, r, c, s);
+  const int t = ragged_dot_tile(a, true), c = ragged_dot_cluster(a);
+  return a.dtype == 1 ? rdot_parts::swiglu_bf16(a, t, c, s) : rdot_parts::swiglu_f16(a, t, c, s);
 }
 
 cudaError_t ragged_dot_load_kernels() {

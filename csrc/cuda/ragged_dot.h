@@ -7,7 +7,9 @@
 // group; group_sizes: device int32 [G], read by the kernel (no host sync); out [M, N].
 //
 // Contract: no allocation, no synchronisation, no host state beyond per-device caches of
-// occupancy answers: CUDA-graph capturable (one kernel launch on `s`). Deterministic: the same
+// occupancy answers and the driver's tensor-map encoder (looked up once; TMA tiles encode their
+// weights' maps on the host at each launch, into the kernel's parameters): CUDA-graph
+// capturable (one kernel launch on `s`). Deterministic: the same
 // inputs give the same bits (fixed-order split-K reduction). Arguments the kernel does not take
 // (ragged_dot_check says why, as static text) return cudaErrorInvalidValue before anything is
 // launched. M == 0 or N == 0 launches nothing.
@@ -42,6 +44,12 @@ cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s);
 // Rows per item (R: 16 or 64) and blocks per cluster (split-K) the launcher picks for `a`.
 int ragged_dot_rows_tile(const RaggedDotArgs& a);
 int ragged_dot_cluster(const RaggedDotArgs& a);
+
+// The tile the launcher picks (cuda/ragged_dot_family.cuh: the tiles and their measurements):
+// R 16 round robin; R 16 for many groups (G >= 128: the gate-shaped product, N <= K, on
+// balanced ranges with TMA weights, swiglu with the row-count loop); R 64.
+enum RaggedDotTile : int { kRows16 = 0, kRows16ManyGroups = 1, kRows64 = 2 };
+int ragged_dot_tile(const RaggedDotArgs& a, bool swiglu);
 
 // Load every kernel of this file on the current device (first launches then wait on nothing).
 cudaError_t ragged_dot_load_kernels();

@@ -6,9 +6,9 @@ namespace nvc {
 namespace cuda {
 namespace rdot_parts {
 using B = __nv_bfloat16;
-cudaError_t bf16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s) {
-  return a.out_dtype == 0 ? rdot_launch::launch_rows<B, float, false>(a, rows_tile, cluster, s)
-                          : rdot_launch::launch_rows<B, B, false>(a, rows_tile, cluster, s);
+cudaError_t bf16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s) {
+  return a.out_dtype == 0 ? rdot_launch::launch_rows<B, float, false>(a, tile, cluster, s)
+                          : rdot_launch::launch_rows<B, B, false>(a, tile, cluster, s);
 }
 cudaError_t load_bf16() {
   if (cudaError_t e = rdot_launch::load_rows<B, float, false>(); e != cudaSuccess) return e;

@@ -4,6 +4,8 @@
 #pragma once
 #include <atomic>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled (the driver's, reached through the runtime)
 #include <cuda_runtime.h>
 
 #include "../kernels/ragged_dot.cuh"
@@ -14,10 +16,43 @@ namespace nvc {
 namespace cuda {
 namespace rdot_launch {
 
-template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW>
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda);
+// nullptr when the driver lacks it (looked up once per process).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static void* const fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return f;
+  }();
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+}
+
+// The weights [g, k, n] (16-bit elements) as a 3-d tensor map (n innermost) with boxes of
+// 64 columns x bk rows x 1 group and the 128-byte swizzle (kernels/ragged_dot.cuh kTma).
+inline bool encode_weights(CUtensorMap* map, const void* w, int dtype, int64_t g, int64_t k,
+                           int64_t n, int bk) {
+  PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+  if (enc == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(n), cuuint64_t(k), cuuint64_t(g)};
+  const cuuint64_t strides[2] = {cuuint64_t(n) * 2, cuuint64_t(k) * cuuint64_t(n) * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(bk), 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return enc(map, dtype == 2 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             3, const_cast<void*>(w), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW, int OPT = 0>
 struct Kernel {
-  using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW>;
-  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW>;
+  using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW, OPT>;
+  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW, OPT>;
 
   // Raise the dynamic shared-memory limit (once per device; returns the error of the first try).
   static cudaError_t prepare() {
@@ -61,7 +96,12 @@ struct Kernel {
       const int sms = device_sm_count();
       ncl = sms > 0 ? sms / cs : 1;
     }
-    dev::rdot::Params p;
+    dev::rdot::Params p = {};
+    if constexpr (Tl::kTmaW) {
+      if (!encode_weights(&p.tmap[0], a.rhs, a.dtype, a.g, a.k, a.n, BK) ||
+          (SW && !encode_weights(&p.tmap[1], a.rhs2, a.dtype, a.g, a.k, a.n, BK)))
+        return cudaErrorInvalidValue;
+    }
     p.lhs = a.lhs;
     p.rhs = a.rhs;
     p.rhs2 = a.rhs2;
@@ -87,12 +127,16 @@ struct Kernel {
   }
 
   // Module loaded, shared-memory limit raised, the occupancy of the package's cluster size (1)
-  // cached: a first launch then makes no runtime query (it may be inside a graph capture).
+  // cached (and for TMA kernels the tensor-map encoder found): a first launch then makes no
+  // runtime query (it may be inside a graph capture).
   static cudaError_t load() {
     cudaFuncAttributes fa;
     if (cudaError_t e = cudaFuncGetAttributes(&fa, fn); e != cudaSuccess) return e;
     if (cudaError_t e = prepare(); e != cudaSuccess) return e;
     clusters(1);
+    // TMA kernels: the driver's tensor-map encoder looked up now, not inside a graph capture
+    if constexpr (Tl::kTmaW)
+      if (tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
     return cudaSuccess;
   }
 };

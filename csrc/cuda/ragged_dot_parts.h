@@ -1,8 +1,7 @@
 // Internal to csrc/cuda: the ragged_dot kernel instantiations, one translation unit per operand
 // family so that they compile in parallel (ragged_dot_bf16.cu, ragged_dot_f16.cu,
 // ragged_dot_swiglu_bf16.cu, ragged_dot_swiglu_f16.cu); ragged_dot.cu checks the arguments
-// and picks one. `rows_tile` is R
-// (16 or 64), `cluster` the blocks per cluster.
+// and picks one. `tile` is a RaggedDotTile (ragged_dot.h), `cluster` the blocks per cluster.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -11,10 +10,10 @@
 namespace nvc {
 namespace cuda {
 namespace rdot_parts {
-cudaError_t bf16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s);
-cudaError_t f16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s);
-cudaError_t swiglu_bf16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s);
-cudaError_t swiglu_f16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s);
+cudaError_t bf16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s);
+cudaError_t f16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s);
+cudaError_t swiglu_bf16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s);
+cudaError_t swiglu_f16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s);
 cudaError_t load_bf16();
 cudaError_t load_f16();
 cudaError_t load_swiglu_bf16();

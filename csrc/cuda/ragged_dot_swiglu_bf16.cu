@@ -6,9 +6,9 @@ namespace nvc {
 namespace cuda {
 namespace rdot_parts {
 using E = __nv_bfloat16;
-cudaError_t swiglu_bf16(const RaggedDotArgs& a, int rows_tile, int cluster, cudaStream_t s) {
-  return a.out_dtype == 0 ? rdot_launch::launch_rows<E, float, true>(a, rows_tile, cluster, s)
-                          : rdot_launch::launch_rows<E, E, true>(a, rows_tile, cluster, s);
+cudaError_t swiglu_bf16(const RaggedDotArgs& a, int tile, int cluster, cudaStream_t s) {
+  return a.out_dtype == 0 ? rdot_launch::launch_rows<E, float, true>(a, tile, cluster, s)
+                          : rdot_launch::launch_rows<E, E, true>(a, tile, cluster, s);
 }
 cudaError_t load_swiglu_bf16() {
   if (cudaError_t e = rdot_launch::load_rows<E, float, true>(); e != cudaSuccess) return e;

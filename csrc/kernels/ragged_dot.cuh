@@ -37,6 +37,39 @@
 //   fragments from the [k][n] layout, ldmatrix the row fragments, mma.sync.m16n8k16 (f32
 //   accumulators) only for the row tiles that hold rows.
 //
+// Balanced ranges (option kBalanced): whole items dealt round-robin leave the grid unevenly loaded
+// when the item count is not a multiple of the clusters (32 experts x 8 tokens, gate: ~28 groups
+// x 8 N tiles = 224 items on 132 SMs, two rounds for 1.7 rounds of work: ~0.85 of the stream).
+// Instead the work is counted in units of UW columns (64, or 32 with kUnit32) of one row chunk
+// of one group: U = sum over groups of chunks x ceil(N / UW), numbered group, chunk, column strip.
+// Cluster c takes units [c*U/ncl, (c+1)*U/ncl) (a difference of at most one unit between
+// clusters) and walks them as pieces: maximal runs of units in one (group, chunk), at most BN / UW
+// units (one tile) wide. A piece is an item of width nw <= BN: the weight columns past nw are not
+// loaded (zeros), warps whose columns all lie past nw skip their MMAs, and the epilogue stores
+// columns < nw only. Neighbouring clusters stream neighbouring column strips of one group, so the
+// chunks of a group with more than R rows (numbered next to each other) meet in L2 as before.
+// Measured (one H200, cp.async weights): slower than round robin at every decode shape (32 x 8
+// gate 2.37x the bound against 1.49x). A reading: round robin has the CTAs of one group's N
+// tiles streaming the same K rows together, so each weight row is read whole while its DRAM
+// pages are open; contiguous strip ranges start ~5 CTAs per group at different strips. The
+// package uses it only where it measured faster, always with TMA weights (R 64; R 16 gate-shaped
+// products over >= 128 groups: cuda/ragged_dot_family.cuh).
+//
+// Per-row-count MMA loop (option kSpecRows): the loop over the n8 row tiles of an item (1 .. R/8)
+// compiled once per count and picked per item, instead of R/8 runtime tests inside the k loop
+// (behind which the compiler cannot hoist the next tile's ldmatrix).
+//
+// TMA weights (option kTma): thread 0 arms the stage's mbarrier with its bytes (boxes x BK x 128
+// B x weights) and issues one cp.async.bulk.tensor.3d per box of 64 columns (the map is [G, K, N]
+// with N innermost: rows past K and columns past N are out of bounds and arrive as zeros, never
+// the next group's rows); every thread waits on the stage's mbarrier (parity = (stage / STAGES)
+// & 1) after the block barrier that also retires the cp.async lhs rows. A slot is re-armed only
+// after the block barrier of the next iteration, which every thread passes after its wait on the
+// slot's previous phase, so no thread waits on a phase already overtaken. The smem weight tile
+// is [BN / 64 boxes][BK rows][128 B] with 16-byte chunk c of row k at chunk c ^ (k % 8) (the
+// 128-byte swizzle; stages aligned to 1 KB): the eight rows one ldmatrix reads sit in distinct
+// bank groups.
+//
 // Reduction of the split-K partials: deterministic, through distributed shared memory. Each
 // block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block
 // c sums slice c of the tile over ranks 0..CS-1 in that order (remote shared-memory reads),
@@ -49,8 +82,10 @@
 //
 // Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
 // then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
-// istart[kMaxGroups+1] (row and item prefixes). The +8 / +4 pads make ldmatrix rows and the
-// partial stores conflict-free.
+// istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
+// the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
+// rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
+// istart.
 //
 // Invariants (checked by the launcher, cuda/ragged_dot.cu): K % 8 == 0 and N % 8 == 0 (16-byte
 // rows for cp.async); lhs, rhs, out 16-byte aligned; 1 <= G <= kMaxGroups; M, items < 2^31;
@@ -61,17 +96,33 @@
 // Graph-capturable: one launch, no host state, nothing read back.
 #pragma once
 #include <cooperative_groups.h>
+#include <cuda.h>  // CUtensorMap (a plain struct: no driver call from here)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace nvc {
 namespace dev {
 namespace rdot {
 
 constexpr int kMaxGroups = 1024;
+
+// Kernel options (the OPT template argument, a bit set; 0 is the kernel described first above):
+//   kBalanced: equal work ranges per cluster in units of kUnitCols columns (see "Balanced
+//     ranges" above) instead of whole BN items dealt round-robin.
+//   kSpecRows: the MMA loop compiled once per count of n8 row tiles (1 .. R/8) and picked per
+//     item, so that no ldmatrix of the rows waits behind a runtime branch.
+//   kPf256: the weight cp.async ask L2 for 256-byte sectors (.L2::256B prefetch size).
+//   kUnit32: balanced units of 32 columns instead of 64.
+//   kTma: the weight tiles by TMA (cp.async.bulk.tensor.3d over [G, K, N], boxes of BK x 64
+//     columns, 128-byte swizzle, one mbarrier per stage armed with the stage's bytes by thread
+//     0); the lhs rows stay on cp.async. See "TMA weights" above.
+constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16;
+template <int OPT>
+constexpr int unit_cols() { return (OPT & kUnit32) ? 32 : 64; }
 
 struct Params {
   const void* lhs;             // [M, K] T
@@ -80,22 +131,30 @@ struct Params {
   const int32_t* group_sizes;  // [G]
   void* out;                   // [M, N] TO
   int m, k, n, g;
+  // kTma kernels: the tensor maps of rhs and rhs2 (3-d: N, K, G; box 64 x BK x 1, 128-byte
+  // swizzle), encoded by the launcher; unused otherwise
+  CUtensorMap tmap[2];
 };
 
-template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
+template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
 struct Tile {
+  static constexpr bool kTmaW = (OPT & 16) != 0;  // kTma
   static constexpr int kWarps = BN / (16 * MT);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kNW = SWIGLU ? 2 : 1;
-  static constexpr int kWStride = BN + 8;   // elements per smem weight row
+  static constexpr int kWStride = kTmaW ? BN : BN + 8;  // elements per smem weight row (cp.async)
   static constexpr int kLStride = BK + 8;   // elements per smem lhs row
   static constexpr int kPStride = BN + 4;   // floats per partial row
   static constexpr int kWBytes = BK * kWStride * 2;
   static constexpr int kLBytes = R * kLStride * 2;
-  static constexpr int kStageBytes = kNW * kWBytes + kLBytes;
+  static constexpr int kAlign = kTmaW ? 1024 : 16;  // TMA: 128-byte-swizzle atoms of 1 KB
+  static constexpr int kStageBytes = (kNW * kWBytes + kLBytes + kAlign - 1) / kAlign * kAlign;
   static constexpr int kPBytes = kNW * R * kPStride * 4;
-  static constexpr int kSmem = STAGES * kStageBytes + kPBytes + 2 * (kMaxGroups + 1) * 4;
+  // TMA: up to 1 KB to align the stages, and one 8-byte mbarrier per stage
+  static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes + kPBytes +
+                               2 * (kMaxGroups + 1) * 4;
   static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
+  static_assert(!kTmaW || (BN % 64 == 0 && BK <= 256), "TMA boxes of 64 columns, BK rows");
   static_assert(kStageBytes % 16 == 0 && kPBytes % 16 == 0, "16-byte smem sections");
   static_assert(kSmem <= 227 * 1024 - 1024, "shared memory of one block (static: 128 B)");
 };
@@ -128,6 +187,37 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp16_pf(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box of a 3-d tensor map into shared memory; completion counted on `bar` (bytes).
+__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                       int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -200,18 +290,27 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* to
   return before;
 }
 
-// One item's coordinates.
+// One item's coordinates: group g, its rows [r0, r0 + rows), columns [n0, n0 + nw) (nw = BN in
+// the round-robin mode; a multiple of the unit in the balanced one; both clipped to N on use).
 struct Item {
-  int g, r0, rows, n0;
+  int g, r0, rows, n0, nw;
 };
 
-template <int BN, int R>
-__device__ __forceinline__ Item decode(int item, const int* gstart, const int* istart, int g) {
-  int lo = 0, hi = g - 1;  // the largest group with istart[grp] <= item
+// The largest group with istart[grp] <= u (u < istart[g]: groups without work share their
+// successor's istart and are never picked).
+__device__ __forceinline__ int group_of(int u, const int* istart, int g) {
+  int lo = 0, hi = g - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (istart[mid] <= item) lo = mid; else hi = mid - 1;
+    if (istart[mid] <= u) lo = mid; else hi = mid - 1;
   }
+  return lo;
+}
+
+// Round-robin mode: item -> (group, N tile, row chunk), N tile major, chunk minor.
+template <int BN, int R>
+__device__ __forceinline__ Item decode(int item, const int* gstart, const int* istart, int g) {
+  const int lo = group_of(item, istart, g);
   const int rows = gstart[lo + 1] - gstart[lo];
   const int chunks = (rows + R - 1) / R;
   const int local = item - istart[lo];
@@ -221,30 +320,83 @@ __device__ __forceinline__ Item decode(int item, const int* gstart, const int* i
   it.r0 = gstart[lo] + c * R;
   it.rows = min(R, rows - c * R);
   it.n0 = nt * BN;
+  it.nw = BN;
   return it;
 }
 
-template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU>
-__global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads, 1)
-    ragged_dot_kernel(Params p, int cs) {
-  using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU>;
+// Balanced mode: the piece of the range [u, u1) that starts at unit u: units of one group and
+// row chunk (units numbered group, chunk, column strip), at most BN / UW of them; *next its end.
+template <int BN, int R, int UW>
+__device__ __forceinline__ Item piece_at(int u, int u1, int nu, const int* gstart,
+                                         const int* istart, int g, int* next) {
+  const int lo = group_of(u, istart, g);
+  const int rows = gstart[lo + 1] - gstart[lo];
+  const int local = u - istart[lo];
+  const int c = local / nu, s = local - c * nu;
+  const int end = min(min(u1, istart[lo] + (c + 1) * nu), u + BN / UW);
+  Item it;
+  it.g = lo;
+  it.r0 = gstart[lo] + c * R;
+  it.rows = min(R, rows - c * R);
+  it.n0 = s * UW;
+  it.nw = (end - u) * UW;
+  *next = end;
+  return it;
+}
+
+// Byte offset of weight element (k row, n column; n % 8 == 0) in a stage's weight tile: rows of
+// kWStride elements (cp.async), or TMA boxes of BK rows x 128 B, one per 64 columns, each 16-byte
+// chunk c of row k stored at chunk c ^ (k % 8) (128-byte swizzle; boxes 1 KB aligned).
+template <class Tl, int BK>
+__device__ __forceinline__ uint32_t w_off(int k, int n) {
+  if constexpr (Tl::kTmaW)
+    return uint32_t((n >> 6) * (BK * 128) + k * 128 + ((((n & 63) >> 3) ^ (k & 7)) << 4));
+  else
+    return uint32_t((k * Tl::kWStride + n) * 2);
+}
+
+// Calls f(std::integral_constant<int, n>) for the runtime n in [1, N] (nothing for other n).
+template <int N, class F>
+__device__ __forceinline__ void with_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) {
+      f(std::integral_constant<int, N>{});
+      return;
+    }
+    with_count<N - 1>(n, f);
+  }
+}
+
+template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
+__global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThreads, 1)
+    ragged_dot_kernel(const __grid_constant__ Params p, int cs) {
+  using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>;
+  constexpr bool kT = Tl::kTmaW;
+  constexpr bool kBal = (OPT & kBalanced) != 0;
+  constexpr int UW = unit_cols<OPT>();
+  static_assert(!kBal || BN % UW == 0, "a piece is at most one tile wide");
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // TMA: the stages start on a 1 KB boundary (the 128-byte swizzle repeats every 8 rows x 128 B)
+  unsigned char* smem = smem_raw + (kT ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
   float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes);
   int* gstart = reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kPBytes);
   int* istart = gstart + (kMaxGroups + 1);
+  // TMA: full[s], the mbarrier of slot s (8-byte aligned: the sections above are 16-byte)
+  const uint32_t full0 = smem_u32(istart + (kMaxGroups + 1));
   __shared__ int scan_scratch[32];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.m, K = p.k, N = p.n, G = p.g;
-  const int NT = (N + BN - 1) / BN;
+  // work units per row chunk of a group: N tiles (round robin) or column strips (balanced)
+  const int NU = kBal ? (N + UW - 1) / UW : (N + BN - 1) / BN;
   const T* lhs = static_cast<const T*>(p.lhs);
   const T* rhs = static_cast<const T*>(p.rhs);
   const T* rhs2 = static_cast<const T*>(p.rhs2);
   TO* out = static_cast<TO*>(p.out);
 
-  // ---- group row offsets and item prefixes (every block the same) ----
+  // ---- group row offsets and work-unit prefixes (every block the same) ----
   int carry_rows = 0, carry_items = 0;
   for (int base = 0; base < G; base += blockDim.x) {
     const int gi = base + tid;
@@ -254,7 +406,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
     const int ex = block_exclusive_scan(min(sz, M), scan_scratch, &tot);
     const int s0 = min(carry_rows + ex, M), s1 = min(carry_rows + ex + min(sz, M), M);
     const int rows = s1 - s0;
-    const int items = rows > 0 ? ((rows + R - 1) / R) * NT : 0;
+    const int items = rows > 0 ? ((rows + R - 1) / R) * NU : 0;
     int itot = 0;
     const int iex = block_exclusive_scan(items, scan_scratch, &itot);
     if (gi < G) {
@@ -282,35 +434,83 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
 
   const int crank = int(cluster.block_rank());
   const int cid = int(blockIdx.x) / cs, ncl = int(gridDim.x) / cs;
-  if (cid >= total_items) return;  // the whole cluster leaves together: no barrier is pending
-  const int n_my = (total_items - cid + ncl - 1) / ncl;
+  // this cluster's work: round robin, items cid, cid + ncl, ...; balanced, units [u0, u1) cut
+  // into pieces. Every rank of a cluster computes the same list.
+  const int u0 = int((int64_t(cid) * total_items) / ncl);
+  const int u1 = int((int64_t(cid + 1) * total_items) / ncl);
+  int n_my;
+  if constexpr (kBal) {
+    n_my = 0;
+    for (int u = u0; u < u1; ++n_my) piece_at<BN, R, UW>(u, u1, NU, gstart, istart, G, &u);
+  } else {
+    n_my = cid < total_items ? (total_items - cid + ncl - 1) / ncl : 0;
+  }
+  if (n_my == 0) return;  // the whole cluster leaves together: no barrier is pending
+  if constexpr (kT) {
+    if (tid == 0) {
+      for (int st = 0; st < STAGES; ++st) mbar_init(full0 + 8 * st, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
   const int KT = (K + BK - 1) / BK;
   const int kt0 = int((int64_t(crank) * KT) / cs), kt1 = int((int64_t(crank + 1) * KT) / cs);
   const int S = kt1 - kt0;  // >= 1 (cs <= KT)
   const int q_total = n_my * S;
 
-  // ---- producer: stage q's loads into slot q % STAGES ----
-  int load_item = -1;  // the item of the last load (decoded once per item, not per stage)
-  Item it;
+  // A walk over this cluster's pieces (the producer and the consumer each have one).
+  struct Cursor {
+    int pi, next;
+    Item it;
+  };
+  auto first = [&](Cursor& c) {
+    c.pi = 0;
+    if constexpr (kBal) c.it = piece_at<BN, R, UW>(u0, u1, NU, gstart, istart, G, &c.next);
+    else c.it = decode<BN, R>(cid, gstart, istart, G);
+  };
+  auto advance = [&](Cursor& c) {
+    ++c.pi;
+    if constexpr (kBal) c.it = piece_at<BN, R, UW>(c.next, u1, NU, gstart, istart, G, &c.next);
+    else c.it = decode<BN, R>(cid + c.pi * ncl, gstart, istart, G);
+  };
+
+  // ---- producer: stage q's loads into slot q % STAGES (q increases by one per call) ----
+  Cursor lc;
+  first(lc);
   auto load = [&](int q) {
-    const int item = cid + (q / S) * ncl;
-    if (item != load_item) {
-      it = decode<BN, R>(item, gstart, istart, G);
-      load_item = item;
-    }
+    if (q / S != lc.pi) advance(lc);
+    const Item& it = lc.it;
     const int k0 = (kt0 + q % S) * BK;
     unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     constexpr int kWChunks = BK * (BN / 8);
+    const int nend = min(it.n0 + it.nw, N);
+    if constexpr (kT) {
+      // boxes of 64 columns that hold columns of the item; rows past K and columns past N
+      // arrive as zeros (out of the map's bounds) and still count as box bytes
+      if (tid == 0) {
+        const int nb = (nend - it.n0 + 63) / 64;
+        const uint32_t bar = full0 + 8 * (q % STAGES);
+        mbar_expect_tx(bar, uint32_t(nb * BK * 128 * Tl::kNW));
+        for (int w = 0; w < Tl::kNW; ++w)
+          for (int bx = 0; bx < nb; ++bx)
+            tma_3d(smem_u32(st + w * Tl::kWBytes + bx * BK * 128), &p.tmap[w], it.n0 + bx * 64, k0,
+                   it.g, bar);
+      }
+    } else {
 #pragma unroll
-    for (int w = 0; w < Tl::kNW; ++w) {
-      const T* src = (w == 0 ? rhs : rhs2) + size_t(it.g) * K * N;
-      const uint32_t dst = smem_u32(st + w * Tl::kWBytes);
+      for (int w = 0; w < Tl::kNW; ++w) {
+        const T* src = (w == 0 ? rhs : rhs2) + size_t(it.g) * K * N;
+        const uint32_t dst = smem_u32(st + w * Tl::kWBytes);
 #pragma unroll 4
-      for (int c = tid; c < kWChunks; c += Tl::kThreads) {
-        const int row = c / (BN / 8), col = (c % (BN / 8)) * 8;
-        const int kk = k0 + row, nn = it.n0 + col;
-        const bool ok = kk < K && nn < N;
-        cp16(dst + (row * Tl::kWStride + col) * 2, src + (ok ? size_t(kk) * N + nn : 0), ok);
+        for (int c = tid; c < kWChunks; c += Tl::kThreads) {
+          const int row = c / (BN / 8), col = (c % (BN / 8)) * 8;
+          const int kk = k0 + row, nn = it.n0 + col;
+          const bool ok = kk < K && nn < nend;
+          const T* a = src + (ok ? size_t(kk) * N + nn : 0);
+          if constexpr ((OPT & kPf256) != 0) cp16_pf(dst + (row * Tl::kWStride + col) * 2, a, ok);
+          else cp16(dst + (row * Tl::kWStride + col) * 2, a, ok);
+        }
       }
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
@@ -343,7 +543,8 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
   }
 
   bool pending = false;  // a cluster arrive whose wait has not come yet
-  Item cur = decode<BN, R>(cid, gstart, istart, G);
+  Cursor cc;
+  first(cc);
   const int col0 = warp * MT * 16;  // this warp's first column in the tile
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
@@ -351,28 +552,32 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
     if (q + STAGES - 1 < q_total) load(q + STAGES - 1);
     cp_commit();
 
+    if constexpr (kT) mbar_wait(full0 + 8 * (q % STAGES), uint32_t((q / STAGES) & 1));
     const int sq = q % S;
-    if (sq == 0 && q > 0) cur = decode<BN, R>(cid + (q / S) * ncl, gstart, istart, G);
+    if (sq == 0 && q > 0) advance(cc);
+    const Item& cur = cc.it;
     const int nrt = (cur.rows + 7) >> 3;
     const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWBytes);
+    // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
+    auto mma_stage = [&](auto nrt_c) {
+      constexpr int NRT = decltype(nrt_c)::value;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[Tl::kNW][MT][4];
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
-      for (int w = 0; w < Tl::kNW; ++w) {
-        const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+        for (int w = 0; w < Tl::kNW; ++w) {
+          const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          const int mi = lane >> 3, rr = lane & 7;
-          const int krow = kk * 16 + rr + ((mi >> 1) << 3);
-          const int ncol = col0 + i * 16 + ((mi & 1) << 3);
-          ldsm_x4_trans(a[w][i], wbase + (krow * Tl::kWStride + ncol) * 2);
+          for (int i = 0; i < MT; ++i) {
+            const int mi = lane >> 3, rr = lane & 7;
+            const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+            const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+            ldsm_x4_trans(a[w][i], wbase + w_off<Tl, BK>(krow, ncol));
+          }
         }
-      }
 #pragma unroll
-      for (int j = 0; j < R / 8; ++j) {
-        if (j < nrt) {
+        for (int j = 0; j < NRT; ++j) {
           uint32_t b0, b1;
           const int l = lane & 15;
           ldsm_x2(b0, b1, lbase + ((j * 8 + (l & 7)) * Tl::kLStride + kk * 16 + ((l >> 3) << 3)) * 2);
@@ -380,6 +585,42 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
           for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
             for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+        }
+      }
+    };
+    // warps whose columns lie past the piece's width have only zeros to multiply (balanced)
+    if (!kBal || col0 < cur.nw) {
+      if constexpr ((OPT & kSpecRows) != 0) {
+        with_count<R / 8>(nrt, mma_stage);
+      } else {
+        // one loop over R / 8 row tiles, each behind its runtime test (the first kernel)
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          uint32_t a[Tl::kNW][MT][4];
+#pragma unroll
+          for (int w = 0; w < Tl::kNW; ++w) {
+            const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              const int mi = lane >> 3, rr = lane & 7;
+              const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+              const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+              ldsm_x4_trans(a[w][i], wbase + w_off<Tl, BK>(krow, ncol));
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < R / 8; ++j) {
+            if (j < nrt) {
+              uint32_t b0, b1;
+              const int l = lane & 15;
+              ldsm_x2(b0, b1,
+                      lbase + ((j * 8 + (l & 7)) * Tl::kLStride + kk * 16 + ((l >> 3) << 3)) * 2);
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+                for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+            }
+          }
         }
       }
     }
@@ -409,7 +650,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU>::kThreads,
       for (int x = b + tid; x < e; x += Tl::kThreads) {
         const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;
         const int nn = cur.n0 + col;
-        if (nn >= N) continue;
+        if (col >= cur.nw || nn >= N) continue;
         float4 s[Tl::kNW];
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w) {

@@ -15,13 +15,19 @@
 //                           cluster size on one mid-size case; the decode shapes sampled
 //   build/rdot_h --time     the table: us per call (CUDA-graph replays of 10 chained calls,
 //                           median of 15) against the weight-read bound, decode shapes
-//   build/rdot_h --sweep    every tile variant x cluster size at the decode shapes; the best
-//                           per shape last
+//   build/rdot_h --sweep    every tile variant (cluster size 1) at the decode shapes, each
+//                           result checked (sampled); a matrix of time / bound per variant and
+//                           shape, then the best per shape
 //   --no-variants           correctness without the sweep variants (compute-sanitizer runs)
+//   --budget S              --sweep: start no variant after S seconds of sweeping
+//   --variants SUBSTR       the cases: only the variants whose name contains SUBSTR
+//   --skip A|B|*X           --sweep: leave out the variants named A, B and those whose name
+//                           contains X
 //   --seed N                random inputs from seed N (default 1)
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <array>
 #include <cmath>
 #include <csignal>
@@ -38,17 +44,14 @@
 #include <cuda_runtime.h>
 
 #include "cuda/ragged_dot.h"
+#include "ragged_dot_sweep.h"
 
 using nvc::cuda::RaggedDotArgs;
 
-int sweep_count_0();
-const char* sweep_name_0(int v);
-int sweep_rows_0(int v);
-cudaError_t sweep_launch_0(int v, const RaggedDotArgs& a, int cs, cudaStream_t s);
-int sweep_count_1();
-const char* sweep_name_1(int v);
-int sweep_rows_1(int v);
-cudaError_t sweep_launch_1(int v, const RaggedDotArgs& a, int cs, cudaStream_t s);
+std::vector<SweepVariant>& sweep_variants() {
+  static std::vector<SweepVariant> v;
+  return v;
+}
 
 #define CK(x)                                                                          \
   do {                                                                                 \
@@ -61,6 +64,17 @@ cudaError_t sweep_launch_1(int v, const RaggedDotArgs& a, int cs, cudaStream_t s
   } while (0)
 
 static int g_fail = 0;
+static double g_budget_s = 0;
+static const char* g_variants = "";  // --variants: only the variants whose name holds this
+// --skip A|B|..: no variant named A, B, ...; an entry *X: none whose name contains X
+static std::vector<std::string> g_skip;
+static bool skipped(const char* name) {
+  for (const std::string& x : g_skip) {
+    if (x.size() > 1 && x[0] == '*' && std::strstr(name, x.c_str() + 1) != nullptr) return true;
+    if (x == name) return true;
+  }
+  return false;
+}  // --budget: seconds of sweep after which no variant starts
 static uint64_t g_seed = 1;
 constexpr double kHbm = 4.8e12;  // the bound's bandwidth (datasheet)
 
@@ -239,7 +253,7 @@ static bool compare_all(const Problem& p, const std::vector<double>& ref, const 
 
 // Float64 reference of `samples` random output elements (the weight columns they need gathered
 // on the device), compared with the device result. Returns true when it passes.
-static bool check(const Problem& p, const char* name, int samples = 512) {
+static bool check(const Problem& p, const char* name, int samples = 512, bool quiet = false) {
   const auto starts = group_starts(p.sizes, p.m);
   const std::vector<double> lhs = host_copy_dt(p.dt, p.lhs, p.m * p.k);
   const std::vector<double> out = host_copy_dt(p.odt, p.out, p.m * p.n);
@@ -297,8 +311,9 @@ static bool check(const Problem& p, const char* name, int samples = 512) {
   }
   const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
   const bool ok = nan == 0 && bad_tail == 0 && rel < tolerance(p.odt);
-  std::printf("%s %-58s rel %.2e max %.2e nan %lld tail!=0 %lld (%zu pts)\n", ok ? "PASS" : "FAIL",
-              name, rel, maxrel, (long long)nan, (long long)bad_tail, pts.size());
+  if (!ok || !quiet)
+    std::printf("%s %-58s rel %.2e max %.2e nan %lld tail!=0 %lld (%zu pts)\n", ok ? "PASS" : "FAIL",
+                name, rel, maxrel, (long long)nan, (long long)bad_tail, pts.size());
   if (!ok) ++g_fail;
   return ok;
 }
@@ -312,14 +327,17 @@ static Launch production(bool swiglu) {
 }
 static Launch variant(int v, int cs) {
   return [v, cs](const RaggedDotArgs& a, cudaStream_t s) {
-    const int n0 = sweep_count_0();
-    return v < n0 ? sweep_launch_0(v, a, cs, s) : sweep_launch_1(v - n0, a, cs, s);
+    return sweep_variants()[size_t(v)].launch(a, cs, s);
   };
 }
-static int variant_count() { return sweep_count_0() + sweep_count_1(); }
-static const char* variant_name(int v) {
-  const int n0 = sweep_count_0();
-  return v < n0 ? sweep_name_0(v) : sweep_name_1(v - n0);
+static int variant_count() { return int(sweep_variants().size()); }
+static const char* variant_name(int v) { return sweep_variants()[size_t(v)].name; }
+static bool variant_swiglu(int v) { return sweep_variants()[size_t(v)].swiglu; }
+// the parts register in link order: sorted by part (stable: each part's own order), so that
+// every run lists them alike
+static void sort_variants() {
+  std::stable_sort(sweep_variants().begin(), sweep_variants().end(),
+                   [](const SweepVariant& a, const SweepVariant& b) { return a.part < b.part; });
 }
 
 // Watchdog: a measurement that does not finish within its alarm (a hung kernel) ends the
@@ -442,7 +460,8 @@ static void correctness(bool variants) {
   Problem vs = make(150, 1088, 392, {30, 0, 41, 9, 0, 60, 5}, 1, 1, true);
   const std::vector<double> vref = reference_all(vp), sref = reference_all(vs);
   for (int v = 0; v < (variants ? variant_count() : 0); ++v) {
-    const bool sw = std::strncmp(variant_name(v), "sw ", 3) == 0;
+    if (std::strstr(variant_name(v), g_variants) == nullptr) continue;
+    const bool sw = variant_swiglu(v);
     for (int cs : {1, 2, 4, 8})
       run_case(sw ? vs : vp,
                std::string("variant ") + variant_name(v) + " cluster " + std::to_string(cs),
@@ -587,44 +606,109 @@ static void timing(bool sweep) {
     }
   }
   if (sweep) {
-    // best[case][0 gate / 1 down / 2 swiglu] over the variants: plain tiles time the gate and
-    // down products, "sw" tiles the swiglu one; the production row is the reference
-    std::vector<std::array<std::pair<double, std::string>, 3>> best(cases.size());
-    for (auto& b : best)
-      for (auto& x : b) x = {1e30, ""};
-    for (int v = 0; v < variant_count(); ++v) {
-      const bool sw = std::strncmp(variant_name(v), "sw ", 3) == 0;
-      for (int cs : {1, 2})
-        for (size_t ci = 0; ci < cases.size(); ++ci)
-          for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o) {
-            Case& c = cases[ci];
-            Problem& p = o == 0 ? c.gate : o == 1 ? c.down : c.sw;
-            char what[160];
-            std::snprintf(what, sizeof what, "%s E%d T%d %s cs%d",
-                          o == 0 ? "gate" : o == 1 ? "down" : "swiglu", c.sh.e, c.sh.tokens,
-                          variant_name(v), cs);
-            const double t = watched(what, [&] { return time_graph(p, variant(v, cs), 5, 7); });
-            if (t < 0) {
-              std::printf("  sweep %s refused\n", what);
-              continue;
-            }
-            std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, t, t / p.bound_us());
-            if (t < best[ci][o].first)
-              best[ci][o] = {t, std::string(variant_name(v)) + " cs" + std::to_string(cs)};
+    // t[v][case][0 gate / 1 down / 2 swiglu] (us; -1 refused or not timed): plain tiles time the
+    // gate and down products, "sw" tiles the swiglu one; each result is then checked (sampled,
+    // float64) after the output was poisoned, so a variant that skips elements fails
+    const int nv = variant_count();
+    std::vector<std::vector<std::array<double, 3>>> t(
+        size_t(nv), std::vector<std::array<double, 3>>(cases.size(), {-1.0, -1.0, -1.0}));
+    auto bound = [&](size_t ci, int o) {
+      const Case& c = cases[ci];
+      return (o == 0 ? c.gate : o == 1 ? c.down : c.sw).bound_us();
+    };
+    auto cell = [](double us, double bd) {
+      char b[16];
+      if (us < 0) std::snprintf(b, sizeof b, "%7s", "-");
+      else std::snprintf(b, sizeof b, "%7.2f", us / bd);
+      return std::string(b);
+    };
+    // the matrix: x the bound per variant and shape; columns E x T
+    std::string head;
+    for (const Case& c : cases) {
+      char b[16];
+      std::snprintf(b, sizeof b, "%7s", (std::to_string(c.sh.e) + "x" + std::to_string(c.sh.tokens)).c_str());
+      head += b;
+    }
+    auto prow = [&](const char* tag, const char* name, const char* op, int o, const std::function<double(size_t)>& us) {
+      std::string r;
+      for (size_t ci = 0; ci < cases.size(); ++ci) r += cell(us(ci), bound(ci, o));
+      std::printf("%s%-34s %-6s%s\n", tag, name, op, r.c_str());
+    };
+    // each variant's row as soon as it is timed ("mrow"; a hang later keeps them), the whole
+    // matrix again at the end
+    std::printf("mrow %-34s %-6s%s\n", "variant", "op", head.c_str());
+    const auto t_start = std::chrono::steady_clock::now();
+    for (int v = 0; v < nv; ++v) {
+      const bool sw = variant_swiglu(v);
+      const double spent =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      if (g_budget_s > 0 && spent > g_budget_s) {
+        std::printf("  sweep: budget of %.0f s spent; %s and later variants not timed\n",
+                    g_budget_s, variant_name(v));
+        break;
+      }
+      if (skipped(variant_name(v))) {
+        std::printf("  sweep %s skipped (--skip)\n", variant_name(v));
+        continue;
+      }
+      for (size_t ci = 0; ci < cases.size(); ++ci)
+        for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o) {
+          Case& c = cases[ci];
+          Problem& p = o == 0 ? c.gate : o == 1 ? c.down : c.sw;
+          char what[160];
+          std::snprintf(what, sizeof what, "%s E%d T%d %s", o == 0 ? "gate" : o == 1 ? "down" : "swiglu",
+                        c.sh.e, c.sh.tokens, variant_name(v));
+          p.poison();
+          const double us = watched(
+              what, [&] { return time_graph(p, variant(v, sweep_variants()[size_t(v)].cs), 5, 7); });
+          if (us < 0) {
+            std::printf("  sweep %s refused\n", what);
+            continue;
           }
+          if (!check(p, what, 96, /*quiet=*/true)) continue;
+          t[size_t(v)][ci][size_t(o)] = us;
+          std::printf("  sweep %-52s %9.1f us %6.2fx\n", what, us, us / p.bound_us());
+        }
+      for (int o = sw ? 2 : 0; o < (sw ? 3 : 2); ++o)
+        prow("mrow ", variant_name(v), o == 0 ? "gate" : o == 1 ? "down" : "swiglu", o,
+             [&](size_t ci) { return t[size_t(v)][ci][size_t(o)]; });
       std::fflush(stdout);
     }
-    std::printf("best variant per shape (production: the package's tile for the shape):\n");
-    for (size_t ci = 0; ci < cases.size(); ++ci)
+    std::printf("sweep matrix (time / weight-read bound; cluster size 1 unless named; '-' refused "
+                "or wrong):\n");
+    std::printf("%-34s %-6s%s\n", "variant", "op", head.c_str());
+    prow("", "production", "gate", 0, [&](size_t ci) { return cases[ci].tg; });
+    prow("", "production", "down", 1, [&](size_t ci) { return cases[ci].td; });
+    prow("", "production", "swiglu", 2, [&](size_t ci) { return cases[ci].ts; });
+    for (int v = 0; v < nv; ++v)
+      for (int o = variant_swiglu(v) ? 2 : 0; o < (variant_swiglu(v) ? 3 : 2); ++o)
+        prow("", variant_name(v), o == 0 ? "gate" : o == 1 ? "down" : "swiglu", o,
+             [&](size_t ci) { return t[size_t(v)][ci][size_t(o)]; });
+    // best per shape and product, and the two expert blocks from the best tiles
+    std::printf("best per shape (x the bound; production in brackets):\n");
+    for (size_t ci = 0; ci < cases.size(); ++ci) {
+      const Case& c = cases[ci];
+      double bt[3] = {1e30, 1e30, 1e30};
+      int bv[3] = {-1, -1, -1};
+      for (int v = 0; v < nv; ++v)
+        for (int o = 0; o < 3; ++o)
+          if (t[size_t(v)][ci][size_t(o)] > 0 && t[size_t(v)][ci][size_t(o)] < bt[o]) {
+            bt[o] = t[size_t(v)][ci][size_t(o)];
+            bv[o] = v;
+          }
+      const double prod[3] = {c.tg, c.td, c.ts};
       for (int o = 0; o < 3; ++o) {
-        const Case& c = cases[ci];
-        const Problem& p = o == 0 ? c.gate : o == 1 ? c.down : c.sw;
-        const double prod = o == 0 ? c.tg : o == 1 ? c.td : c.ts;
-        std::printf("best %-6s E%-3d T%-3d %-34s %8.1f us %5.2fx (production %5.2fx)\n",
-                    o == 0 ? "gate" : o == 1 ? "down" : "swiglu", c.sh.e, c.sh.tokens,
-                    best[ci][o].second.c_str(), best[ci][o].first,
-                    best[ci][o].first / p.bound_us(), prod / p.bound_us());
+        if (bv[o] < 0 || prod[o] < bt[o]) { bt[o] = prod[o]; }
+        std::printf("best E%-3d T%-3d %-6s %-34s %5.2fx (%5.2fx)\n", c.sh.e, c.sh.tokens,
+                    o == 0 ? "gate" : o == 1 ? "down" : "swiglu",
+                    bv[o] >= 0 && bt[o] < prod[o] ? variant_name(bv[o]) : "production",
+                    bt[o] / bound(ci, o), prod[o] / bound(ci, o));
       }
+      const double bb = 2 * bound(ci, 0) + bound(ci, 1);
+      std::printf("best E%-3d T%-3d blocks: 3 x ragged_dot %5.2fx (%5.2fx), swiglu + down %5.2fx (%5.2fx)\n",
+                  c.sh.e, c.sh.tokens, (2 * bt[0] + bt[1]) / bb, (2 * c.tg + c.td) / bb,
+                  (bt[2] + bt[1]) / bb, (c.ts + c.td) / bb);
+    }
   }
   for (Case& c : cases) {
     c.gate.free_all();
@@ -640,10 +724,22 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--time")) time = true;
     else if (!std::strcmp(argv[i], "--sweep")) time = sweep = true;
     else if (!std::strcmp(argv[i], "--no-variants")) variants = false;
+    else if (!std::strcmp(argv[i], "--budget") && i + 1 < argc) g_budget_s = std::atof(argv[++i]);
+    else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) g_variants = argv[++i];
+    else if (!std::strcmp(argv[i], "--skip") && i + 1 < argc) {
+      std::string l = argv[++i];
+      for (size_t a = 0, b; a <= l.size(); a = b + 1) {
+        b = l.find('|', a);
+        if (b == std::string::npos) b = l.size();
+        g_skip.push_back(l.substr(a, b - a));
+      }
+    }
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = std::strtoull(argv[++i], nullptr, 10);
-    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--seed N]\n", argv[0]); return 2; }
+    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--skip A|B] [--budget S] [--seed N]\n", argv[0]); return 2; }
   }
-  std::printf("seed %llu\n", (unsigned long long)g_seed);
+  sort_variants();
+  std::printf("seed %llu, %d sweep variants\n", (unsigned long long)g_seed, variant_count());
+  std::fflush(stdout);
   std::signal(SIGALRM, on_alarm);
   CK(nvc::cuda::ragged_dot_load_kernels());
   if (time) timing(sweep);

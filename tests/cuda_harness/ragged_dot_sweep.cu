@@ -1,11 +1,14 @@
 // Tile variants of the ragged_dot kernels (bfloat16 -> bfloat16) for the harness's sweep
-// (ragged_dot_harness.cu --sweep). Compiled twice, -DRDOT_SWEEP_PART=0 and =1 (half the variants
-// each, so that the two compile in parallel). Variant names: BN x BK, rows tile R, stages, m16
-// tiles per warp ("w"); "sw": a ragged_dot_swiglu tile. (Round 1 also swept bulk-copy weight
-// streams, 3-10x slower: gone.)
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
+// (ragged_dot_harness.cu --sweep). Compiled once per part, -DRDOT_SWEEP_PART=0 .. kSweepParts-1
+// (ragged_dot_sweep.h), so that the parts compile in parallel; each part adds its variants to the
+// harness's list at static initialisation. Variant names: BN x BK, rows tile R, stages, m16 tiles
+// per warp ("w"), then the kernel options (kernels/ragged_dot.cuh): "bal" balanced ranges of
+// 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
+// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA; "sw": a
+// ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
+// options: an instantiation in two translation units is two kernels, and the shared-memory limit
+// raised for one is not raised for the other.
+#include "ragged_dot_sweep.h"
 
 #include "cuda/ragged_dot_launch.cuh"
 
@@ -16,47 +19,70 @@
 namespace {
 using B = __nv_bfloat16;
 using nvc::cuda::RaggedDotArgs;
-template <int BN, int BK, int R, int ST, int MT, bool SW = false>
-using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW>;
-struct V {
-  const char* name;
-  cudaError_t (*launch)(const RaggedDotArgs&, int, cudaStream_t);
-  int smem, threads;
-};
-// Never a tile of the package (ragged_dot_family.cuh): an instantiation in two translation units
-// is two kernels, and the shared-memory limit raised for one is not raised for the other.
-#define RDOT_V(BN, BK, R, ST, MT)                                                           \
-  V{"BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT, &K<BN, BK, R, ST, MT>::launch,           \
-    K<BN, BK, R, ST, MT>::Tl::kSmem, K<BN, BK, R, ST, MT>::Tl::kThreads}
-// swiglu tiles ("sw" in the name: the harness times them on the swiglu problem only)
-#define RDOT_VS(BN, BK, R, ST, MT)                                                          \
-  V{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT, &K<BN, BK, R, ST, MT, true>::launch,  \
-    K<BN, BK, R, ST, MT, true>::Tl::kSmem, K<BN, BK, R, ST, MT, true>::Tl::kThreads}
+namespace r = nvc::dev::rdot;
+[[maybe_unused]] constexpr int kB = r::kBalanced, kS = r::kSpecRows, kP = r::kPf256, kU = r::kUnit32,
+                                kT = r::kTma;
+template <int BN, int BK, int R, int ST, int MT, bool SW, int OPT>
+using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
+#define RDOT_V(BN, BK, R, ST, MT, OPT, TAG)                                                   \
+  SweepVariant{"BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, false,                      \
+               &K<BN, BK, R, ST, MT, false, OPT>::launch}
+// the same timed with split-K over clusters of CS blocks
+#define RDOT_VC(BN, BK, R, ST, MT, OPT, TAG, CS)                                               \
+  SweepVariant{"BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG " cs" #CS, RDOT_SWEEP_PART,    \
+               false, &K<BN, BK, R, ST, MT, false, OPT>::launch, CS}
+#define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
+  SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
+               &K<BN, BK, R, ST, MT, true, OPT>::launch}
+// The next candidates after the sweeps of 2026-12-02 (docs/perf/ragged_dot.md): TMA weights on
+// round-robin items (no balanced ranges), split-K over clusters of 2 / 4 for the 8-token shapes'
+// uneven item counts. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
 #if RDOT_SWEEP_PART == 0
-const V kV[] = {
-    RDOT_V(256, 64, 16, 5, 2), RDOT_V(256, 96, 16, 3, 2), RDOT_V(256, 64, 16, 4, 1),
-    RDOT_V(512, 32, 16, 4, 4), RDOT_V(256, 64, 32, 4, 2), RDOT_VS(256, 32, 16, 4, 2),
-    RDOT_VS(128, 64, 16, 4, 2),
+const SweepVariant kV[] = {
+    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
+    RDOT_V(256, 64, 16, 4, 2, kT, " tma"),
+    RDOT_V(256, 64, 16, 4, 2, kS, " spec"),
+    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 2),
+    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 4),
+};
+#elif RDOT_SWEEP_PART == 1
+const SweepVariant kV[] = {
+    RDOT_V(256, 64, 16, 5, 2, kS | kT, " spec tma"),
+    RDOT_V(256, 96, 16, 3, 2, kS | kT, " spec tma"),
+    RDOT_VC(256, 64, 16, 5, 2, kS | kT, " spec tma", 4),
+};
+#elif RDOT_SWEEP_PART == 2
+const SweepVariant kV[] = {
+    RDOT_V(128, 128, 16, 4, 1, kS | kT, " spec tma"),
+};
+#elif RDOT_SWEEP_PART == 3
+const SweepVariant kV[] = {
+    RDOT_V(128, 128, 64, 3, 2, kS | kT, " spec tma"),
+    RDOT_V(128, 128, 64, 3, 1, kS | kT, " spec tma"),
+};
+#elif RDOT_SWEEP_PART == 4
+const SweepVariant kV[] = {
+    RDOT_V(128, 128, 48, 3, 1, kS | kT, " spec tma"),
+    RDOT_V(128, 128, 48, 3, 2, kB | kS | kT, " bal spec tma"),
+};
+#elif RDOT_SWEEP_PART == 5
+const SweepVariant kV[] = {
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 16, 4, 1, kB | kS | kT, " bal spec tma"),
+    RDOT_VS(256, 32, 16, 4, 2, kS | kT, " spec tma"),
+};
+#elif RDOT_SWEEP_PART == 6
+const SweepVariant kV[] = {
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 48, 3, 1, kS | kT, " spec tma"),
 };
 #else
-const V kV[] = {
-    RDOT_V(256, 64, 64, 3, 2), RDOT_V(256, 64, 64, 3, 1), RDOT_V(128, 64, 64, 4, 1),
-    RDOT_V(128, 128, 64, 3, 1), RDOT_V(256, 32, 64, 4, 1), RDOT_VS(128, 64, 64, 3, 2),
-    RDOT_V(128, 64, 16, 4, 2),
+const SweepVariant kV[] = {
+    RDOT_VS(128, 64, 48, 3, 1, kB | kS | kT, " bal spec tma"),
 };
 #endif
+const int kRegistered = [] {
+  for (const SweepVariant& v : kV) sweep_variants().push_back(v);
+  return 0;
+}();
 }  // namespace
-
-#define RDOT_CAT2(a, b) a##b
-#define RDOT_CAT(a, b) RDOT_CAT2(a, b)
-int RDOT_CAT(sweep_count_, RDOT_SWEEP_PART)() { return int(sizeof(kV) / sizeof(kV[0])); }
-const char* RDOT_CAT(sweep_name_, RDOT_SWEEP_PART)(int v) { return kV[v].name; }
-int RDOT_CAT(sweep_rows_, RDOT_SWEEP_PART)(int v) {
-  // the R of the name (the third field)
-  const char* r = std::strstr(kV[v].name, " R");
-  return r ? std::atoi(r + 2) : 0;
-}
-cudaError_t RDOT_CAT(sweep_launch_, RDOT_SWEEP_PART)(int v, const RaggedDotArgs& a, int cs,
-                                                     cudaStream_t s) {
-  return kV[v].launch(a, cs, s);
-}

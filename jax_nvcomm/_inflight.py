@@ -55,13 +55,17 @@ def _calls(comm, create):
 
 
 def check_send(comm, what):
-    """Raise when a send now would leave more than comm.max_in_flight sends outstanding."""
+    """Raise when a send now would leave more than comm.split_in_flight sends outstanding
+    (max_in_flight; 1 where the communicator's slots are bounded)."""
     calls = _calls(comm, create=False)
     pending = [] if calls is None else calls.pending
-    if len(pending) >= comm.max_in_flight:
+    limit = comm.split_in_flight
+    if len(pending) >= limit:
+        bounded = (f" (its slots are bounded by max_buffer_bytes={comm.max_buffer_bytes}: one "
+                   f"send at a time)" if limit != comm.max_in_flight else "")
         raise ValueError(
             f"jax_nvcomm: {what}: {len(pending)} split sends of this communicator are already "
-            f"outstanding (sent, not yet received) and max_in_flight={comm.max_in_flight}: "
+            f"outstanding (sent, not yet received) and max_in_flight={limit}{bounded}: "
             f"receive one (moe_dispatch_recv / moe_combine_recv) first, or make the "
             f"MoECommunicator with a larger max_in_flight")
 

@@ -13,6 +13,8 @@ import functools
 import inspect
 
 import jax
+from jax._src import core
+from jax._src.interpreters import ad
 
 from . import _pool, _rewrite
 
@@ -51,6 +53,7 @@ class Jitted:
             self._params = []
         self._needs: dict = {}
         self._jits: dict = {}
+        self._vjp = None  # (forward, backward) Jitted for calls under jax.grad
         functools.update_wrapper(self, fun)
 
     # -- which arguments are static ------------------------------------------------------------
@@ -145,8 +148,68 @@ class Jitted:
             self._jits = {gen: f}
         return f
 
+    # -- reverse mode: the backward program rewritten too ----------------------------------------
+    def _call_linearized(self, args, kwargs):
+        """A call under jax.grad / vjp / linearize (its arguments are linearize tracers):
+        JAX would transpose the rewritten forward program itself, leaving the collectives
+        its transposition makes (a psum per pvary, say) XLA's. Here the forward is the
+        rewrite of `jax.vjp(fun)` (its residuals come out as a pytree) and the backward the
+        rewrite of applying them, joined by a custom_vjp, so both programs run our kernels."""
+        if self._vjp is None:
+            kw = dict(self._kw)
+
+            def forward(*a, **k):
+                dyn_idx, (dyn, dyn_kw), _ = self._split(a, k)
+                leaves, tree = jax.tree.flatten((dyn, dyn_kw))
+
+                def g(*ls):
+                    da, dk = jax.tree.unflatten(tree, ls)
+                    full = list(a)
+                    for i, v in zip(dyn_idx, da):
+                        full[i] = v
+                    kk = dict(k)
+                    kk.update(dk)
+                    return self._fun(*full, **kk)
+
+                return jax.vjp(g, *leaves)
+
+            def backward(vjp_fn, ct):
+                return tuple(None if c.dtype == jax.dtypes.float0 else c for c in vjp_fn(ct))
+
+            self._vjp = (Jitted(forward, kw), Jitted(backward, {}))
+        fwd_j, bwd_j = self._vjp
+        dyn_idx, (dyn, dyn_kw), _ = self._split(args, kwargs)
+        leaves, tree = jax.tree.flatten((dyn, dyn_kw))
+
+        def rebuilt(ls):  # the call's arguments with the dynamic leaves ls
+            da, dk = jax.tree.unflatten(tree, ls)
+            full = list(args)
+            for i, v in zip(dyn_idx, da):
+                full[i] = v
+            kk = dict(kwargs)
+            kk.update(dk)
+            return full, kk
+
+        @jax.custom_vjp
+        def call(*ls):
+            a, k = rebuilt(ls)
+            return fwd_j(*a, **k)[0]
+
+        def fwd(*ls):
+            a, k = rebuilt(ls)
+            return fwd_j(*a, **k)
+
+        def bwd(vjp_fn, ct):
+            return bwd_j(vjp_fn, ct)
+
+        call.defvjp(fwd, bwd)
+        return call(*leaves)
+
     # -- the jax.jit surface -------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if not core.trace_state_clean() and any(  # (no trace: nothing to look for)
+                isinstance(x, ad.LinearizeTracer) for x in jax.tree.leaves((args, kwargs))):
+            return self._call_linearized(args, kwargs)
         # The hot path is jax.jit's own dispatch: a signature seen before runs its compiled
         # program with no Python work here. A new signature is traced by jax.jit; when its
         # communicators are missing the trace raises _NotPrepared, they are made outside the
@@ -212,7 +275,8 @@ def jit(fun=None, **jax_jit_kwargs):
     the program's messages, collectively over the job's processes in program order; they are
     reused by later calls and programs, and closed by `close_all()` or at exit. Calling the
     function under `jax.grad` / `jax.vmap` or inside an outer `jax.jit` works (the
-    communicators are made outside those traces); inside a `shard_map` it raises.
+    communicators are made outside those traces; under `jax.grad` / `vjp` the backward
+    program is rewritten too); inside a `shard_map` it raises.
 
     Args:
       fun: the function, as for `jax.jit` (also usable as `@jit` or `@jit(**kwargs)`).

@@ -8,7 +8,10 @@ and makes them together. Sizes: `max_message_bytes` is the largest message of th
 rounded up to a power of two (at least 64 KiB, and enough for the one-shot slot to hold the
 largest all-reduce as a default Communicator's would: `_size`), capped by
 JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES (default 256 MiB): larger messages stay XLA's, and `explain`
-says so.
+says so. A ragged_all_to_all (or an all_to_all taken as one) counts with what one round would
+need only up to JAX_NVCOMM_JIT_RAGGED_MAX_MESSAGE_BYTES (default 32 MiB, a default
+Communicator's): beyond it the call takes the chunked path (any output size in the
+communicator's memory), so a large dispatch does not grow the communicator.
 """
 from __future__ import annotations
 
@@ -43,21 +46,29 @@ def cap_bytes() -> int:
     return int(os.environ.get("JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES", str(256 << 20)))
 
 
+def ragged_cap_bytes() -> int:
+    """The most a ragged message's one-round need adds to max_message_bytes (larger ones take
+    the chunked path)."""
+    return int(os.environ.get("JAX_NVCOMM_JIT_RAGGED_MAX_MESSAGE_BYTES", str(32 << 20)))
+
+
 _SLOT_CAP = 1 << 20  # the one-shot (Lamport) slot of a default-sized Communicator
 
 
 def _size(need) -> int:
-    """max_message_bytes for a need: a power of two holding its largest message, and large
-    enough that the one-shot slot (about a sixth of it) holds its largest all-reduce up to
-    the slot a default Communicator has, so nvc.jit picks the strategies hand-written code on
-    a default Communicator gets; capped by cap_bytes()."""
+    """max_message_bytes for a need: a power of two holding its largest message (a ragged
+    one's one-round need counted up to ragged_cap_bytes(): past it the call is chunked), and
+    large enough that the one-shot slot (about a sixth of it) holds its largest all-reduce up
+    to the slot a default Communicator has, so nvc.jit picks the strategies hand-written code
+    on a default Communicator gets; capped by cap_bytes()."""
     from . import _ffi
     world = 1
     for a in need.axes:
         world *= int(need.mesh.shape[a])
     slot_want = min(need.allreduce_bytes, _SLOT_CAP)
+    want = max(need.nbytes, min(getattr(need, "ragged_bytes", 0), ragged_cap_bytes()))
     size = _MIN_BYTES
-    while size < need.nbytes or \
+    while size < want or \
             int(_ffi._host.layout(size, max(world, 1))["lamport_slot"]) < slot_want:
         size *= 2
     return min(size, max(cap_bytes(), 4096))

@@ -173,10 +173,12 @@ def _axes_of(eqn) -> tuple:
 class Need:
     mesh: object            # jax.sharding.Mesh
     axes: tuple             # mesh axes, size-1 axes left out
-    nbytes: int             # the largest message bytes per rank
+    nbytes: int             # the largest message bytes per rank (ragged ones aside)
     order: int              # program order of its first collective
     allreduce_bytes: int = 0  # the largest all-reduce message (the one-shot slot should hold
                               # it, as it would on a default-sized Communicator)
+    ragged_bytes: int = 0   # the max_message_bytes the largest ragged_all_to_all (or all_to_all)
+                            # would need for one round; the chunked path serves it with less
 
 
 def _message_bytes(eqn, mesh, axes) -> int:
@@ -237,7 +239,10 @@ def needs(jaxpr) -> list[Need]:
                 key = (mesh, axes)
                 if key not in found:
                     found[key] = Need(mesh, axes, 0, counter[0])
-                found[key].nbytes = max(found[key].nbytes, nb)
+                if name in ("ragged_all_to_all", "all_to_all"):
+                    found[key].ragged_bytes = max(found[key].ragged_bytes, nb)
+                else:
+                    found[key].nbytes = max(found[key].nbytes, nb)
                 if name in PSUMS:
                     found[key].allreduce_bytes = max(found[key].allreduce_bytes, nb)
                 continue
@@ -703,7 +708,7 @@ def _all_to_all(eqn, invals, comm, site):
         return None
     m = y.shape[0] // W
     row = int(np.prod(y.shape[1:], dtype=np.int64)) * y.dtype.itemsize
-    if not ragged.fits(comm, y.shape[0], row, 1):
+    if ragged.chunk_bytes(comm, y.shape[0], row, 1) < 0:  # any size: one round or chunked
         site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
         site.fixable = True
         return None

@@ -6,6 +6,9 @@ Protocol, buffer layout and handle: csrc/common/moe_layout.h. Per-rank buffer (`
 64 KiB + 2 * max_in_flight * align256(max(W * (hdr + T * row), T * K * H * 4)) with
 row = align16(H * D) + align16(4 * S) + align16(8 + 8 * min(K, L)) bytes: it scales with
 world * max_tokens rows and max_tokens * top_k combine slots, never with num_experts * max_tokens.
+Where that exceeds `max_buffer_bytes` (default 256 MiB), the buffer is two bounded slots of
+(max_buffer_bytes - 64 KiB) / 2 bytes and each call runs in rounds of as many tokens as a slot
+holds (moe_layout.h BOUNDED SLOTS): `nbytes <= max_buffer_bytes` at any max_tokens.
 
 Gradients (custom_vjp): the forward passes run our kernels; the backward passes are written
 with XLA collectives (`lax.psum_scatter`, `lax.all_gather`) from the handle, so they need a
@@ -26,6 +29,7 @@ from . import _fallback, _ffi, _inflight, _order, _registry, _shard
 from .communicator import _Base, axis_size
 from .moe_types import Dispatched, MoEHandle
 
+DEFAULT_MAX_BUFFER_BYTES = 256 << 20  # MoECommunicator(max_buffer_bytes=) default
 _PAYLOAD = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
             jnp.dtype(jnp.float8_e4m3fn): 3}
 _Y_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -58,16 +62,25 @@ class MoECommunicator(_Base):
         outstanding (sent, not yet received) at once: 1, 2 or 4 (default 2: two
         micro-batches).
         The buffer holds 2 * max_in_flight call slots (module docstring).
+      max_buffer_bytes: the most buffer bytes per rank (`nbytes <= max_buffer_bytes`; default
+        256 MiB; None: no bound, slots that hold a whole call at any size). Where the slots
+        for whole calls would exceed it, the buffer is two bounded slots and `moe_dispatch` /
+        `moe_combine` run each call in rounds of `dispatch_round_tokens` /
+        `combine_round_tokens` tokens (same results); the split halves then need their op in
+        one round (else a ValueError names the budget that would do) and allow one
+        outstanding send.
 
     Raises:
       TypeError / ValueError: an argument outside the above (named, with expected and actual
-        value); as for `Communicator` otherwise.
+        value), a max_buffer_bytes below one token's rows (the minimum is named); as for
+        `Communicator` otherwise.
     """
 
     _kind = "moe"
 
     def __init__(self, mesh, axis_name, *, num_experts, top_k, max_tokens, hidden, dtype,
-                 scale_cols=0, max_in_flight=2, backend="auto", timeout_s=None):
+                 scale_cols=0, max_in_flight=2, max_buffer_bytes=DEFAULT_MAX_BUFFER_BYTES,
+                 backend="auto", timeout_s=None):
         what = "MoECommunicator"
         self._closed = True
         num_experts = _int(num_experts, "num_experts", what, 1)
@@ -76,6 +89,8 @@ class MoECommunicator(_Base):
         hidden = _int(hidden, "hidden", what, 1)
         scale_cols = _int(scale_cols, "scale_cols", what, 0)
         max_in_flight = _int(max_in_flight, "max_in_flight", what, 1)
+        if max_buffer_bytes is not None:
+            max_buffer_bytes = _int(max_buffer_bytes, "max_buffer_bytes", what, 1)
         if max_in_flight not in (1, 2, 4):  # 2 * max_in_flight slots, a power of two
             raise ValueError(f"jax_nvcomm: {what}: max_in_flight must be 1, 2 or 4, got "
                              f"{max_in_flight}")
@@ -101,18 +116,19 @@ class MoECommunicator(_Base):
         self.num_experts, self.top_k, self.max_tokens = num_experts, top_k, max_tokens
         self.hidden, self.dtype, self.scale_cols = hidden, dt, scale_cols
         self.max_in_flight = max_in_flight
-        try:
-            nbytes = _ffi._host.moe_buffer_bytes(world, num_experts, top_k, max_tokens, hidden,
-                                                 _PAYLOAD[dt], scale_cols, max_in_flight)
-        except ValueError as e:
-            raise ValueError(f"jax_nvcomm: {what}: {e}") from None
-        self._nbytes = int(nbytes)
+        self.max_buffer_bytes = max_buffer_bytes
+        lay = moe_layout(world, num_experts, top_k, max_tokens, hidden, dt, scale_cols,
+                         max_in_flight, max_buffer_bytes, what)
+        self._layout = lay
+        self._slot_bytes = int(lay["slot_bytes"]) if lay["bounded"] else 0
+        self._nbytes = int(lay["total"])
         self._setup(mesh, axis_name, backend, self._nbytes, 0, timeout_s,
                     dict(num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
                          hidden=hidden, dtype=str(dt), scale_cols=scale_cols,
-                         max_in_flight=max_in_flight),
+                         max_in_flight=max_in_flight, max_buffer_bytes=max_buffer_bytes),
                     zero_bytes=65536)
-        params = [num_experts, top_k, max_tokens, hidden, _PAYLOAD[dt], scale_cols, max_in_flight]
+        params = [num_experts, top_k, max_tokens, hidden, _PAYLOAD[dt], scale_cols, max_in_flight,
+                  self._slot_bytes]
         for slot in self._sym.slots:
             self._sym.mod.set_params(self._id, slot, params)
 
@@ -125,13 +141,89 @@ class MoECommunicator(_Base):
         """Bytes of communication buffer held per rank (per device)."""
         return self._nbytes
 
+    @property
+    def bounded(self) -> bool:
+        """True when the buffer is two bounded slots (calls run in rounds; module docstring)."""
+        return self._slot_bytes > 0
+
+    @property
+    def dispatch_round_tokens(self) -> int:
+        """Source tokens a dispatch round moves (max_tokens: one round)."""
+        return int(self._layout["dispatch_round_tokens"])
+
+    @property
+    def combine_round_tokens(self) -> int:
+        """Destination tokens a combine round moves with a float32 expert_y (max_tokens: one
+        round); `combine_rounds_for` gives a 16-bit expert_y's (twice as many per round)."""
+        return int(self._layout["combine_round_tokens"])
+
+    @property
+    def dispatch_rounds(self) -> int:
+        """Rounds of one moe_dispatch (1 unless bounded)."""
+        return int(self._layout["dispatch_rounds"])
+
+    @property
+    def combine_rounds(self) -> int:
+        """Rounds of one moe_combine of a float32 expert_y (1 unless bounded)."""
+        return int(self._layout["combine_rounds"])
+
+    def combine_rounds_for(self, dtype) -> int:
+        """Rounds of one moe_combine of an expert_y of `dtype` (landing rows of its size)."""
+        wide = jnp.dtype(dtype).itemsize == 4
+        return int(self._layout["combine_rounds" if wide else "combine_rounds_16"])
+
+    @property
+    def split_in_flight(self) -> int:
+        """Split sends that may be outstanding: max_in_flight, 1 with bounded slots."""
+        return 1 if self.bounded else self.max_in_flight
+
     def __repr__(self):
         return (f"MoECommunicator(axis={self._axis_name!r}, world_size={self._world}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"max_tokens={self.max_tokens}, hidden={self.hidden}, dtype={self.dtype}, "
                 f"scale_cols={self.scale_cols}, max_in_flight={self.max_in_flight}, "
+                f"max_buffer_bytes={self.max_buffer_bytes}, "
+                f"{'rounds=' + str((self.dispatch_rounds, self.combine_rounds)) + ', ' if self.bounded else ''}"
                 f"backend={self._backend!r}"
                 f"{', closed' if self._closed else ''})")
+
+
+def moe_layout(world, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, max_in_flight,
+               max_buffer_bytes, what="MoECommunicator") -> dict:
+    """The buffer layout of a MoECommunicator of these arguments (`_host.moe_layout`'s dict:
+    total bytes, slot_bytes, slots, tokens and rounds per call of each op): slots for whole
+    calls where they fit max_buffer_bytes (or it is None), else the two bounded slots that do.
+    Raises ValueError naming max_buffer_bytes when it cannot hold one token's rows."""
+    dt = _PAYLOAD[jnp.dtype(dtype)]
+    args = (world, num_experts, top_k, max_tokens, hidden, dt, scale_cols, max_in_flight)
+    try:
+        full = _ffi._host.moe_layout(*args, 0)
+        if max_buffer_bytes is None or full["total"] <= max_buffer_bytes:
+            return full
+        smallest = full["ctrl_bytes"] + 2 * full["min_slot_bytes"]
+        if max_buffer_bytes < smallest:
+            raise ValueError(f"max_buffer_bytes must be >= {smallest} (two slots of one "
+                             f"token's rows), got {max_buffer_bytes}")
+        slot = (max_buffer_bytes - full["ctrl_bytes"]) // 2 // 256 * 256
+        return _ffi._host.moe_layout(*args, slot)
+    except ValueError as e:
+        raise ValueError(f"jax_nvcomm: {what}: {e}") from None
+
+
+def check_one_round(moe, op, what, y_dtype=jnp.float32):
+    """Raise when a split half of `op` ("dispatch" / "combine" of an expert_y of y_dtype)
+    would need several rounds: its SEND could not finish before its RECV runs (moe_layout.h
+    BOUNDED SLOTS)."""
+    rounds = moe.dispatch_rounds if op == "dispatch" else moe.combine_rounds_for(y_dtype)
+    if rounds == 1:
+        return
+    need = moe_layout(moe.world_size, moe.num_experts, moe.top_k, moe.max_tokens, moe.hidden,
+                      moe.dtype, moe.scale_cols, moe.max_in_flight, None)["total"]
+    raise ValueError(
+        f"jax_nvcomm: {what}: the split halves need the call in one round, but this "
+        f"communicator's buffer (max_buffer_bytes={moe.max_buffer_bytes}, nbytes={moe.nbytes}) "
+        f"takes {rounds} rounds of {op} at max_tokens={moe.max_tokens}: use moe_{op} (fused, "
+        f"any number of rounds) or a MoECommunicator with max_buffer_bytes >= {need}")
 
 
 # ---------------------------------------------------------------------------------------------

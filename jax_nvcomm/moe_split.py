@@ -39,6 +39,7 @@ from jax import lax
 
 from . import _fallback, _inflight, _order, _shard
 from .moe import (Dispatched, MoEHandle, _check_combine_args, _check_dispatch_args,
+                  check_one_round,
                   _combine_grads, _dispatch_cotangents, _shape, moe_call, resolve_moe, scales_in,
                   scales_of)
 
@@ -117,7 +118,9 @@ def moe_dispatch_send(x, topk_ids, moe=None, *, axis_name=None, num_tokens=None,
     Raises:
       TypeError / ValueError: as `moe_dispatch`; also when this send would leave more than
         moe.max_in_flight sends of `moe` outstanding in this trace (on the device: the call
-        fails, naming the count).
+        fails, naming the count; one with bounded slots), or when the communicator's bounded
+        slots take the dispatch in several rounds (`moe.dispatch_rounds` > 1: the error names
+        the max_buffer_bytes that would do).
     """
     what = "moe_dispatch_send"
     moe = _check_moe(moe, axis_name, what, max_tokens=_shape(x, 0), hidden=_shape(x, -1),
@@ -127,6 +130,7 @@ def moe_dispatch_send(x, topk_ids, moe=None, *, axis_name=None, num_tokens=None,
     _check_dispatch_args(x, topk_ids, moe, num_tokens, x_scale, what)
     if moe.xla_fallback:
         return _FallbackSent((x, topk_ids, num_tokens, x_scale), "dispatch")
+    check_one_round(moe, "dispatch", what)
     _inflight.check_send(moe, what)
     axis = moe.axis_name
     T, K = moe.max_tokens, moe.top_k
@@ -188,6 +192,7 @@ def moe_dispatch_recv(sent, moe=None, *, axis_name=None, after=None) -> Dispatch
     if not isinstance(sent, DispatchSent):
         raise TypeError(f"jax_nvcomm: {what}: sent must be the DispatchSent of "
                         f"moe_dispatch_send, got {type(sent).__name__}")
+    check_one_round(moe, "dispatch", what)
     _inflight.check_recv(moe, sent.seq, what)
     axis = moe.axis_name
     W, T, H, S = moe.world_size, moe.max_tokens, moe.hidden, moe.scale_cols
@@ -241,7 +246,8 @@ def moe_combine_send(expert_y, handle, moe=None, *, axis_name=None) -> CombineSe
 
     Raises:
       TypeError / ValueError: as `moe_combine`; more than moe.max_in_flight sends outstanding
-        in this trace.
+        in this trace; a combine of several rounds (`moe.combine_rounds` > 1, as
+        moe_dispatch_send).
     """
     what = "moe_combine_send"
     td = getattr(handle, "token_dest", None)
@@ -254,6 +260,7 @@ def moe_combine_send(expert_y, handle, moe=None, *, axis_name=None) -> CombineSe
     _check_combine_args(expert_y, None, moe, what)
     if moe.xla_fallback:
         return _FallbackSent((expert_y, handle), "combine")
+    check_one_round(moe, "combine", what, expert_y.dtype)
     _inflight.check_send(moe, what)
     axis = moe.axis_name
 
@@ -312,6 +319,7 @@ def moe_combine_recv(csent, topk_weights, moe=None, *, axis_name=None, after=Non
     if not isinstance(csent, CombineSent):
         raise TypeError(f"jax_nvcomm: {what}: csent must be the CombineSent of "
                         f"moe_combine_send, got {type(csent).__name__}")
+    check_one_round(moe, "combine", what, csent.expert_y.dtype)
     _inflight.check_recv(moe, csent.seq, what)
     axis = moe.axis_name
     seq_in = _after(csent.seq, after)

@@ -60,6 +60,16 @@
 #                                      max_message_bytes (world 1, all GPUs), world 1's named
 #                                      error, the CUDA-graph runs of ragged_mp.py (1 process, 2
 #                                      sharing GPU 0, with its big-output section) (~2 min)
+#   bash scripts/gpu_check.sh moeboundk MoE dispatch / combine with bounded slots (calls in rounds,
+#                                      moe_layout.h BOUNDED SLOTS), kernel harness on GPU 0 (virtual
+#                                      ranks, no package build): every case (bounded and whole-call),
+#                                      --error (a bad id in a bounded call's last round), memcheck
+#                                      on the tiny bounded cases, the --bounded-time table (~2.5 min)
+#   bash scripts/gpu_check.sh moebound bounded MoE slots and ragged_all_to_all's big outputs through
+#                                      the package (built if needed): tests/mp/moe_bounded_mp.py
+#                                      (calls in rounds, direct and in a fori_loop under command
+#                                      buffers) and ragged_mp.py's chunked section, 2 and 4 processes
+#                                      sharing GPU 0, then 1 process in the time left (~150 s + build)
 #   bash scripts/gpu_check.sh rdot     the grouped expert product kernel (ragged_dot, swiglu) on GPU 0,
 #                                      no package build: harness cases (float64 reference), memcheck,
 #                                      the decode-shape table against the weight-read bound and the
@@ -115,6 +125,13 @@
 #                                      all-reduce kernels: the all-reduce harness rebuilt, its
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
 #                                      in the time left (no package build; ~150 s)
+#   bash scripts/gpu_check.sh wform    the fused all-reduce kernels' weight form as a template
+#                                      parameter: main 33dd3d5's kernels (scripts/wform_old.patch)
+#                                      against this tree's, built side by side: --bench-local (row
+#                                      kernel, one-block epilogue) and --bench --ranks 2, old then
+#                                      new; then the harness's --wtail (W 1-8 virtual ranks on
+#                                      GPU 0). wform2: --quick, then the A/B new then old (no
+#                                      package build; ~140 s each)
 #   bash scripts/gpu_check.sh opforms  the ops' new forms on the package (built if needed): axis_name=,
 #                                      tuple-axes communicator, fused [B, S, H] / odd widths /
 #                                      float32 weights (both kernels), ragged groups / int16 sizes /
@@ -191,7 +208,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | rdotsweep | moelayerk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | rdotsweep | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -211,7 +228,7 @@ harness)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
   [ -x build/ar_h ] && [ -x build/moe_h ] && [ -x build/ragged_h ] ||
-    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu & wait"
+    step harness_build 240 bash -c "$NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu & $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu & $NV -o build/ragged_h tests/cuda_harness/ragged_harness.cu csrc/cuda/ragged.cu & wait"
   step ar_harness 120 build/ar_h --quick
   step ar_harness_cl4 120 env JAX_NVCOMM_AR_CLUSTER=4 build/ar_h --quick  # clusters of 4 only
   step moe_harness 120 build/moe_h
@@ -233,7 +250,7 @@ mend)  # the failure-path fixes of csrc (one-shot tag wait, two-shot poison, rag
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
   local H=tests/cuda_harness
-  step mend_build 300 bash -c "$NV -o build/ar_h $H/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  step mend_build 300 bash -c "$NV -o build/ar_h $H/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu &
     $NV -o build/moe_h $H/moe_harness.cu csrc/cuda/moe.cu &
     $NV -o build/ragged_h $H/ragged_harness.cu csrc/cuda/ragged.cu & wait"
   step ar_error 120 build/ar_h --error
@@ -269,11 +286,11 @@ mcemu)  # the multicast all-reduce kernels under emulation (allreduce_multicast.
   }
   # PTX embedded too (code=compute_90a): the harness reads both back before it runs anything.
   # The two TUs compile side by side, then link.
-  rm -f build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o
+  rm -f build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o build/ar_mcemu_w.o
   local NVE="$NV -gencode=arch=compute_90a,code=compute_90a -DNVC_MULTICAST_EMULATE"
   step mcemu_build 200 bash -c "$NVE -c -o build/ar_mcemu_h.o tests/cuda_harness/allreduce_harness.cu &
-    $NVE -c -o build/ar_mcemu_k.o csrc/cuda/allreduce.cu & wait
-    $NV -o build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o"
+    $NVE -c -o build/ar_mcemu_k.o csrc/cuda/allreduce.cu & $NVE -c -o build/ar_mcemu_w.o csrc/cuda/allreduce_wf32.cu & wait
+    $NV -o build/ar_mcemu build/ar_mcemu_h.o build/ar_mcemu_k.o build/ar_mcemu_w.o"
   mc_row mcemu_build "."
   # In SASS multimem.ld_reduce is LDGMC and multimem.st.relaxed.sys.v4 is STG.E.128.STRONG.SYS
   # (the package build's multicast kernels hold both; no unicast kernel does): none may remain
@@ -326,7 +343,7 @@ multicast_real)  # REAL NVLink SHARP: what the emulation (part mcemu) cannot sho
   mkdir -p build "$OUT/multicast_real"
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
   step mcreal_build 300 $NV -DNVC_MULTICAST_REAL -o build/ar_mcreal \
-    tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/transport/cuda_multicast.cu \
+    tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu csrc/transport/cuda_multicast.cu \
     csrc/transport/cuda_vmm.cu
   step mcreal_cases 580 build/ar_mcreal --gpus "$NG" --multicast-real
   step mcreal_error 300 build/ar_mcreal --gpus "$NG" --multicast-real --error
@@ -650,7 +667,7 @@ kernlat)  # the kernel-latency work: (1) the all-reduce harness's graph timing (
   # (3) MoE at the example's decode shape and EP2 4 / 128 tokens x 7168. docs/perf/bench_h200x2_kernel_latency.txt
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
-  AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu"
+  AR="tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu"
   [ -x build/ar_h ] || $NV -o build/ar_h $AR
   [ -x build/ar_probe ] || $NV -DNVC_PROBE -o build/ar_probe $AR
   step ar_lat_graph 120 build/ar_h --gpus "$NG" --bench
@@ -670,7 +687,7 @@ onegpulat)  # kernel-latency A/B timings that one GPU can give (virtual ranks sh
   # kernel off / 4 / 4+2, MoE graph time (fused and split), world 1 against a device copy
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
-  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu &
   [ -x build/moe_h ] || $NV -o build/moe_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
   wait
   for on in 0 4 2; do
@@ -684,7 +701,7 @@ clusterab)  # the cluster-split fused one-shot (allreduce_oneshot_cluster.cuh): 
   # checks, then graph timing off / clusters of 4 / of 4 and 2, in turns (JAX_NVCOMM_AR_CLUSTER)
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc"
-  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
+  [ -x build/ar_h ] || $NV -o build/ar_h tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu
   step cl_harness1 120 build/ar_h --quick
   [ "$NG" -ge 2 ] && step cl_harness2 120 build/ar_h --gpus 2 --quick
   for i in 1 2; do
@@ -698,8 +715,8 @@ probes)  # phase probes (-DNVC_PROBE builds): all-reduce block 0 and last block 
   # kernels (2 virtual ranks on one GPU); docs/perf/kernel_latency.md reads them
   mkdir -p build
   NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177 -I csrc -DNVC_PROBE"
-  [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
-  [ -x build/ar_probe_last ] || $NV -DNVC_PROBE_LAST -o build/ar_probe_last tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu &
+  [ -x build/ar_probe ] || $NV -o build/ar_probe tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu &
+  [ -x build/ar_probe_last ] || $NV -DNVC_PROBE_LAST -o build/ar_probe_last tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu &
   [ -x build/moe_probe ] || $NV -o build/moe_probe tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu &
   wait
   step probe_ar 120 build/ar_probe --gpus "$NG" --probe
@@ -904,7 +921,8 @@ opforms1)  # the fused all-reduce kernels with a float32 weight (16-bit x) and z
   mkdir -p build "$d"
   local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
   step opf_build 150 bash -c "$NV -c -o build/opf_h.o tests/cuda_harness/allreduce_harness.cu &
-    $NV -c -o build/opf_ar.o csrc/cuda/allreduce.cu & wait; $NV -o build/opf_h build/opf_h.o build/opf_ar.o"
+    $NV -c -o build/opf_ar.o csrc/cuda/allreduce.cu & $NV -c -o build/opf_arw.o csrc/cuda/allreduce_wf32.cu & wait
+    $NV -o build/opf_h build/opf_h.o build/opf_ar.o build/opf_arw.o"
   step opf_wtail 90 bash -c "build/opf_h --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
   local left=$((170 - (SECONDS - t0)))
   [ "$left" -gt 20 ] && step opf_quick "$left" bash -c "build/opf_h --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
@@ -920,7 +938,171 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof]..." >&2; exit 2 ;;
+wform | wform2)  # the weight form (x's dtype / float32) of the fused all-reduce kernels as a template
+  # parameter (csrc/kernels/rmsnorm.cuh kWf32; the float32-weight kernels in
+  # csrc/cuda/allreduce_wf32.cu): (1) the all-reduce harness from this tree, --wtail and --quick
+  # (float64 references, one-shot == two-shot bitwise, the float32-weight / padded-width cases,
+  # FP8, graphs; W = 1, 2, 4, 8 virtual ranks on GPU 0); (2) A/B: main 33dd3d5's kernels (this tree's
+  # csrc with scripts/wform_old.patch applied: the runtime weight-form switches) against this
+  # tree's, the same harness linked to each, alternated twice on the same GPU: --bench-local
+  # (world 1: row kernel, then the one-block epilogue, JAX_NVCOMM_AR_LOCAL_ROWS=0) and
+  # --bench --ranks 2 (one-shot fused / FP8); us per call, CUDA graphs. Table last. wform2: the
+  # second half of the same check (the first took ~140 s): --quick, then one A/B round in the
+  # other order (new, then old).
+  local t0=$SECONDS d="$OUT/$1" old=/tmp/wform_old
+  mkdir -p build "$d"
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177"
+  rm -rf "$old" build/wf_*; mkdir -p "$old"; cp -r csrc "$old/"
+  $PY - scripts/wform_old.patch "$old" <<'PYEOF' > "$d/patch.log" 2>&1 || { say "wform: old tree: patch failed"; cat "$d/patch.log"; }
+import os, re, sys
+# Applies a unified diff (git diff output, leading text ignored) under root: exact hunks.
+lines = open(sys.argv[1]).read().split("\n")
+root, i, n_files = sys.argv[2], 0, 0
+while i < len(lines):
+    if not (lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")):
+        i += 1
+        continue
+    a, b = lines[i][4:], lines[i + 1][4:]
+    i += 2
+    hunks = []
+    while i < len(lines) and lines[i].startswith("@@"):
+        start = int(re.match(r"@@ -(\d+)", lines[i]).group(1))
+        i += 1
+        old, new = [], []
+        while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\\"):
+            l = lines[i]
+            i += 1
+            if l[0] in " -":
+                old.append(l[1:])
+            if l[0] in " +":
+                new.append(l[1:])
+        hunks.append((start, old, new))
+    path = os.path.join(root, (b if b != "/dev/null" else a)[2:])
+    if b == "/dev/null":
+        os.remove(path)
+    else:
+        text = [] if a == "/dev/null" else open(path).read().split("\n")
+        shift = 0
+        for start, old, new in hunks:
+            at = max(start - 1 + shift, 0) if old else len(text) - 1 if text else 0
+            cands = [k for k in range(len(text) - len(old) + 1) if text[k:k + len(old)] == old]
+            assert old == [] or cands, f"{path}: hunk at {start} not found"
+            if old:
+                at = min(cands, key=lambda k: abs(k - at))
+            text[at:at + len(old)] = new
+            shift += len(new) - len(old)
+        if a == "/dev/null":
+            text = new + [""]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write("\n".join(text))
+    n_files += 1
+print(f"patched {n_files} files under {root}")
+PYEOF
+  cat "$d/patch.log"
+  # four units side by side: the harness, this tree's two all-reduce units, the old one
+  step wf_build 150 bash -c "$NV -I csrc -c -o build/wf_h.o tests/cuda_harness/allreduce_harness.cu &
+    $NV -I csrc -c -o build/wf_new.o csrc/cuda/allreduce.cu & $NV -I csrc -c -o build/wf_neww.o csrc/cuda/allreduce_wf32.cu &
+    $NV -I $old/csrc -c -o build/wf_old.o $old/csrc/cuda/allreduce.cu & wait
+    $NV -o build/wf_new build/wf_h.o build/wf_new.o build/wf_neww.o && $NV -o build/wf_old build/wf_h.o build/wf_old.o"
+  wf_ab() {  # wf_ab ROUND ORDER: the builds in ORDER (each: row kernel, one-block epilogue, 2 ranks)
+    local b
+    for b in $2; do
+      [ -x build/wf_$b ] || continue
+      timeout 40 build/wf_$b --bench-local > "$d/local_${b}_$1.log" 2>&1
+      JAX_NVCOMM_AR_LOCAL_ROWS=0 timeout 40 build/wf_$b --bench-local > "$d/block_${b}_$1.log" 2>&1
+      timeout 40 build/wf_$b --bench --ranks 2 > "$d/bench_${b}_$1.log" 2>&1
+    done
+    say "wform: A/B round $1 done at $((SECONDS - t0)) s"
+  }
+  # correctness as opforms1: --wtail (every float32-weight / padded-width kernel, W 1-8) after
+  # the first A/B round (wform), --quick (every other case kind) before the second (wform2)
+  if [ "$1" = wform ]; then
+    wf_ab 1 "old new"
+    step wf_wtail 60 bash -c "build/wf_new --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
+  else
+    step wf_quick 60 bash -c "build/wf_new --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
+    wf_ab 2 "new old"
+  fi
+  { echo "--- $1 (weight form as a template parameter: harness cases, A/B old = main 33dd3d5, new = this tree)"
+    grep -hE "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log" 2>/dev/null | tail -6
+    [ -f "$d/quick.log" ] && grep -E "FAIL|bitwise|RESULT" "$d/quick.log" | tail -8
+    $PY - "$d" <<'PYEOF'
+import glob, os, re, sys
+d = sys.argv[1]
+def cells(kind, build):
+    """{(row, shape): [us per round]} of one build's logs of one kind."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(d, f"{kind}_{build}_*.log"))):
+        for l in open(path):
+            m = re.match(r"\s*(\d+x\d+)\s*\|\s*[\d.]+\s+[\d.]+\s*\|\s*([\d.]+)\s+[\d.]+\s+\d+%\s*\|\s*([\d.]+)", l)
+            if m and kind != "bench":
+                name = "W1 row kernel" if kind == "local" else "W1 one-block (ROWS=0)"
+                out.setdefault((name + " fused", m.group(1)), []).append(m.group(2))
+                if kind == "local":
+                    out.setdefault((name + " FP8", m.group(1)), []).append(m.group(3))
+            m = re.match(r"(\d+x\d+)\s+\d+\s*\|\s*(\S+)\s+(\S+)\s*\|\s*(\S+)\s+(\S+)\s*\|\s*(\S+)\s+(\S+)", l)
+            if m and kind == "bench" and m.group(1) in ("1x4096", "2x4096", "1x7168", "2x7168", "8x7168", "64x4096"):
+                out.setdefault(("2 ranks one-shot fused", m.group(1)), []).append(m.group(4))
+                out.setdefault(("2 ranks one-shot FP8", m.group(1)), []).append(m.group(6))
+                out.setdefault(("2 ranks two-shot fused", m.group(1)), []).append(m.group(5))
+    return out
+print(f"{'kernel':28s} {'shape':10s} | {'old us (rounds)':18s} | {'new us (rounds)':18s} | new/old")
+for kind in ("local", "block", "bench"):
+    old, new = cells(kind, "old"), cells(kind, "new")
+    for key in sorted(set(old) | set(new), key=lambda k: (k[0], int(k[1].split("x")[0]) * int(k[1].split("x")[1]))):
+        o, n = old.get(key, []), new.get(key, [])
+        try:
+            ratio = f"{min(map(float, n)) / min(map(float, o)):.3f}"
+        except (ValueError, ZeroDivisionError):
+            ratio = "-"
+        print(f"{key[0]:28s} {key[1]:10s} | {' / '.join(o):18s} | {' / '.join(n):18s} | {ratio}")
+PYEOF
+  } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+moeboundk)  # MoE dispatch / combine with bounded slots: the MoE harness rebuilt from this tree,
+  # every case (the bounded ones and the whole-call ones, whose kernels changed beside them),
+  # --error (bounded: a bad id in the last round found in the first, every rank at once),
+  # memcheck on the tiny bounded cases, the rounds' cost (--bounded-time); logs in $OUT/moeboundk
+  local d="$OUT/moeboundk"
+  mkdir -p build "$d"
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc"
+  step moeb_build 120 $NV -o build/moeb_h tests/cuda_harness/moe_harness.cu csrc/cuda/moe.cu
+  step moeb_cases 120 bash -c "build/moeb_h > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
+  step moeb_error 45 bash -c "build/moeb_h --error > $d/error.log 2>&1; rc=\$?; cat $d/error.log; exit \$rc"
+  step moeb_memcheck 120 bash -c "compute-sanitizer --tool memcheck --error-exitcode 1 build/moeb_h \
+    --only 'bounded tiny' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
+  step moeb_time 60 bash -c "build/moeb_h --bounded-time > $d/time.log 2>&1; rc=\$?; cat $d/time.log; exit \$rc"
+  { echo "--- moeboundk (bounded MoE slots, virtual ranks on GPU 0)"
+    grep -E "^bounded|FAIL|failure" "$d/cases.log"
+    grep -E "bounded slots|FAIL|^PASS" "$d/error.log"
+    grep -E "ERROR SUMMARY|PASS:|FAIL" "$d/memcheck.log"
+    grep -E "^EP2|^config|bounded-time" "$d/time.log"; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: calls in rounds,
+  # direct and a fori_loop under XLA command buffers, against numpy) and ragged_all_to_all's
+  # outputs of 64 x max_message_bytes (ragged_mp.py --graph=1, its chunked section), 2 and 4
+  # processes sharing GPU 0 (our kernels only: NCCL refuses shared GPUs), then world 1 in the
+  # time left; logs in $OUT/moebound
+  local t0=$SECONDS d="$OUT/moebound"
+  mkdir -p "$d"
+  for n in 2 4; do
+    step "moeb_sh$n" 75 bash -c "$L -n $n --share-gpu --timeout 70 tests/mp/moe_bounded_mp.py --graph=1 > $d/moe_sh$n.log 2>&1; rc=\$?; cat $d/moe_sh$n.log; exit \$rc"
+  done
+  for n in 2 4; do
+    local left=$((150 - (SECONDS - t0)))
+    [ "$left" -gt 20 ] && step "ragbig_sh$n" "$left" bash -c "$L -n $n --share-gpu --timeout $((left - 5)) tests/mp/ragged_mp.py --rounds=2 --graph=1 > $d/ragged_sh$n.log 2>&1; rc=\$?; cat $d/ragged_sh$n.log; exit \$rc"
+  done
+  local left=$((150 - (SECONDS - t0)))
+  [ "$left" -gt 20 ] && step moeb_w1 "$left" bash -c "$PY tests/mp/moe_bounded_mp.py --graph=1 > $d/moe_w1.log 2>&1; rc=\$?; cat $d/moe_w1.log; exit \$rc"
+  { echo "--- moebound (bounded MoE slots | ragged chunked; processes sharing GPU 0, CUDA-graph loops)"
+    for f in "$d"/moe_sh2.log "$d"/moe_sh4.log "$d"/moe_w1.log; do
+      [ -f "$f" ] && grep -hE "^(\[rank 0\] )?\[p0\] (layout|bounded|3 direct|fori_loop|moe_bounded_mp)|Error|FAIL" "$f" | tail -6
+    done
+    for f in "$d"/ragged_sh2.log "$d"/ragged_sh4.log; do
+      [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
+    done; } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|wform|wform2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

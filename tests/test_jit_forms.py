@@ -224,6 +224,37 @@ def test_pool_communicator_closed_by_hand_is_made_again():
     nvc.close_all()
 
 
+def test_grad_of_nvc_jit_rewrites_the_backward_too():
+    """jax.grad(nvc.jit(f)) (JAX's idiom: the gradient of a jitted function): the backward's
+    collectives (here the psum JAX makes by transposing the column-parallel layer's implicit
+    broadcast of x) run our kernel as in nvc.jit(jax.grad(f)); a static argument, a keyword
+    argument and an integer argument pass through; values equal jax.grad(jax.jit(f))."""
+    m = mesh()
+
+    def f(w, x, scale, *, steps, ids):
+        def body(w, x):
+            h = jnp.tanh(x @ w) * scale
+            for _ in range(steps):
+                h = h * h
+            return lax.psum(jnp.sum(h[ids]), "tp")
+        return jax.shard_map(body, mesh=m, in_specs=(P(None, "tp"), P()), out_specs=P())(w, x)
+
+    w = jax.device_put(_x((32, 64), seed=1) * 0.1,
+                       jax.sharding.NamedSharding(m, P(None, "tp")))
+    x, ids = _x((16, 32), seed=2), jnp.arange(8, dtype=jnp.int32) * 2
+    grad = jax.grad(nvc.jit(f, static_argnames=("steps",)), argnums=(0, 1))
+    want = jax.grad(jax.jit(f, static_argnames=("steps",)), argnums=(0, 1))(
+        w, x, 0.5, steps=2, ids=ids)
+    got = grad(w, x, 0.5, steps=2, ids=ids)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    text = jax.jit(lambda w, x, ids: grad(w, x, 0.5, steps=2, ids=ids)).lower(
+        w, x, ids).as_text()
+    assert xla_collectives(text) == [], xla_collectives(text)
+    assert targets(text).get("nvc_all_reduce", 0) >= 2, targets(text)  # forward + backward
+    nvc.close_all()
+
+
 def test_helpers_without_collectives_keep_their_call():
     """A jitted helper with no collective and no norm in it (a sort, the routing) stays a call
     in the program nvc.jit makes, as in jax.jit's: the program XLA schedules is the user's

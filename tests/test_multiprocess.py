@@ -56,6 +56,17 @@ def test_moe_across_processes(n, rounds):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_moe_bounded_slots_across_processes(n):
+    """moe_bounded_mp.py: dispatch / combine in rounds (a MoECommunicator bounded by
+    max_buffer_bytes), direct calls and a fori_loop, against numpy, in each process."""
+    rc, out = launch(n, "moe_bounded_mp.py", "--tokens=256", "--hidden=64", "--iters=4",
+                     timeout=300)
+    assert rc == 0, out[-4000:]
+    assert out.count("moe_bounded_mp PASS") == n, out[-4000:]
+
+
+@pytest.mark.multiprocess
 def test_independent_collectives_across_processes():
     """The 16-independent-collective programs of test_independent.py, 4 processes of one CPU
     device each, 100 runs each (flat and in a loop), every shard against numpy."""

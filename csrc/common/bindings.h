@@ -73,6 +73,35 @@ inline void add_common_bindings(nb::module_& m) {
     if (const char* why = moe_config_error(c)) throw std::invalid_argument(why);
     return moe_buffer_bytes(c);
   });
+  // Sizes of a MoE communicator's buffer for slot_bytes (0: slots that hold a whole call;
+  // moe_layout.h BOUNDED SLOTS): total bytes, data slot bytes and count, tokens and rounds per
+  // call of each op, and the slot of the unbounded layout (full_slot_bytes).
+  m.def("moe_layout", [](int world, int num_experts, int top_k, int max_tokens, int hidden,
+                         int dtype, int scale_cols, int max_in_flight, int64_t slot_bytes) {
+    MoeConfig c{world, 0, num_experts, top_k, max_tokens, hidden, dtype, scale_cols, max_in_flight,
+                slot_bytes};
+    if (const char* why = moe_config_error(c)) throw std::invalid_argument(why);
+    nb::dict d;
+    d["total"] = moe_buffer_bytes(c);
+    d["bounded"] = moe_bounded(c);
+    d["ctrl_bytes"] = kCtrlBytes;
+    d["slot_bytes"] = moe_half_bytes(c);
+    d["slots"] = moe_slots(c);
+    d["full_slot_bytes"] = moe_full_half_bytes(c);
+    d["dispatch_call_bytes"] = moe_dispatch_region_bytes(c);  // a whole call's rows of each op
+    d["combine_call_bytes"] = moe_combine_region_bytes(c);
+    d["dispatch_round_tokens"] = moe_dispatch_round_tokens(c);
+    d["combine_round_tokens"] = moe_combine_round_tokens(c);
+    d["dispatch_rounds"] = moe_dispatch_rounds(c);
+    d["combine_rounds"] = moe_combine_rounds(c);
+    // with a 16-bit expert_y (landing rows of its dtype): twice the tokens per round
+    d["combine_round_tokens_16"] = moe_combine_round_tokens(c, kMoeBF16);
+    d["combine_rounds_16"] = moe_combine_rounds(c, kMoeBF16);
+    // the smallest bounded slot: one token's rows of either op
+    const size_t one_d = moe_dispatch_region_rows_bytes(c, 1), one_c = moe_combine_row_bytes(c);
+    d["min_slot_bytes"] = align_up(one_d > one_c ? one_d : one_c, 256);
+    return d;
+  });
   m.def("layout", [](uint64_t max_message_bytes, int world) {
     nb::dict d;
     d["ctrl_bytes"] = kCtrlBytes;

@@ -50,6 +50,8 @@
 //     combine view:   landing[t * K + k] (T x K rows of H * sizeof(expert_y dtype))
 //   half = align256(max(W*hdr_bytes + W*T*drow_bytes, T*K*H*4))   (combine sized for float32 y)
 //   moe_buffer_bytes = kCtrlBytes + N * half
+//   Bounded slots (BOUNDED SLOTS below): half = slot_bytes, N = 2, a region Td rows, a landing
+//   area Tc * K rows.
 //   Scales with W*T rows (dispatch) and T*K rows (combine), never with num_experts * T.
 //
 // INVARIANTS
@@ -73,6 +75,51 @@
 //   timing out. After any error the communicator is dead (reset Ctrl to zero on every rank).
 // - Initial state: the control block (Ctrl, MoeCtrl) all zero on every rank; data slots need
 //   no initialisation.
+//
+// BOUNDED SLOTS (slot_bytes > 0: a buffer bounded by a budget, not by W*T rows)
+//   Why: the layout above holds a whole call per slot, W*T dispatch rows and T*K combine rows of
+//   hidden x 4 bytes, whatever the routing: 2 * max_in_flight * 940 MB per rank at W 8, T 4096,
+//   hidden 7168 (MoECommunicator's default max_in_flight 2: 3.5 GiB). With slot_bytes > 0 the
+//   buffer is kCtrlBytes + 2 slots of slot_bytes, and a fused call (moe_dispatch /
+//   moe_combine) runs as R consecutive calls of the protocol above, ROUNDS, each moving a range
+//   of tokens that fits a slot:
+//     dispatch round j: the source tokens [j*Td, min((j+1)*Td, n)) of every source rank,
+//       Td = moe_dispatch_round_tokens = (slot_bytes - W*hdr) / (W*drow_bytes) (at most T),
+//       R = ceil(T / Td) rounds on every rank (a function of the config, not of num_tokens:
+//       no agreement needed; a round past a rank's num_tokens sends only its header);
+//     combine round j: the destination tokens [j*Tc, min((j+1)*Tc, T)) of every rank,
+//       Tc = moe_combine_round_tokens = slot_bytes / (K*H*sizeof(y)) (the landing rows have
+//       expert_y's dtype, the same on every rank: a 16-bit y takes half the rounds of float32,
+//       the size the whole-call layout reserves); the SEND walks all its expert rows
+//       and copies those whose token is in the round (reading expert_src first), into landing
+//       row (t - j*Tc)*K + k; the RECV sums the round's tokens.
+//   Each round is an ordinary call: its own s (s = send_seq + 1, the counters advance once per
+//   round), slot and flags s % 2, the same checks. What carries over between the rounds of a
+//   dispatch is in the data: the header of every round holds the round's rows (<= Td: the
+//   region of a source is Td rows, moe_drow) and the call's TOTAL per-expert counts (block G-1
+//   counts the tokens after its round too, validating their ids, so an id out of range
+//   anywhere fails the first round; a repeated id fails its round on CUDA, the first on the
+//   host), so off[e][src] is the same in every round; a row's meta carries the
+//   call's idx (tokens before the row's token, from token 0). Rows land where a one-round call
+//   puts them: the results are bitwise those of the unbounded layout.
+//   Flow control: none beyond the protocol's own, because the rounds of a call are calls with
+//   one in flight (M = 1, N = 2 slots: the INVARIANTS' argument). Rank A writes round j+1
+//   into B's slot (j+1) % 2 only after its RECV of round j saw the flags of every block of B's
+//   SEND of round j, which B's blocks raised after B's RECV of round j-1, the last reader of
+//   that slot. No acknowledgement flags, no rank-wide barrier, no memory past the 2 slots.
+//   Cost: a flag exchange (and on CUDA a SEND and a RECV launch) per round; a round moves up to
+//   slot_bytes (128 MiB at the default 256 MiB budget), so rounds exist only where a call
+//   moves more than that. CUDA runs the rounds with their own kernels (*_rounds_kernel: the
+//   round's token range as kernel parameters), so the one-kernel fused calls of the unbounded
+//   layout keep their code and registers; a bounded call of one round is the unbounded call.
+//   Split halves (moe_*_send / moe_*_recv): a SEND of several rounds cannot finish before its
+//   RECV has run, so a split half of an op with R > 1 is refused (Python at trace time, the
+//   handlers and launchers too); one of one round works, one outstanding (moe_in_flight = 1).
+//   Against the other designs: sizing the slots by what arrives bounds nothing (one routing
+//   sends all T tokens of every source to one rank: W*T rows), and a cap that fails the call
+//   on a skewed routing would make a learned router's choice an error; the second round such
+//   a cap needs is this protocol. Pulling from the senders' staged rows stages T x
+//   destinations rows on the sender, the same size again.
 //
 // PACKED EXPERT ROWS (the form of lax.ragged_dot's lhs; moe_layer uses it): a dispatch may
 // deliver expert_x as [P, H] (and expert_x_scale as [P, S]) instead of [L, W*T, H]: the rows of
@@ -103,6 +150,10 @@ enum MoeDtype : int { kMoeF32 = 0, kMoeBF16 = 1, kMoeF16 = 2, kMoeF8E4M3 = 3 };
 struct MoeConfig {
   int world, rank, num_experts, top_k, max_tokens, hidden, dtype /*MoeDtype*/, scale_cols;
   int max_in_flight = 1;  // split SENDs outstanding at most (1: the fused protocol's layout)
+  // 0: a data slot holds a whole call (W*T dispatch rows, T*K combine rows). Else the bytes of
+  // one data slot (a multiple of 256): calls run in ROUNDS of at most moe_dispatch_round_tokens /
+  // moe_combine_round_tokens tokens through two slots (BOUNDED SLOTS above).
+  int64_t slot_bytes = 0;
 };
 
 constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
@@ -127,7 +178,11 @@ static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit 
 
 // A power of two (max_in_flight is 1, 2 or 4), so the slot of call s is s & (slots - 1): a
 // 64-bit modulo would call a division routine in every kernel (and spill around it).
-NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * c.max_in_flight); }
+NVC_HD bool moe_bounded(const MoeConfig& c) { return c.slot_bytes > 0; }
+// SENDs that may be outstanding: bounded slots hold one round at a time (split calls of one
+// round only, one outstanding), else max_in_flight.
+NVC_HD int moe_in_flight(const MoeConfig& c) { return moe_bounded(c) ? 1 : c.max_in_flight; }
+NVC_HD uint64_t moe_slots(const MoeConfig& c) { return uint64_t(2 * moe_in_flight(c)); }
 NVC_HD size_t moe_slot(const MoeConfig& c, uint64_t s) { return size_t(s & (moe_slots(c) - 1)); }
 NVC_HD MoeCtrl* moe_ctrl(char* buf) { return reinterpret_cast<MoeCtrl*>(buf + kMoeCtrlOffset); }
 // Flag of call s raised by rank `src`, block `block`, in the Ctrl of the rank that receives.
@@ -175,16 +230,49 @@ NVC_HD size_t moe_hdr_bytes(const MoeConfig& c) {
 NVC_HD size_t moe_y_row_bytes(const MoeConfig& c, int y_dtype) {
   return size_t(c.hidden) * moe_dtype_bytes(y_dtype);
 }
+// Bytes of a dispatch region set for `rows` rows per source (W headers + W x rows rows).
+NVC_HD size_t moe_dispatch_region_rows_bytes(const MoeConfig& c, int64_t rows) {
+  return size_t(c.world) * moe_hdr_bytes(c) + size_t(c.world) * size_t(rows) * moe_drow_bytes(c);
+}
 NVC_HD size_t moe_dispatch_region_bytes(const MoeConfig& c) {
-  return size_t(c.world) * moe_hdr_bytes(c) +
-         size_t(c.world) * c.max_tokens * moe_drow_bytes(c);
+  return moe_dispatch_region_rows_bytes(c, c.max_tokens);
+}
+NVC_HD size_t moe_combine_row_bytes(const MoeConfig& c) {  // one token's K landing rows (f32)
+  return size_t(c.top_k) * moe_y_row_bytes(c, kMoeF32);
 }
 NVC_HD size_t moe_combine_region_bytes(const MoeConfig& c) {
-  return size_t(c.max_tokens) * c.top_k * moe_y_row_bytes(c, kMoeF32);
+  return size_t(c.max_tokens) * moe_combine_row_bytes(c);
 }
-NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
+// The data slot of the unbounded layout: a whole call (what slot_bytes = 0 gives).
+NVC_HD size_t moe_full_half_bytes(const MoeConfig& c) {
   size_t d = moe_dispatch_region_bytes(c), m = moe_combine_region_bytes(c);
   return align_up(d > m ? d : m, 256);
+}
+NVC_HD size_t moe_half_bytes(const MoeConfig& c) {
+  return moe_bounded(c) ? size_t(c.slot_bytes) : moe_full_half_bytes(c);
+}
+// Tokens of one round (source tokens per dispatch round, destination tokens per combine
+// round): the most whose rows fit a slot, at most max_tokens; max_tokens when unbounded.
+NVC_HD int moe_dispatch_round_tokens(const MoeConfig& c) {
+  if (!moe_bounded(c)) return c.max_tokens;
+  const size_t hdr = size_t(c.world) * moe_hdr_bytes(c), half = moe_half_bytes(c);
+  if (half <= hdr) return 0;
+  const size_t r = (half - hdr) / (size_t(c.world) * moe_drow_bytes(c));
+  return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
+}
+// A combine's landing rows have expert_y's dtype (y_dtype: every rank's call has the same, its
+// descriptor says so): a 16-bit y fits twice the tokens of the float32 the slot is sized for.
+NVC_HD int moe_combine_round_tokens(const MoeConfig& c, int y_dtype = kMoeF32) {
+  if (!moe_bounded(c)) return c.max_tokens;
+  const size_t r = moe_half_bytes(c) / (size_t(c.top_k) * moe_y_row_bytes(c, y_dtype));
+  return r < size_t(c.max_tokens) ? int(r) : c.max_tokens;
+}
+NVC_HD int moe_rounds(const MoeConfig& c, int round_tokens) {
+  return round_tokens < 1 ? 0 : (c.max_tokens + round_tokens - 1) / round_tokens;
+}
+NVC_HD int moe_dispatch_rounds(const MoeConfig& c) { return moe_rounds(c, moe_dispatch_round_tokens(c)); }
+NVC_HD int moe_combine_rounds(const MoeConfig& c, int y_dtype = kMoeF32) {
+  return moe_rounds(c, moe_combine_round_tokens(c, y_dtype));
 }
 NVC_HD size_t moe_buffer_bytes(const MoeConfig& c) {
   return kCtrlBytes + size_t(moe_slots(c)) * moe_half_bytes(c);
@@ -198,10 +286,17 @@ NVC_HD char* moe_half(char* buf, const MoeConfig& c, uint64_t s) {
 NVC_HD int32_t* moe_hdr(char* half, const MoeConfig& c, int src) {
   return reinterpret_cast<int32_t*>(half + size_t(src) * moe_hdr_bytes(c));
 }
-NVC_HD char* moe_drow(char* half, const MoeConfig& c, int src, int slot) {
+// Row `slot` of source src's region: regions hold moe_dispatch_round_tokens rows (max_tokens
+// when unbounded).
+// moe_drow_in: the same with the region's rows given (the kernels pass them as a parameter).
+NVC_HD char* moe_drow_in(char* half, const MoeConfig& c, int region_rows, int src, int slot) {
   return half + size_t(c.world) * moe_hdr_bytes(c) +
-         (size_t(src) * c.max_tokens + slot) * moe_drow_bytes(c);
+         (size_t(src) * region_rows + slot) * moe_drow_bytes(c);
 }
+NVC_HD char* moe_drow(char* half, const MoeConfig& c, int src, int slot) {
+  return moe_drow_in(half, c, moe_dispatch_round_tokens(c), src, slot);
+}
+// Landing row of (t, k), t relative to the combine round's first token: slot = t * K + k.
 NVC_HD char* moe_landing(char* half, const MoeConfig& c, int y_dtype, size_t slot /*t*K+k*/) {
   return half + slot * moe_y_row_bytes(c, y_dtype);
 }
@@ -223,6 +318,9 @@ NVC_HD uint64_t moe_config_hash(const MoeConfig& c) {
   const int f[7] = {c.num_experts, c.top_k, c.max_tokens, c.hidden, c.dtype, c.scale_cols,
                     c.max_in_flight};
   for (int i = 0; i < 7; ++i) h = (h ^ uint64_t(uint32_t(f[i]))) * 0x100000001B3ull + 0x9E37ull;
+  if (c.slot_bytes != 0)  // the unbounded layout keeps its descriptors
+    for (int i = 0; i < 2; ++i)
+      h = (h ^ uint64_t(uint32_t(uint64_t(c.slot_bytes) >> (32 * i)))) * 0x100000001B3ull + 0x9E37ull;
   return h;
 }
 NVC_HD uint32_t moe_dispatch_desc(const MoeConfig& c) {
@@ -247,6 +345,10 @@ inline const char* moe_config_error(const MoeConfig& c) {
   if (c.scale_cols < 0) return "scale_cols must be >= 0";
   if (c.max_in_flight != 1 && c.max_in_flight != 2 && c.max_in_flight != 4)
     return "max_in_flight must be 1, 2 or 4";
+  if (c.slot_bytes < 0 || c.slot_bytes % 256 != 0)
+    return "slot_bytes must be 0 or a positive multiple of 256";
+  if (moe_bounded(c) && (moe_dispatch_round_tokens(c) < 1 || moe_combine_round_tokens(c) < 1))
+    return "slot_bytes too small for one token's rows";
   return nullptr;
 }
 inline bool moe_y_dtype_ok(int y_dtype) { return y_dtype >= kMoeF32 && y_dtype <= kMoeF16; }

@@ -1,18 +1,13 @@
 // Host side of the all-reduce kernels: validation, launch configuration, dispatch (the
-// cluster-split fused one-shot's own launch code: allreduce_cluster.h). Protocols:
+// per-kernel launch code: allreduce_launch.h; the cluster-split fused one-shot's:
+// allreduce_cluster.h; the float32-weight kernels: allreduce_wf32.cu). Protocols:
 // csrc/kernels/allreduce_oneshot.cuh, allreduce_oneshot_cluster.cuh, allreduce_twoshot.cuh,
 // allreduce_multicast.cuh, allreduce_local.cuh.
 #include "allreduce.h"
 
-#include <atomic>
-#include <cstdlib>
+#include <type_traits>
 
-#include "../kernels/allreduce_local.cuh"
-#include "../kernels/allreduce_multicast.cuh"
-#include "../kernels/allreduce_oneshot.cuh"
-#include "../kernels/allreduce_twoshot.cuh"
-#include "allreduce_cluster.h"
-#include "allreduce_prepare.h"
+#include "allreduce_launch.h"
 
 namespace nvc {
 namespace cuda {
@@ -22,9 +17,11 @@ using dev::ArTensors;
 using dev::kArThreads;
 using dev::RowCfg;
 using ar_detail::kMaxFusedHidden;
-using ar_detail::launch_cluster;
-using ar_detail::load_cluster_kernels;
-using ar_detail::prepare_kernel;
+using ar_detail::launch_fused;
+using ar_detail::launch_one;
+using ar_detail::load_fused_kernels;
+using ar_detail::local_variant;
+using ar_detail::prepare_all;
 
 static_assert(kMaxArBlocks <= kMaxBlocks, "flag arrays are sized for kMaxBlocks blocks");
 static_assert(kMaxArBlocks <= dev::kEpiMaxBlocks, "row configuration assumes at most this grid");
@@ -53,108 +50,33 @@ int current_sm_count() {
   return n > 0 ? n : 1;
 }
 
-// The unicast kernels only: the multicast variants are prepared at their first launch, so on
-// a machine where multicast is off (no multicast_base) they are never even loaded.
-template <typename T, bool kFused, bool kQuant = false>
-cudaError_t prepare_all() {
-  for (cudaError_t e : {prepare_kernel<dev::local_kernel<T, kFused, kQuant>>(),
-                        prepare_kernel<dev::oneshot_kernel<T, kFused, kQuant>>(),
-                        prepare_kernel<dev::twoshot_kernel<T, kFused, kQuant>>()})
-    if (e != cudaSuccess) return e;
-  return cudaSuccess;
-}
-
-// Prepare (once per device) and launch one kernel.
-template <auto kKernel, typename... Args>
-cudaError_t launch(int grid, int smem, cudaStream_t st, const Args&... args) {
-  if (cudaError_t e = prepare_kernel<kKernel>(); e != cudaSuccess) return e;
-  kKernel<<<grid, kArThreads, smem, st>>>(args...);
-  return cudaGetLastError();
-}
-
-// World 1, fused, rows of tpr == kArThreads up to kLocVecsPerThread vectors per thread: one
-// row per block of kLocThreads, held in registers (allreduce_local.cuh local_rows_kernel; same
-// bits as local_kernel). JAX_NVCOMM_AR_LOCAL_ROWS=0 keeps local_kernel (A/B measurements).
-bool local_rows_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("JAX_NVCOMM_AR_LOCAL_ROWS");
-    return !(e != nullptr && e[0] == '0');
-  }();
-  return on;
-}
-
-// Resident blocks of local_rows_kernel per SM (occupancy API), once per device; 0 on failure.
-template <typename T, bool kQuant>
-int local_rows_per_sm() {
-  static std::atomic<int> cache[64];
-  return once_per_device(cache, [](int) {
-    int n = 0;
-    if (prepare_kernel<dev::local_rows_kernel<T, kQuant>>() != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dev::local_rows_kernel<T, kQuant>,
-                                                      dev::kLocThreads, 0) != cudaSuccess)
-      return 0;
-    return n;
-  });
-}
-
-// World 1, fused: launches the row kernel when it takes the rows (one block per row, at most
-// the resident blocks of sm_count SMs) and returns true; false, nothing launched, otherwise.
-template <typename T, bool kQuant>
-bool launch_local_rows(const ArTensors& t, const RowCfg& rc, int sm_count, cudaStream_t st,
-                       cudaError_t* err) {
-  const int per_sm = dev::local_rows_ok(rc) ? local_rows_per_sm<T, kQuant>() : 0;
-  if (per_sm < 1) return false;
-  const int64_t blocks = int64_t(per_sm) * sm_count;
-  dev::local_rows_kernel<T, kQuant>
-      <<<int(t.tokens < blocks ? t.tokens : blocks), dev::kLocThreads, 0, st>>>(t, rc);
-  *err = cudaGetLastError();
-  return true;
-}
-
-template <typename T, bool kFused, bool kQuant = false>
-cudaError_t launch_one(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
-                       Strategy s, char* mc, int grid, cudaStream_t st, int sm_count) {
-  const int smem = kFused ? int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)) : 0;
-  if (v.world == 1) {  // a group of one: no communication (allreduce_local.cuh)
-    if constexpr (kFused) {
-      cudaError_t e = cudaSuccess;
-      if (local_rows_enabled() && launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e)) return e;
-    }
-    return launch<dev::local_kernel<T, kFused, kQuant>>(grid, smem, st, t, rc);
-  }
-  if constexpr (kFused) {  // small token counts: rows split over clusters (allreduce_cluster.h)
-    cudaError_t e = cudaSuccess;
-    if (launch_cluster<T, kQuant>(v, t, rc, desc, s, mc, sm_count, st, &e)) return e;
-  }
-  if (s == Strategy::kOneShot)
-    return mc == nullptr
-               ? launch<dev::oneshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
-               : launch<dev::oneshot_mc_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc,
-                                                                   desc, mc);
-  return mc == nullptr
-             ? launch<dev::twoshot_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc)
-             : launch<dev::twoshot_mc_kernel<T, kFused, kQuant>>(grid, smem, st, v, t, rc, desc,
-                                                                 mc);
-}
-
+// The call's kernel: plain, or fused with the weight's form (w_f32: a float32 weight, 16-bit T
+// only; allreduce_wf32.cu) and FP8 output or not, each its own instantiation.
 template <typename T>
-cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, uint32_t desc, Strategy s,
-                  char* mc, int grid, cudaStream_t st, int sm_count) {
+cudaError_t launch_typed(const CommView& v, const ArTensors& t, bool fused, bool w_f32,
+                         uint32_t desc, Strategy s, char* mc, int grid, cudaStream_t st,
+                         int sm_count) {
   const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
-  if (fused && t.scale != nullptr)
-    return launch_one<T, true, true>(v, t, rc, desc, s, mc, grid, st, sm_count);
-  return fused ? launch_one<T, true>(v, t, rc, desc, s, mc, grid, st, sm_count)
-               : launch_one<T, false>(v, t, rc, desc, s, mc, grid, st, sm_count);
+  if (!fused) return launch_one<T, false>(v, t, rc, desc, s, mc, grid, st, sm_count);
+  const bool quant = t.scale != nullptr;
+  if constexpr (!std::is_same<T, float>::value) {
+    if (w_f32)
+      return ar_detail::launch_fused_wf32<T>(quant, v, t, rc, desc, s, mc, grid, st, sm_count);
+  }
+  return launch_fused<T, false>(quant, v, t, rc, desc, s, mc, grid, st, sm_count);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The weight's form of a fused call: float32 with 16-bit x (a float32 x's weight is float32).
+bool weight_f32(const AllReduceArgs& a) { return a.dtype != kF32 && a.weight_dtype == kF32; }
+
 ArTensors tensors_of(const AllReduceArgs& a) {
-  ArTensors t{a.x,      a.out,    a.residual, a.residual_out, a.weight,
-              a.tokens, a.hidden, a.eps,      a.scale};
-  t.norm_hidden = a.norm_hidden;
-  t.w_f32 = a.dtype != kF32 && a.weight_dtype == kF32;
-  return t;
+  // The mean's divisor resolved here, once (0: hidden): the kernels divide by it whatever the
+  // padding, so a zero-padded width costs them nothing.
+  const int64_t n = a.norm_hidden > 0 ? a.norm_hidden : a.hidden;
+  return ArTensors{a.x,      a.out,    a.residual, a.residual_out, a.weight,
+                   a.tokens, a.hidden, a.eps,      a.scale,        n};
 }
 
 }  // namespace
@@ -233,56 +155,42 @@ cudaError_t all_reduce(const CommView& v, const AllReduceArgs& a, Strategy s,
                                       (uint64_t(a.dtype) << 1) | uint64_t(s == Strategy::kTwoShot));
   char* mc = const_cast<char*>(static_cast<const char*>(multicast_base));
   switch (a.dtype) {
-    case kF32: return launch_typed<float>(v, t, fused, desc, s, mc, grid, stream, sm_count);
-    case kBF16: return launch_typed<__nv_bfloat16>(v, t, fused, desc, s, mc, grid, stream, sm_count);
-    default: return launch_typed<__half>(v, t, fused, desc, s, mc, grid, stream, sm_count);
+    case kF32:
+      return launch_typed<float>(v, t, fused, false, desc, s, mc, grid, stream, sm_count);
+    case kBF16:
+      return launch_typed<__nv_bfloat16>(v, t, fused, weight_f32(a), desc, s, mc, grid, stream,
+                                         sm_count);
+    default:
+      return launch_typed<__half>(v, t, fused, weight_f32(a), desc, s, mc, grid, stream,
+                                  sm_count);
   }
 }
-
-namespace {
-template <typename T, bool kQuant>
-cudaError_t local_variant(const ArTensors& t, int dtype, bool rows, cudaStream_t st, int sm_count) {
-  const RowCfg rc = dev::make_row_cfg(t.tokens, t.hidden, dev::Vec<T>::kElems);
-  if (!rows) {
-    const int grid = all_reduce_grid(t.tokens, t.hidden, dtype, 1, Strategy::kTwoShot, true, sm_count);
-    return launch<dev::local_kernel<T, true, kQuant>>(
-        grid, int(dev::rmsnorm_smem_bytes(rc, dev::Vec<T>::kElems)), st, t, rc);
-  }
-  cudaError_t e = cudaSuccess;
-  return launch_local_rows<T, kQuant>(t, rc, sm_count, st, &e) ? e : cudaErrorInvalidValue;
-}
-}  // namespace
 
 cudaError_t all_reduce_local_variant(const AllReduceArgs& a, bool rows, cudaStream_t stream,
                                      int sm_count) {
   if (a.residual == nullptr || a.tokens < 1) return cudaErrorInvalidValue;
   const ArTensors t = tensors_of(a);
   const bool q = a.scale != nullptr;
+  const bool w32 = weight_f32(a);
   switch (a.dtype) {
-    case kF32: return q ? local_variant<float, true>(t, a.dtype, rows, stream, sm_count)
-                        : local_variant<float, false>(t, a.dtype, rows, stream, sm_count);
-    case kBF16: return q ? local_variant<__nv_bfloat16, true>(t, a.dtype, rows, stream, sm_count)
-                         : local_variant<__nv_bfloat16, false>(t, a.dtype, rows, stream, sm_count);
-    default: return q ? local_variant<__half, true>(t, a.dtype, rows, stream, sm_count)
-                      : local_variant<__half, false>(t, a.dtype, rows, stream, sm_count);
+    case kF32: return local_variant<float, false>(q, t, a.dtype, rows, stream, sm_count);
+    case kBF16:
+      return w32 ? ar_detail::local_variant_wf32<__nv_bfloat16>(q, t, a.dtype, rows, stream,
+                                                                sm_count)
+                 : local_variant<__nv_bfloat16, false>(q, t, a.dtype, rows, stream, sm_count);
+    default:
+      return w32 ? ar_detail::local_variant_wf32<__half>(q, t, a.dtype, rows, stream, sm_count)
+                 : local_variant<__half, false>(q, t, a.dtype, rows, stream, sm_count);
   }
 }
 
 cudaError_t all_reduce_load_kernels() {
-  local_rows_per_sm<float, false>();  // loads and prepares the world-1 row kernels
-  local_rows_per_sm<float, true>();
-  local_rows_per_sm<__nv_bfloat16, false>();
-  local_rows_per_sm<__nv_bfloat16, true>();
-  local_rows_per_sm<__half, false>();
-  local_rows_per_sm<__half, true>();
-  load_cluster_kernels<float>();
-  load_cluster_kernels<__nv_bfloat16>();
-  load_cluster_kernels<__half>();
-  for (cudaError_t e : {prepare_all<float, false>(), prepare_all<float, true>(),
-                        prepare_all<float, true, true>(), prepare_all<__nv_bfloat16, false>(),
-                        prepare_all<__nv_bfloat16, true>(), prepare_all<__nv_bfloat16, true, true>(),
-                        prepare_all<__half, false>(), prepare_all<__half, true>(),
-                        prepare_all<__half, true, true>()})
+  for (cudaError_t e :
+       {prepare_all<float, false>(), prepare_all<__nv_bfloat16, false>(),
+        prepare_all<__half, false>(), load_fused_kernels<float, false>(),
+        load_fused_kernels<__nv_bfloat16, false>(), load_fused_kernels<__half, false>(),
+        ar_detail::load_fused_kernels_wf32<__nv_bfloat16>(),
+        ar_detail::load_fused_kernels_wf32<__half>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -52,18 +52,19 @@ cudaLaunchConfig_t cluster_config(unsigned clusters, cudaLaunchAttribute* attr) 
 
 // Clusters of the kernel that fit the device at once (occupancy API), once per device; 0 when
 // the query fails or the device has no clusters (then the cluster kernel is not used).
-template <typename T, bool kQuant, int kC>
+template <typename T, bool kQuant, int kC, bool kWf32>
 int max_active_clusters() {
   static std::atomic<int> cache[64];
   return once_per_device(cache, [](int dev) {
     int major = 0, n = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        major < 9 || prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC>>() != cudaSuccess)
+        major < 9 ||
+        prepare_kernel<dev::oneshot_cluster_kernel<T, kQuant, kC, kWf32>>() != cudaSuccess)
       return 0;
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cluster_config<kC>(1, &attr);
-    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC>, &cfg) !=
-        cudaSuccess)
+    if (cudaOccupancyMaxActiveClusters(&n, dev::oneshot_cluster_kernel<T, kQuant, kC, kWf32>,
+                                       &cfg) != cudaSuccess)
       return 0;
     return n;
   });
@@ -83,10 +84,10 @@ int cluster_count(int64_t tokens, size_t nv, int world, int sm_count, int max_ac
   return int(n > cap ? cap : n);
 }
 
-template <typename T, bool kQuant, int kC>
+template <typename T, bool kQuant, int kC, bool kWf32>
 bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
                         int sm_count, cudaStream_t st, cudaError_t* err) {
-  const int max_active = max_active_clusters<T, kQuant, kC>();  // 0 below sm_90
+  const int max_active = max_active_clusters<T, kQuant, kC, kWf32>();  // 0 below sm_90
   if (max_active < 1) return false;
   const size_t nv = size_t(t.tokens) * size_t(t.hidden) / dev::Vec<T>::kElems;
   const int ncl = cluster_count<kC>(t.tokens, nv, v.world, sm_count, max_active);
@@ -94,7 +95,8 @@ bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc,
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg = cluster_config<kC>(unsigned(ncl), &attr);
   cfg.stream = st;
-  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant, kC>, v, t, rc, desc);
+  *err = cudaLaunchKernelEx(&cfg, dev::oneshot_cluster_kernel<T, kQuant, kC, kWf32>, v, t, rc,
+                            desc);
   if (*err == cudaSuccess) *err = cudaGetLastError();
   return true;
 }
@@ -102,26 +104,27 @@ bool try_launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc,
 // Launches the cluster kernel and returns true, or returns false (nothing launched) when the
 // call does not qualify: a one-shot call of 2+ ranks, unicast (mc, the multicast base, null:
 // the kernel has no multicast variant), rows that cluster_rows_ok takes. rc: make_row_cfg of
-// the call.
-template <typename T, bool kQuant>
+// the call; kWf32: the weight's form (rmsnorm.cuh).
+template <typename T, bool kQuant, bool kWf32>
 bool launch_cluster(const CommView& v, const ArTensors& t, const RowCfg& rc, uint32_t desc,
                     Strategy s, const char* mc, int sm_count, cudaStream_t st, cudaError_t* err) {
   const int mode = cluster_mode();
   if (mode == 0 || s != Strategy::kOneShot || mc != nullptr || v.world < 2 ||
       !dev::cluster_rows_ok(rc, t.tokens))
     return false;
-  if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall>(v, t, rc, desc, sm_count, st, err))
+  if (try_launch_cluster<T, kQuant, dev::kClBlocksSmall, kWf32>(v, t, rc, desc, sm_count, st,
+                                                                err))
     return true;
-  return mode == 2 &&
-         try_launch_cluster<T, kQuant, dev::kClBlocksLarge>(v, t, rc, desc, sm_count, st, err);
+  return mode == 2 && try_launch_cluster<T, kQuant, dev::kClBlocksLarge, kWf32>(
+                          v, t, rc, desc, sm_count, st, err);
 }
 
-template <typename T>
+template <typename T, bool kWf32>
 void load_cluster_kernels() {  // loads and prepares them (0 clusters below sm_90)
-  max_active_clusters<T, false, dev::kClBlocksSmall>();
-  max_active_clusters<T, true, dev::kClBlocksSmall>();
-  max_active_clusters<T, false, dev::kClBlocksLarge>();
-  max_active_clusters<T, true, dev::kClBlocksLarge>();
+  max_active_clusters<T, false, dev::kClBlocksSmall, kWf32>();
+  max_active_clusters<T, true, dev::kClBlocksSmall, kWf32>();
+  max_active_clusters<T, false, dev::kClBlocksLarge, kWf32>();
+  max_active_clusters<T, true, dev::kClBlocksLarge, kWf32>();
 }
 
 }  // namespace ar_detail

@@ -15,6 +15,10 @@ namespace {
 bool usable(const CommView& v, const MoeConfig& c) {
   return moe_config_error(c) == nullptr && v.rank == c.rank && v.world == c.world;
 }
+// Bounded slots (moe_layout.h BOUNDED SLOTS): a fused call of several rounds is that many calls
+// of the protocol back to back on the stream, each a SEND kernel and a RECV kernel (the *_rounds
+// kernels) advancing the counters as a call does; a call of one round is the whole-call path
+// (same layout); a split half must be one round.
 // A fused call's kernel (SEND then RECV in one launch): its RECV half waits for the flags of
 // its own kernel's blocks, so the launch is cooperative: all moe_blocks(c) blocks are resident
 // together or the kernel does not start. Ranks of one process on one GPU (v.context_ranks > 1,
@@ -63,7 +67,13 @@ cudaError_t moe_load_kernels() {
                        (const void*)moe::combine_send_kernel,
                        (const void*)moe::combine_recv_kernel<kMoeF32>,
                        (const void*)moe::combine_recv_kernel<kMoeBF16>,
-                       (const void*)moe::combine_recv_kernel<kMoeF16>};
+                       (const void*)moe::combine_recv_kernel<kMoeF16>,
+                       (const void*)moe::dispatch_send_rounds_kernel,
+                       (const void*)moe::dispatch_recv_rounds_kernel,
+                       (const void*)moe::combine_send_rounds_kernel,
+                       (const void*)moe::combine_recv_rounds_kernel<kMoeF32>,
+                       (const void*)moe::combine_recv_rounds_kernel<kMoeBF16>,
+                       (const void*)moe::combine_recv_rounds_kernel<kMoeF16>};
   for (const void* f : fns) {
     if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
     // One shared-memory carveout for every MoE kernel: an SM changes its L1/shared split only
@@ -80,12 +90,22 @@ cudaError_t moe_load_kernels() {
 cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& c, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
                               const int32_t* num_tokens, int32_t* token_dest, cudaStream_t st,
-                              uint32_t* seq_out) {
+                              uint32_t* seq_out, int round) {
   if (!usable(v, c) || !x || !topk_ids || !token_dest || (c.scale_cols > 0 && !x_scale))
+    return cudaErrorInvalidValue;
+  const int rounds = moe_dispatch_rounds(c);
+  if ((seq_out != nullptr && rounds != 1) || round < 0 || round >= rounds)
     return cudaErrorInvalidValue;
   moe::DispatchSendArgs a{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens, token_dest,
                           seq_out};
-  moe::dispatch_send_kernel<<<moe_blocks(c), kMoeThreads, moe::dispatch_send_smem(c), st>>>(v, c, a);
+  const int g = moe_blocks(c);
+  const size_t smem = moe::dispatch_send_smem(c);
+  if (rounds == 1) {  // the whole call (one bounded round has regions of max_tokens rows too)
+    moe::dispatch_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  } else {
+    moe::dispatch_round_args(c, round, &a, nullptr);
+    moe::dispatch_send_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  }
   return cudaGetLastError();
 }
 
@@ -95,9 +115,18 @@ cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& c, void* exper
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src ||
       (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;
+  const int rounds = moe_dispatch_rounds(c);
+  if (seq_in != nullptr && rounds != 1) return cudaErrorInvalidValue;
   moe::DispatchRecvArgs a{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale, expert_src,
                           seq_in, packed};
-  moe::dispatch_recv_kernel<<<moe_blocks(c), kMoeThreads, moe::dispatch_recv_smem(c), st>>>(v, c, a);
+  const int g = moe_blocks(c);
+  const size_t smem = moe::dispatch_recv_smem(c);
+  if (rounds == 1) {
+    moe::dispatch_recv_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  } else {
+    moe::dispatch_round_args(c, 0, nullptr, &a);
+    moe::dispatch_recv_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  }
   return cudaGetLastError();
 }
 
@@ -107,6 +136,18 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
                          int32_t* expert_src, cudaStream_t st, bool packed) {
   if (!usable(v, c) || !expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
     return cudaErrorInvalidValue;  // checked before SEND: never launch half a call
+  const int rounds = moe_dispatch_rounds(c);
+  if (rounds > 1) {  // bounded slots: each round its SEND and RECV kernels (two launches)
+    for (int r = 0; r < rounds; ++r) {
+      cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st,
+                                        nullptr, r);
+      if (e == cudaSuccess)
+        e = moe_dispatch_recv(v, c, expert_x, expert_counts, expert_x_scale, expert_src, st,
+                              nullptr, packed);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
   // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
   const size_t smem = std::max(moe::dispatch_send_smem(c), moe::dispatch_recv_smem(c));
   if (!fused_fits(moe::dispatch_kernel, smem, v, c)) {
@@ -124,26 +165,50 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
 
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
-                             cudaStream_t st, uint32_t* seq_out, bool packed) {
+                             cudaStream_t st, uint32_t* seq_out, bool packed, int round) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !expert_y || !expert_src || !expert_counts)
+    return cudaErrorInvalidValue;
+  const int rounds = moe_combine_rounds(c, y_dtype);
+  if ((seq_out != nullptr && rounds != 1) || round < 0 || round >= rounds)
     return cudaErrorInvalidValue;
   moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype,
                          seq_out, packed};
-  moe::combine_send_kernel<<<moe_blocks(c), kMoeThreads, moe::combine_send_smem(c), st>>>(v, c, a);
+  const int g = moe_blocks(c);
+  const size_t smem = moe::combine_send_smem(c);
+  if (rounds == 1) {  // the whole call (a bounded call of one round has the same landing rows)
+    moe::combine_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  } else {
+    moe::combine_round_args(c, y_dtype, round, &a);
+    moe::combine_send_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& c, int y_dtype,
                              const float* topk_weights, const int32_t* token_dest, void* y,
-                             cudaStream_t st, const uint32_t* seq_in) {
+                             cudaStream_t st, const uint32_t* seq_in, int round) {
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
+  const int rounds = moe_combine_rounds(c, y_dtype);
+  if ((seq_in != nullptr && rounds != 1) || round < 0 || round >= rounds)
+    return cudaErrorInvalidValue;
   moe::CombineRecvArgs a{topk_weights, token_dest, static_cast<uint8_t*>(y), seq_in};
+  moe::combine_round_args(c, y_dtype, round, &a);
   const int g = moe_blocks(c);
+  const bool r1 = rounds == 1;
   switch (y_dtype) {
-    case kMoeF32: moe::combine_recv_kernel<kMoeF32><<<g, kMoeThreads, 0, st>>>(v, c, a); break;
-    case kMoeBF16: moe::combine_recv_kernel<kMoeBF16><<<g, kMoeThreads, 0, st>>>(v, c, a); break;
-    default: moe::combine_recv_kernel<kMoeF16><<<g, kMoeThreads, 0, st>>>(v, c, a); break;
+    case kMoeF32:
+      if (r1) moe::combine_recv_kernel<kMoeF32><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      else moe::combine_recv_rounds_kernel<kMoeF32><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      break;
+    case kMoeBF16:
+      if (r1) moe::combine_recv_kernel<kMoeBF16><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      else moe::combine_recv_rounds_kernel<kMoeBF16><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      break;
+    default:
+      if (r1) moe::combine_recv_kernel<kMoeF16><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      else moe::combine_recv_rounds_kernel<kMoeF16><<<g, kMoeThreads, 0, st>>>(v, c, a);
+      break;
   }
   return cudaGetLastError();
 }
@@ -155,6 +220,17 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* exper
   if (!usable(v, c) || !moe_y_dtype_ok(y_dtype) || !topk_weights || !token_dest || !y)
     return cudaErrorInvalidValue;
   if (!expert_y || !expert_src || !expert_counts) return cudaErrorInvalidValue;
+  const int rounds = moe_combine_rounds(c, y_dtype);
+  if (rounds > 1) {  // bounded slots: each round its SEND and RECV kernels (two launches)
+    for (int r = 0; r < rounds; ++r) {
+      cudaError_t e = moe_combine_send(v, c, expert_y, y_dtype, expert_src, expert_counts, st,
+                                       nullptr, packed, r);
+      if (e == cudaSuccess)
+        e = moe_combine_recv(v, c, y_dtype, topk_weights, token_dest, y, st, nullptr, r);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
   // SEND and RECV in one kernel (combine_kernel); the split ops launch them separately
   moe::CombineSendArgs sa{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts,
                           y_dtype, nullptr, packed};

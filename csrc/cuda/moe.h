@@ -12,6 +12,10 @@
 // cfg.max_in_flight SENDs may be outstanding, RECVs come in the order of their SENDs. A split
 // SEND writes its call's seq to *seq_out (device uint32 scalar), which its RECV takes as seq_in;
 // with seq_out / seq_in null a SEND/RECV pair behaves as the fused call (moe_layout.h).
+// Bounded slots (cfg.slot_bytes > 0, moe_layout.h BOUNDED SLOTS): moe_dispatch / moe_combine
+// enqueue moe_*_rounds(cfg) rounds; a split half of more than one round is refused
+// (cudaErrorInvalidValue); `round` (SEND/RECV pairs without seq, as the fused call's fallback
+// runs them) selects the round's tokens.
 //
 // Device-detected errors (expert id out of range or repeated, num_tokens outside [0, T], a peer
 // that never arrives or runs another call) are written to *v.err and the kernel traps.
@@ -51,7 +55,7 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& cfg, const void* x,
 cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& cfg, const void* x,
                               const float* x_scale, const int32_t* topk_ids,
                               const int32_t* num_tokens, int32_t* token_dest, cudaStream_t stream,
-                              uint32_t* seq_out = nullptr);
+                              uint32_t* seq_out = nullptr, int round = 0);
 cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& cfg, void* expert_x,
                               int32_t* expert_counts, float* expert_x_scale, int32_t* expert_src,
                               cudaStream_t stream, const uint32_t* seq_in = nullptr,
@@ -67,10 +71,10 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& cfg, const void* exp
 cudaError_t moe_combine_send(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                              int y_dtype, const int32_t* expert_src, const int32_t* expert_counts,
                              cudaStream_t stream, uint32_t* seq_out = nullptr,
-                             bool packed = false);
+                             bool packed = false, int round = 0);
 cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& cfg, int y_dtype,
                              const float* topk_weights, const int32_t* token_dest, void* y,
-                             cudaStream_t stream, const uint32_t* seq_in = nullptr);
+                             cudaStream_t stream, const uint32_t* seq_in = nullptr, int round = 0);
 
 }  // namespace cuda
 }  // namespace nvc

@@ -25,6 +25,7 @@ ffi::Error DispatchSendCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  if (auto e = check_split_rounds(c, true); e.failure()) return e;
   if (auto e = check_dispatch_in(c, x, x_scale, ids); e.failure()) return e;
   if (auto e = expect_elems(*token_dest, size_t(c.max_tokens) * c.top_k, "token_dest"); e.failure())
     return e;
@@ -48,6 +49,7 @@ ffi::Error DispatchRecvCudaImpl(cudaStream_t stream, int32_t device, Seq seq, Or
   if (auto e = lookup(comm_id, device, &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  if (auto e = check_split_rounds(c, true); e.failure()) return e;
   if (auto e = check_dispatch_out(c, *expert_x); e.failure()) return e;
   const bool sc = c.scale_cols > 0;
   return launch_result(
@@ -68,6 +70,7 @@ ffi::Error CombineSendCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuff
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_send(c, expert_y, expert_src, counts, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return launch_result(
       cuda::moe_combine_send(ctx->view, c, expert_y.untyped_data(), yd,
                              static_cast<const int32_t*>(expert_src.untyped_data()),
@@ -85,6 +88,7 @@ ffi::Error CombineRecvCudaImpl(cudaStream_t stream, int32_t device, Seq seq, ffi
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_recv(c, w, token_dest, *y, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return launch_result(
       cuda::moe_combine_recv(ctx->view, c, yd, static_cast<const float*>(w.untyped_data()),
                              static_cast<const int32_t*>(token_dest.untyped_data()),

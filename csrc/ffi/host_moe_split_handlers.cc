@@ -21,6 +21,7 @@ ffi::Error DispatchSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  if (auto e = check_split_rounds(c, true); e.failure()) return e;
   if (auto e = check_dispatch_in(c, x, x_scale, ids); e.failure()) return e;
   if (auto e = expect_elems(*token_dest, size_t(c.max_tokens) * c.top_k, "token_dest"); e.failure())
     return e;
@@ -40,6 +41,7 @@ ffi::Error DispatchRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, OrderIn,
   if (auto e = lookup(comm_id, slot.typed_data()[0], &ctx); e.failure()) return e;
   MoeConfig c;
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
+  if (auto e = check_split_rounds(c, true); e.failure()) return e;
   if (auto e = check_dispatch_out(c, *expert_x); e.failure()) return e;
   const bool sc = c.scale_cols > 0;
   return from_text(host::moe_dispatch_recv_host(
@@ -57,6 +59,7 @@ ffi::Error CombineSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_send(c, expert_y, expert_src, counts, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return from_text(host::moe_combine_send_host(
       ctx->view, c, expert_y.untyped_data(), yd,
       static_cast<const int32_t*>(expert_src.untyped_data()),
@@ -72,6 +75,7 @@ ffi::Error CombineRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, ffi::AnyBuff
   if (auto e = moe_config_of(*ctx, &c); e.failure()) return e;
   int yd = 0;
   if (auto e = check_combine_recv(c, w, token_dest, *y, &yd); e.failure()) return e;
+  if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
   return from_text(host::moe_combine_recv_host(
       ctx->view, c, yd, static_cast<const float*>(w.untyped_data()),
       static_cast<const int32_t*>(token_dest.untyped_data()), y->untyped_data(),

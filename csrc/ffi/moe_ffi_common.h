@@ -9,15 +9,26 @@
 namespace nvc {
 
 // RankContext::params of a MoE communicator: num_experts, top_k, max_tokens, hidden, dtype,
-// scale_cols, max_in_flight (set at registration).
+// scale_cols, max_in_flight[, slot_bytes] (set at registration; 7 values: slot_bytes 0).
 inline ffi::Error moe_config_of(const RankContext& ctx, MoeConfig* c) {
-  if (ctx.params.size() != 7)
+  if (ctx.params.size() != 7 && ctx.params.size() != 8)
     return precondition("jax_nvcomm: communicator is not a MoECommunicator");
   *c = MoeConfig{ctx.view.world, ctx.view.rank, int(ctx.params[0]), int(ctx.params[1]),
                  int(ctx.params[2]), int(ctx.params[3]), int(ctx.params[4]), int(ctx.params[5]),
-                 int(ctx.params[6])};
+                 int(ctx.params[6]), ctx.params.size() == 8 ? ctx.params[7] : 0};
   if (const char* why = moe_config_error(*c)) return precondition(std::string("jax_nvcomm: ") + why);
   return ffi::Error::Success();
+}
+
+// A split half (moe_*_send / moe_*_recv) must move its call in one round: a SEND of several
+// rounds cannot finish before its RECV runs (moe_layout.h BOUNDED SLOTS). The Python ops refuse
+// it at trace time; this is the handlers' own check.
+inline ffi::Error check_split_rounds(const MoeConfig& c, bool dispatch, int y_dtype = kMoeF32) {
+  const int rounds = dispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c, y_dtype);
+  if (rounds == 1) return ffi::Error::Success();
+  return precondition(std::string("jax_nvcomm: ") + (dispatch ? "moe_dispatch" : "moe_combine") +
+                      " split halves need the call in one round; this communicator's slots take " +
+                      std::to_string(rounds) + " rounds (use the fused op or a larger max_buffer_bytes)");
 }
 
 inline ffi::Error expect_elems(const ffi::AnyBuffer& b, size_t n, const char* name) {

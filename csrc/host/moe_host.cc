@@ -70,11 +70,11 @@ std::string begin_send(const CommView& v, const MoeConfig& c, uint32_t desc, uin
   const uint64_t s = ld_acquire(&moe_ctrl(v.bufs[v.rank])->send_seq) + 1;
   const uint64_t done = ld_acquire(&v.ctrl()->seq);
   *s_out = s;
-  if (s - done > uint64_t(c.max_in_flight))
-    return poison(v, c, s, kErrInFlight, desc, c.max_in_flight, s - done,
+  if (s - done > uint64_t(moe_in_flight(c)))
+    return poison(v, c, s, kErrInFlight, desc, moe_in_flight(c), s - done,
                   fmt("%llu split sends outstanding, more than the communicator's max_in_flight=%d:"
                       " receive one (moe_*_recv) before the next send", u64(s - done),
-                      c.max_in_flight));
+                      moe_in_flight(c)));
   if (seq_out != nullptr) *seq_out = uint32_t(s);
   return "";
 }
@@ -144,13 +144,28 @@ std::string check(const CommView& v, const MoeConfig& c, uint32_t op) {
   return "";
 }
 
+// A split half (seq pointer given) must be the call's one round; round in [0, rounds).
+std::string check_round(const MoeConfig& c, uint32_t op, bool split, int round,
+                        int y_dtype = kMoeF32) {
+  const char* name = op == kOpMoeDispatch ? "moe_dispatch" : "moe_combine";
+  const int rounds = op == kOpMoeDispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c, y_dtype);
+  if (split && rounds != 1)
+    return fmt("jax_nvcomm %s: split halves need the call in one round; this communicator's "
+               "slots take %d rounds (use the fused op or a larger max_buffer_bytes)", name, rounds);
+  if (round < 0 || round >= rounds)
+    return fmt("jax_nvcomm %s: round %d outside [0, %d)", name, round, rounds);
+  return "";
+}
+
 }  // namespace
 
 std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const void* x,
                                    const float* x_scale, const int32_t* ids,
                                    const int32_t* num_tokens, int32_t* token_dest,
-                                   uint32_t* seq_out) {
+                                   uint32_t* seq_out, int round) {
   if (std::string e = check(v, c, kOpMoeDispatch); !e.empty()) return e;
+  if (std::string e = check_round(c, kOpMoeDispatch, seq_out != nullptr, round); !e.empty())
+    return e;
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
   if (!x || !ids || !token_dest || (S > 0 && !x_scale))
     return "jax_nvcomm moe_dispatch: null input pointer";
@@ -174,9 +189,21 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
     }
 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
-  std::vector<int32_t> cntE(E, 0), cntD(W, 0);
+  // This round's tokens [r0, r1) (all of [0, n) unbounded); idx counts from token 0, positions
+  // from r0, and the header carries the call's per-expert totals (moe_layout.h BOUNDED SLOTS).
+  const int Td = moe_dispatch_round_tokens(c);
+  const int r0 = int(std::min<int64_t>(n, int64_t(round) * Td)), r1 = std::min(n, r0 + Td);
+  std::vector<int32_t> cntE(E, 0), cntD(W, 0), totE(E, 0);
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int e = ids[size_t(t) * K + k];
+      if (e >= 0) {
+        ++totE[e];
+        if (t < r0) ++cntE[e];
+      }
+    }
   int idx[kMoeMaxTopK];
-  for (int t = 0; t < n; ++t) {
+  for (int t = r0; t < r1; ++t) {
     const int32_t* row = ids + size_t(t) * K;
     uint32_t dmask = 0;
     for (int k = 0; k < K; ++k)
@@ -203,7 +230,7 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
   for (int d = 0; d < W; ++d) {
     int32_t* hdr = moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank);
     hdr[0] = cntD[d];
-    for (int le = 0; le < L; ++le) hdr[1 + le] = cntE[d * L + le];
+    for (int le = 0; le < L; ++le) hdr[1 + le] = totE[d * L + le];
   }
   publish(v, c, s, desc);
   finish_send(v, s);
@@ -217,6 +244,7 @@ std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* 
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W, S = c.scale_cols;
   if (!expert_x || !expert_counts || !expert_src || (S > 0 && !expert_x_scale))
     return "jax_nvcomm moe_dispatch: null output pointer";
+  if (std::string e = check_round(c, kOpMoeDispatch, seq_in != nullptr, 0); !e.empty()) return e;
   const uint32_t desc = moe_dispatch_desc(c);
   uint64_t s = 0;
   if (std::string e = begin_recv(v, desc, seq_in, &s); !e.empty()) return e;
@@ -227,9 +255,10 @@ std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& c, void* 
   for (int src = 0; src < W; ++src) {
     const int32_t* hdr = moe_hdr(half, c, src);
     rows[src] = hdr[0];
-    if (hdr[0] < 0 || hdr[0] > T)
+    const int cap = moe_dispatch_round_tokens(c);  // a region's rows
+    if (hdr[0] < 0 || hdr[0] > cap)
       return report(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(hdr[0])),
-                    fmt("rank %d announced %d rows (capacity %d)", src, hdr[0], T));
+                    fmt("rank %d announced %d rows (capacity %d)", src, hdr[0], cap));
     for (int le = 0; le < L; ++le) {
       if (hdr[1 + le] < 0 || hdr[1 + le] > T)
         return report(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(hdr[1 + le])),
@@ -279,17 +308,26 @@ std::string moe_dispatch_host(const CommView& v, const MoeConfig& c, const void*
                               bool packed) {
   if (!expert_x || !expert_counts || !expert_src || (c.scale_cols > 0 && !expert_x_scale))
     return "jax_nvcomm moe_dispatch: null output pointer";  // before SEND: never half a call
-  std::string e = moe_dispatch_send_host(v, c, x, x_scale, topk_ids, num_tokens, token_dest);
-  if (!e.empty()) return e;
-  return moe_dispatch_recv_host(v, c, expert_x, expert_counts, expert_x_scale, expert_src, nullptr,
-                                packed);
+  for (int r = 0; r < moe_dispatch_rounds(c); ++r) {  // one round unless the slots are bounded
+    std::string e = moe_dispatch_send_host(v, c, x, x_scale, topk_ids, num_tokens, token_dest,
+                                           nullptr, r);
+    if (e.empty())
+      e = moe_dispatch_recv_host(v, c, expert_x, expert_counts, expert_x_scale, expert_src,
+                                 nullptr, packed);
+    if (!e.empty()) return e;
+  }
+  return "";
 }
 
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
-                                  const int32_t* expert_counts, uint32_t* seq_out, bool packed) {
+                                  const int32_t* expert_counts, uint32_t* seq_out, bool packed,
+                                  int round) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (std::string e = check_round(c, kOpMoeCombine, seq_out != nullptr, round, y_dtype);
+      !e.empty())
+    return e;
   if (!expert_y || !expert_src || !expert_counts) return "jax_nvcomm moe_combine: null input pointer";
   const int K = c.top_k, W = c.world, T = c.max_tokens, L = moe_local_experts(c);
   const uint32_t desc = moe_combine_desc(c, y_dtype);
@@ -297,6 +335,8 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
   if (std::string e = begin_send(v, c, desc, seq_out, &s); !e.empty()) return e;
   const size_t erows = moe_expert_rows(c), yrow = moe_y_row_bytes(c, y_dtype);
   const int64_t slots = int64_t(T) * K;
+  // This round's destination tokens [lo, lo + Tc) (all T unbounded); landing rows relative to lo
+  const int64_t Tc = moe_combine_round_tokens(c, y_dtype), lo = int64_t(round) * Tc;
   size_t g = 0;  // packed: the data row of (le, i) is the g-th counted row
   for (int le = 0; le < L; ++le) {
     const int cnt = expert_counts[le];
@@ -313,7 +353,9 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
         return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(slot)),
                       fmt("handle expert_src[%d, %d] = %d is not a valid slot", le, i, slot));
       const int src = int(slot / slots);
-      std::memcpy(moe_landing(moe_half(v.bufs[src], c, s), c, y_dtype, size_t(slot - src * slots)),
+      const int64_t q = slot - src * slots - lo * K;  // landing row within the round
+      if (q < 0 || q >= Tc * K) continue;              // another round's token
+      std::memcpy(moe_landing(moe_half(v.bufs[src], c, s), c, y_dtype, size_t(q)),
                   static_cast<const char*>(expert_y) + (packed ? g : er) * yrow, yrow);
     }
   }
@@ -324,9 +366,12 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
 
 std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_dtype,
                                   const float* topk_weights, const int32_t* token_dest, void* y,
-                                  const uint32_t* seq_in) {
+                                  const uint32_t* seq_in, int round) {
   if (std::string e = check(v, c, kOpMoeCombine); !e.empty()) return e;
   if (!moe_y_dtype_ok(y_dtype)) return fmt("jax_nvcomm moe_combine: bad expert_y dtype %d", y_dtype);
+  if (std::string e = check_round(c, kOpMoeCombine, seq_in != nullptr, round, y_dtype);
+      !e.empty())
+    return e;
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens, H = c.hidden;
   const uint32_t desc = moe_combine_desc(c, y_dtype);
@@ -337,7 +382,9 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
   char* half = moe_half(v.bufs[v.rank], c, s);
   const size_t yrow = moe_y_row_bytes(c, y_dtype);
   std::vector<float> acc(H);
-  for (int t = 0; t < T; ++t) {
+  const int Tc = moe_combine_round_tokens(c, y_dtype);
+  const int lo = int(std::min<int64_t>(T, int64_t(round) * Tc));
+  for (int t = lo; t < std::min(T, lo + Tc); ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int k = 0; k < K; ++k) {
       const int e = token_dest[size_t(t) * K + k];
@@ -346,7 +393,7 @@ std::string moe_combine_recv_host(const CommView& v, const MoeConfig& c, int y_d
                       fmt("handle token_dest[%d, %d] = %d is not an expert id", t, k, e));
       if (e < 0) continue;
       const float w = topk_weights[size_t(t) * K + k];
-      const char* row = moe_landing(half, c, y_dtype, size_t(t) * K + k);
+      const char* row = moe_landing(half, c, y_dtype, size_t(t - lo) * K + k);
       if (y_dtype == kMoeF32) {
         const float* p = reinterpret_cast<const float*>(row);
         for (int i = 0; i < H; ++i) acc[i] = std::fmaf(w, p[i], acc[i]);
@@ -375,10 +422,13 @@ std::string moe_combine_host(const CommView& v, const MoeConfig& c, const void* 
                              const int32_t* expert_src, const int32_t* expert_counts, void* y,
                              bool packed) {
   if (!topk_weights || !token_dest || !y) return "jax_nvcomm moe_combine: null pointer";
-  std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts,
-                                        nullptr, packed);
-  if (!e.empty()) return e;
-  return moe_combine_recv_host(v, c, y_dtype, topk_weights, token_dest, y);
+  for (int r = 0; r < moe_combine_rounds(c, y_dtype); ++r) {  // one round unless bounded
+    std::string e = moe_combine_send_host(v, c, expert_y, y_dtype, expert_src, expert_counts,
+                                          nullptr, packed, r);
+    if (e.empty()) e = moe_combine_recv_host(v, c, y_dtype, topk_weights, token_dest, y, nullptr, r);
+    if (!e.empty()) return e;
+  }
+  return "";
 }
 
 }  // namespace host

@@ -20,6 +20,9 @@
 // v.bufs[r]: rank r's MoE buffer (moe_buffer_bytes(cfg) bytes, Ctrl zeroed before first use) as
 // mapped in this process; v.rank == cfg.rank. Array shapes as in cuda/moe.h; all host pointers.
 // num_tokens: pointer to the int32 scalar, null = max_tokens. Plain C++17.
+// Bounded slots (cfg.slot_bytes > 0, moe_layout.h BOUNDED SLOTS): moe_dispatch_host /
+// moe_combine_host run moe_*_rounds(cfg) rounds; a split half (seq pointer given) must be the
+// call's one round; `round` selects the SEND's (and the combine RECV's) tokens.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -38,7 +41,7 @@ std::string moe_dispatch_host(const CommView& v, const MoeConfig& cfg, const voi
 std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& cfg, const void* x,
                                    const float* x_scale, const int32_t* topk_ids,
                                    const int32_t* num_tokens, int32_t* token_dest,
-                                   uint32_t* seq_out = nullptr);
+                                   uint32_t* seq_out = nullptr, int round = 0);
 std::string moe_dispatch_recv_host(const CommView& v, const MoeConfig& cfg, void* expert_x,
                                    int32_t* expert_counts, float* expert_x_scale,
                                    int32_t* expert_src, const uint32_t* seq_in = nullptr,
@@ -51,10 +54,10 @@ std::string moe_combine_host(const CommView& v, const MoeConfig& cfg, const void
 std::string moe_combine_send_host(const CommView& v, const MoeConfig& cfg, const void* expert_y,
                                   int y_dtype, const int32_t* expert_src,
                                   const int32_t* expert_counts, uint32_t* seq_out = nullptr,
-                                  bool packed = false);
+                                  bool packed = false, int round = 0);
 std::string moe_combine_recv_host(const CommView& v, const MoeConfig& cfg, int y_dtype,
                                   const float* topk_weights, const int32_t* token_dest, void* y,
-                                  const uint32_t* seq_in = nullptr);
+                                  const uint32_t* seq_in = nullptr, int round = 0);
 
 }  // namespace host
 }  // namespace nvc

@@ -38,7 +38,7 @@ __device__ __forceinline__ uint4 local_sum_v4(const char* x, size_t i) {
 // bandwidth against 59-63% with one block per SM and no spill (2 x H200, bench allreduce on one
 // GPU, 2026-11-30); tests/test_build.py allows this kernel (only) up to 40 bytes. The quantised
 // epilogue would spill far more and keeps one.
-template <typename T, bool kFused, bool kQuant = false>
+template <typename T, bool kFused, bool kQuant = false, bool kWf32 = false>
 __global__ void __launch_bounds__(kArThreads, kQuant ? 1 : 2)
     local_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
   const char* x = static_cast<const char*>(t.x);
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kArThreads, kQuant ? 1 : 2)
     extern __shared__ float4 s_dyn[];
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
-    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
+    rmsnorm_rows<T, kQuant, kWf32>(t, rc, rb, re, s_red, s_dyn,
                             [&](size_t i) { return local_sum_v4<T>(x, i); });
   }
 }
@@ -77,11 +77,11 @@ constexpr int kLocVecs = 8;
 
 NVC_HD bool local_rows_ok(const RowCfg& rc) { return rows_regs_ok<kLocVecs>(rc); }
 
-template <typename T, bool kQuant>
+template <typename T, bool kQuant, bool kWf32>
 __global__ void __launch_bounds__(kLocThreads)
     local_rows_kernel(const __grid_constant__ ArTensors t, RowCfg rc) {
   const char* x = static_cast<const char*>(t.x);
-  rmsnorm_rows_regs<T, kQuant, 1, kLocVecs, true, true>(
+  rmsnorm_rows_regs<T, kQuant, kWf32, 1, kLocVecs, true, true>(
       t, rc, blockIdx.x, t.tokens, gridDim.x, [&](size_t i) { return ld_nc_v4(x + i * 16); });
 }
 

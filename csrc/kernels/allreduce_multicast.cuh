@@ -172,18 +172,18 @@ struct TwoShotMulticast {
   }
 };
 
-template <typename T, bool kFused, bool kQuant = false>
+template <typename T, bool kFused, bool kQuant = false, bool kWf32 = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     oneshot_mc_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                       RowCfg rc, uint32_t desc, char* mc) {
-  oneshot_body<T, kFused, OneShotMulticast, kQuant>(v, t, rc, desc, mc);
+  oneshot_body<T, kFused, OneShotMulticast, kQuant, kWf32>(v, t, rc, desc, mc);
 }
 
-template <typename T, bool kFused, bool kQuant = false>
+template <typename T, bool kFused, bool kQuant = false, bool kWf32 = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     twoshot_mc_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                       RowCfg rc, uint32_t desc, char* mc) {
-  twoshot_body<T, kFused, TwoShotMulticast, kQuant>(v, t, rc, desc, mc);
+  twoshot_body<T, kFused, TwoShotMulticast, kQuant, kWf32>(v, t, rc, desc, mc);
 }
 
 }  // namespace dev

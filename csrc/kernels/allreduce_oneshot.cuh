@@ -300,7 +300,7 @@ __device__ __forceinline__ void oneshot_check_tag(const CommView& v, const OneSh
   }
 }
 
-template <typename T, bool kFused, class Policy, bool kQuant = false>
+template <typename T, bool kFused, class Policy, bool kQuant = false, bool kWf32 = false>
 __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kChunk = kFused ? 4 : 8;  // slot loads in flight (x kEpiPairs when fused)
@@ -324,7 +324,7 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   } else {
     const int64_t rb = t.tokens * blockIdx.x / gridDim.x;
     const int64_t re = t.tokens * (blockIdx.x + 1) / gridDim.x;
-    rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) {
+    rmsnorm_rows<T, kQuant, kWf32>(t, rc, rb, re, s_red, s_dyn, [&](size_t i) {
       return lamport_sum_v4<T, kChunk>(v, slot0, i, k, desc, deadline);
     });
   }
@@ -332,11 +332,11 @@ __device__ __forceinline__ void oneshot_body(const CommView& v, const ArTensors&
   probe(6);
 }
 
-template <typename T, bool kFused, bool kQuant = false>
+template <typename T, bool kFused, bool kQuant = false, bool kWf32 = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     oneshot_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                    RowCfg rc, uint32_t desc) {
-  oneshot_body<T, kFused, OneShotUnicast, kQuant>(v, t, rc, desc, nullptr);
+  oneshot_body<T, kFused, OneShotUnicast, kQuant, kWf32>(v, t, rc, desc, nullptr);
 }
 
 }  // namespace dev

@@ -23,7 +23,8 @@
 // c + nclusters, ...; block j of the cluster plays virtual lanes l = j * kClThreads +
 // threadIdx.x of the row group of rmsnorm.cuh (tpr = kArThreads). The weight vectors of the
 // lane's columns are loaded into registers before the first row (every row uses the same
-// columns); a float32 weight (t.w_f32) is read per row in pass 2 instead (from L1).
+// columns); a float32 weight (kWf32, an instantiation of its own) is read per row in pass 2
+// instead (from L1).
 //   pass 1: lane l polls columns l, l + kArThreads, ... of the row two at a time
 //     (lamport_sum_vecs: all slot loads of a round issued before any check), sums each in rank
 //     order (float32), adds the residual (loaded before the poll), stores residual_out, keeps
@@ -86,7 +87,7 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-template <typename T, bool kQuant, int kClBlocks>
+template <typename T, bool kQuant, int kClBlocks, bool kWf32>
 __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
     oneshot_cluster_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                            RowCfg rc, uint32_t desc) {
@@ -126,12 +127,12 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
   const int nvr = rc.nvr;
   const int vl = crank * kClThreads + int(threadIdx.x);  // virtual lane of the row group
   const int warp = int(threadIdx.x) / 32;
-  uint4 wv[kClMaxCols];  // the lane's weight vectors: the same for every row
-  if (cid < t.tokens) {
+  uint4 wv[kWf32 ? 1 : kClMaxCols];  // the lane's T weight vectors: the same for every row
+  if (!kWf32 && cid < t.tokens) {
 #pragma unroll
     for (int c = 0; c < kClMaxCols; ++c) {
       const int col = vl + c * kArThreads;
-      if (col < nvr && !t.w_f32) wv[c] = ld_nc_v4(wgt + size_t(col) * 16);
+      if (col < nvr) wv[kWf32 ? 0 : c] = ld_nc_v4(wgt + size_t(col) * 16);
     }
   }
   for (int64_t row = cid; row < t.tokens; row += ncl) {
@@ -176,15 +177,15 @@ __global__ void __launch_bounds__(kArThreads / kClBlocks, 1)
     const float tot = cluster_fold<kVWarps, kWarpsPerBlock>(
         cluster, s_part, [](float a, float b) { return __fadd_rn(a, b); });
     if constexpr (!kQuant) cluster_arrive();  // after the last read of a peer's shared memory
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.norm_hidden)), t.eps));
     uint32_t am = 0u;
 #pragma unroll
     for (int c = 0; c < kClMaxCols; ++c) {
       const int col = vl + c * kArThreads;
       if (col < nvr) {
         float fw[E], o[E];
-        if (!t.w_f32) unpack<T>(wv[c], fw);
-        else load_weight<T>(wgt, col, true, fw);  // float32: per row, from L1
+        if constexpr (!kWf32) unpack<T>(wv[c], fw);
+        else load_weight<T, true>(wgt, col, fw);  // float32: per row, from L1
 #pragma unroll
         for (int e = 0; e < E; ++e) o[e] = __fmul_rn(__fmul_rn(r[c][e], inv), fw[e]);
         if constexpr (kQuant) {

@@ -179,7 +179,7 @@ __device__ __forceinline__ bool twoshot_wait_phase0(const uint64_t* flag, uint64
   return false;
 }
 
-template <typename T, bool kFused, class Policy, bool kQuant = false>
+template <typename T, bool kFused, class Policy, bool kQuant = false, bool kWf32 = false>
 __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors& t,
                                              const RowCfg& rc, uint32_t desc, char* mc) {
   constexpr int kChunk = 8;  // slot loads in flight
@@ -268,11 +268,11 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
     if (__syncthreads_or(!ok)) return;
     probe(10);
     if (rows_regs_ok<kRowVecsIn512>(rc))  // rows held in registers (rmsnorm_regs.cuh)
-      rmsnorm_rows_regs<T, kQuant, kArThreads / kRowThreads, kRowVecsIn512, false, false>(
+      rmsnorm_rows_regs<T, kQuant, kWf32, kArThreads / kRowThreads, kRowVecsIn512, false, false>(
           t, rc, rb, re, kArThreads / kRowThreads, [&](size_t i) { return ld_cg_v4(ag + i * 16); });
     else
-      rmsnorm_rows<T, kQuant>(t, rc, rb, re, s_red, s_dyn,
-                              [&](size_t i) { return ld_cg_v4(ag + i * 16); });
+      rmsnorm_rows<T, kQuant, kWf32>(t, rc, rb, re, s_red, s_dyn,
+                                     [&](size_t i) { return ld_cg_v4(ag + i * 16); });
   }
   probe(11);
   // Every block read seq before taking its ticket: the last one advances Ctrl::seq (its atomic
@@ -281,11 +281,11 @@ __device__ __forceinline__ void twoshot_body(const CommView& v, const ArTensors&
     *reinterpret_cast<volatile uint64_t*>(&ctrl->seq) = seq;
 }
 
-template <typename T, bool kFused, bool kQuant = false>
+template <typename T, bool kFused, bool kQuant = false, bool kWf32 = false>
 __global__ void __launch_bounds__(kArThreads, 1)
     twoshot_kernel(const __grid_constant__ CommView v, const __grid_constant__ ArTensors t,
                    RowCfg rc, uint32_t desc) {
-  twoshot_body<T, kFused, TwoShotUnicast, kQuant>(v, t, rc, desc, nullptr);
+  twoshot_body<T, kFused, TwoShotUnicast, kQuant, kWf32>(v, t, rc, desc, nullptr);
 }
 
 }  // namespace dev

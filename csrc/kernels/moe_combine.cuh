@@ -30,6 +30,11 @@
 //   poison and skip the row, and its block then leaves instead of publishing (publish_all's
 //   vote), so the block's flag stays poison. RECV: a token_dest entry out of range
 //   (kErrBadExpert, recorded) makes its warp skip the token (y's row unspecified).
+// Bounded slots (moe_layout.h BOUNDED SLOTS): a call is rounds, each a combine_send_rounds_kernel
+// then a combine_recv_rounds_kernel (the kRounds bodies; the round's tokens [round_lo,
+// round_lo + round_tokens) are kernel parameters): SEND reads the slots of 32 rows per warp at
+// once and copies only the rows whose token is in the round, to landing row (t - round_lo) * K
+// + k; RECV sums the round's tokens. The whole-call kernels are the unbounded layout's, unchanged.
 #pragma once
 #include "moe_dispatch.cuh"
 
@@ -43,7 +48,20 @@ struct CombineSendArgs {
   int y_dtype;
   uint32_t* seq_out;             // split: the call's seq, for the RECV (scalar); null when fused
   bool packed = false;           // expert_y in the packed form
+  // Bounded slots: this round's destination tokens [round_lo, round_lo + round_tokens)
+  // (combine_round_args); round_tokens 0: unbounded, every token (the one round).
+  int round_lo = 0, round_tokens = 0;
 };
+
+// The round fields (round_lo, round_tokens) of round r, for both halves' arguments: kernel
+// parameters, so the loops read them from the constant bank instead of holding registers.
+template <class Args>
+inline void combine_round_args(const MoeConfig& c, int y_dtype, int r, Args* a) {
+  if (!moe_bounded(c)) { a->round_lo = 0; a->round_tokens = 0; return; }
+  const int Tc = moe_combine_round_tokens(c, y_dtype);
+  a->round_lo = r * Tc;
+  a->round_tokens = Tc < c.max_tokens - a->round_lo ? Tc : c.max_tokens - a->round_lo;
+}
 
 __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
   return 4 * (size_t(moe_local_experts(c)) + 1);
@@ -51,6 +69,9 @@ __host__ __device__ inline size_t combine_send_smem(const MoeConfig& c) {
 
 // The SEND half, every thread of the block; returns the call's s, or 0 (every thread alike)
 // when the call failed or was refused here: the block then publishes nothing and leaves.
+// kRounds: a round of a bounded call (a.round_tokens > 0; its own kernel, so the one-kernel
+// fused call keeps its registers); else the whole call.
+template <bool kRounds = false>
 __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const MoeConfig& c,
                                                       const CombineSendArgs& a) {
   extern __shared__ int32_t pre[];  // [L + 1]
@@ -111,31 +132,82 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   }
   const int64_t slots = int64_t(T) * K;
   bool bad_slot = false;  // this warp found a bad expert_src entry: the block must not publish
-  for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
-    int l = 0, h = L - 1;  // last e with pre[e] <= g
-    while (l < h) {
-      const int mid = (l + h + 1) >> 1;
-      if (pre[mid] <= g) l = mid; else h = mid - 1;
+  if constexpr (kRounds) {
+    // Only this round's destination tokens. The warp reads the slots of 32 rows at once (one
+    // per lane: the walk over every row of the call in every round costs a load latency per
+    // 32 rows, not per row), then copies the rows of the round among them, one after another
+    // (landing rows are relative to the round; each has one writer). Lane l of warp w takes
+    // row g0 + l * nw + w, so consecutive rows (an expert's rows of one round lie together)
+    // spread over the warps as in the whole-call walk.
+    const int qlo = a.round_lo * K, qn = a.round_tokens * K, nw = G * kWarps;
+    for (int g0 = 0; g0 < total; g0 += 32 * nw) {
+      const int g = g0 + lane * nw + b * kWarps + warp;
+      int slot = 0, l = 0;
+      bool in = false, bad = false;
+      if (g < total) {
+        int h = L - 1;  // last e with pre[e] <= g
+        while (l < h) {
+          const int mid = (l + h + 1) >> 1;
+          if (pre[mid] <= g) l = mid; else h = mid - 1;
+        }
+        slot = __ldg(a.expert_src + int64_t(l) * erows + (g - pre[l]));
+        bad = slot < 0 || slot >= W * slots;
+        const int q = bad ? -1 : int(slot % slots) - qlo;
+        in = q >= 0 && q < qn;
+      }
+      const uint32_t badm = __ballot_sync(0xFFFFFFFFu, bad);
+      if (badm != 0) {  // recorded once, the row skipped; the block must not publish
+        if (lane == __ffs(badm) - 1)
+          poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+        bad_slot = true;
+      }
+      for (uint32_t inm = __ballot_sync(0xFFFFFFFFu, in); inm != 0; inm &= inm - 1) {
+        const int j = __ffs(inm) - 1;
+        const int gj = __shfl_sync(0xFFFFFFFFu, g, j), sj = __shfl_sync(0xFFFFFFFFu, slot, j);
+        const int src = int(sj / slots);
+        int64_t row = gj;  // packed: row gj itself; else (e, i) of it (the search again: smem)
+        if (!a.packed) {
+          int le = 0, h = L - 1;
+          while (le < h) {
+            const int mid = (le + h + 1) >> 1;
+            if (pre[mid] <= gj) le = mid; else h = mid - 1;
+          }
+          row = int64_t(le) * erows + (gj - pre[le]);
+        }
+        const uint8_t* yr = a.expert_y + size_t(row) * yrow;
+        char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype,
+                                size_t(int(sj - src * slots) - qlo));
+        warp_copy(0, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
+                  [&](int) { return dst; });
+      }
     }
-    const int64_t er = int64_t(l) * erows + (g - pre[l]);
-    const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
-    uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
+  } else {
+    for (int g = b * kWarps + warp; g < total; g += G * kWarps) {
+      int l = 0, h = L - 1;  // last e with pre[e] <= g
+      while (l < h) {
+        const int mid = (l + h + 1) >> 1;
+        if (pre[mid] <= g) l = mid; else h = mid - 1;
+      }
+      const int64_t er = int64_t(l) * erows + (g - pre[l]);
+      const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
+      uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
 #pragma unroll
-    for (int u = 0; u < kCopyU; ++u)
-      if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
-    const int slot = __ldg(a.expert_src + er);
-    if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
-      if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
-      bad_slot = true;
-      continue;
+      for (int u = 0; u < kCopyU; ++u)
+        if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
+      const int slot = __ldg(a.expert_src + er);
+      if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
+        if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+        bad_slot = true;
+        continue;
+      }
+      const int src = int(slot / slots);
+      char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
+#pragma unroll
+      for (int u = 0; u < kCopyU; ++u)
+        if (lane + 32 * u < nvec) dev::st_v4(dst + size_t(lane + 32 * u) * 16, val[u]);
+      warp_copy(32 * kCopyU, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
+                [&](int) { return dst; });
     }
-    const int src = int(slot / slots);
-    char* dst = moe_landing(moe_half(v.bufs[src], c, s), c, a.y_dtype, size_t(slot - src * slots));
-#pragma unroll
-    for (int u = 0; u < kCopyU; ++u)
-      if (lane + 32 * u < nvec) dev::st_v4(dst + size_t(lane + 32 * u) * 16, val[u]);
-    warp_copy(32 * kCopyU, nvec, lane, 1, [&](int i) { return ld_nc_v4(yr + size_t(i) * 16); },
-              [&](int) { return dst; });
   }
   dev::probe(9);
   const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's release
@@ -148,12 +220,19 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
 __global__ void __launch_bounds__(kMoeThreads) combine_send_kernel(CommView v, MoeConfig c, CombineSendArgs a) {
   combine_send_body(v, c, a);
 }
+__global__ void __launch_bounds__(kMoeThreads) combine_send_rounds_kernel(CommView v, MoeConfig c,
+                                                                       CombineSendArgs a) {
+  combine_send_body<true>(v, c, a);
+}
 
 struct CombineRecvArgs {
   const float* weights;       // [T, K]
   const int32_t* token_dest;  // handle [T, K]
   uint8_t* y;                 // [T, H] of y_dtype
   const uint32_t* seq_in;     // split: the SEND's seq output; null when fused
+  // Bounded slots: this round's tokens [round_lo, round_lo + round_tokens) (kernel parameters,
+  // as CombineSendArgs'); round_tokens 0: unbounded, every token.
+  int round_lo = 0, round_tokens = 0;
 };
 
 constexpr int kCombU = 8;  // landing slots' loads in flight per lane in the combine receive
@@ -185,7 +264,7 @@ __device__ __forceinline__ uint4 combine_pack(const float* acc) {
 
 // The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
 // begin_recv); else the s of the SEND half that just ran in the same kernel (combine_kernel).
-template <int YT>
+template <int YT, bool kRounds = false>
 __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeConfig& c,
                                                   const CombineRecvArgs& a, uint64_t known_s) {
   constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
@@ -198,10 +277,13 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
   const uint64_t s = known_s == 0 ? begin_recv(v, desc, a.seq_in) : begin_recv_fused(v, desc, known_s);
   const size_t yrow = moe_y_row_bytes(c, YT);
   const int nvec = int(yrow / 16);
+  // kRounds: this round's tokens, Tr from lo on (else T from 0); landing rows are relative to
+  // the round.
+  const int Tr = kRounds ? a.round_tokens : T, lo = kRounds ? a.round_lo : 0;
   // work items (token t, chunk ch of cw = 32 * u columns) over every warp of the grid, u the
-  // columns per lane that spread the T rows over all of the grid's lanes (at decode sizes a
+  // columns per lane that spread the Tr rows over all of the grid's lanes (at decode sizes a
   // row's columns go to several warps instead of one warp walking them)
-  const int cw = 32 * cols_per_lane(T, nvec, G);
+  const int cw = 32 * cols_per_lane(Tr, nvec, G);
   const int nch = (nvec + cw - 1) / cw;
   // The handle and weights of this warp's first item are local inputs: requested before the
   // wait for the peers, so their latency hides behind it.
@@ -211,8 +293,8 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
   __shared__ float s_w0[kWarps][32];
   {
     const int item = b * kWarps + warp;
-    const bool has = item < T * nch && lane < K;
-    const int t = item / nch;
+    const bool has = item < Tr * nch && lane < K;
+    const int t = lo + item / nch;
     s_e0[warp][lane] = has ? __ldg(a.token_dest + size_t(t) * K + lane) : -1;
     s_w0[warp][lane] = has ? __ldg(a.weights + size_t(t) * K + lane) : 0.f;
   }
@@ -221,8 +303,8 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
   dev::probe(11);
 
   char* half = moe_half(v.bufs[v.rank], c, s);
-  for (int item = b * kWarps + warp; item < T * nch; item += G * kWarps) {
-    const int t = item / nch, ch = item - t * nch;
+  for (int item = b * kWarps + warp; item < Tr * nch; item += G * kWarps) {
+    const int tr = item / nch, ch = item - tr * nch, t = lo + tr;
     const bool first = item == b * kWarps + warp;
     const int e = first    ? s_e0[warp][lane]
                   : lane < K ? __ldg(a.token_dest + size_t(t) * K + lane)
@@ -252,7 +334,7 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
 #pragma unroll
         for (int u = 0; u < kCombU; ++u) {
           if (j0 + u < m) {
-            const char* base = moe_landing(half, c, YT, size_t(t) * K + s_k[warp][j0 + u]);
+            const char* base = moe_landing(half, c, YT, size_t(tr) * K + s_k[warp][j0 + u]);
             v0[u] = dev::ld_cg_v4(base + size_t(i) * 16);
             if (two) v1[u] = dev::ld_cg_v4(base + size_t(i + 32) * 16);
           }
@@ -278,6 +360,11 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
 template <int YT>
 __global__ void __launch_bounds__(kMoeThreads) combine_recv_kernel(CommView v, MoeConfig c, CombineRecvArgs a) {
   combine_recv_body<YT>(v, c, a, 0);
+}
+template <int YT>
+__global__ void __launch_bounds__(kMoeThreads) combine_recv_rounds_kernel(CommView v, MoeConfig c,
+                                                                        CombineRecvArgs a) {
+  combine_recv_body<YT, true>(v, c, a, 0);
 }
 
 // A fused combine in one kernel: the SEND half, then the RECV half of the same call (as

@@ -35,6 +35,13 @@
 //   expert_src entry keeps the second index). The block with the last arrival ticket (taken after the
 //   wait, common.cuh arrive_issue) advances Ctrl::seq at its end (finish_recv).
 // Received metadata is range-checked before it is used as an address (kErrCapacity).
+// Bounded slots (moe_layout.h BOUNDED SLOTS): a call is rounds, each a dispatch_send_rounds_kernel
+// then a dispatch_recv_rounds_kernel (the <true> bodies): SEND takes the round's tokens
+// [round_lo, round_lo + round_tokens) of [0, n) (a kernel parameter), blocks split them as
+// above, A counts [0, t0) per expert (the call's idx) and [round_lo, t0) per destination (the
+// round's positions), and block G-1 adds the tokens after the round to the per-expert totals it
+// writes into the header (validating their ids); RECV reads regions of round_tokens rows. The
+// whole-call kernels (<false>) are the unbounded layout's, unchanged.
 //
 // Failure (kernels/common.cuh; no kernel traps, so the CUDA context stays usable):
 // - begin_send / begin_recv return 0 (every thread alike, by __syncthreads_or at the block's
@@ -160,9 +167,9 @@ __device__ __forceinline__ uint64_t begin_send(const CommView& v, const MoeConfi
   const uint64_t s = sends_issued(v) + 1, done = recvs_done(v);
   if (dev::comm_failed(v)) return 0;
   // every rank runs the same program, so every rank fails here alike: no poison needed
-  if (s - done > uint64_t(c.max_in_flight)) {
+  if (s - done > uint64_t(moe_in_flight(c))) {
     if (blockIdx.x == 0 && threadIdx.x == 0)
-      dev::fail_inline(v, kErrInFlight, desc, c.max_in_flight, s, s - done);
+      dev::fail_inline(v, kErrInFlight, desc, moe_in_flight(c), s, s - done);
     return 0;
   }
   if (seq_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *seq_out = uint32_t(s);
@@ -226,6 +233,9 @@ struct DispatchSendArgs {
   const int32_t* num_tokens; // device scalar, null = T
   int32_t* token_dest;       // handle [T, K]
   uint32_t* seq_out;         // split: the call's seq, for the RECV (scalar); null when fused
+  // Rounds kernels only (bounded slots, dispatch_round_args): this round's source tokens
+  // [round_lo, round_lo + round_tokens), cut at num_tokens.
+  int round_lo = 0, round_tokens = 0;
 };
 
 __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
@@ -234,6 +244,9 @@ __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
 
 // The SEND half, every thread of the block; returns the call's s, or 0 (every thread alike)
 // when the call failed or was refused here: the block then publishes nothing and leaves.
+// kRounds: a round of a bounded call (its own kernel, dispatch_send_rounds_kernel, so the
+// whole-call kernels keep their registers); else the whole call (round_tokens 0).
+template <bool kRounds = false>
 __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const MoeConfig& c,
                                                        const DispatchSendArgs& a) {
   extern __shared__ int32_t smem[];
@@ -252,7 +265,11 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   const int n = a.num_tokens ? __ldg(a.num_tokens) : T;  // requested with the counters
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const bool bad_n = n < 0 || n > T;  // the same in every block
-  const int t0 = int(int64_t(n) * b / G), t1 = int(int64_t(n) * (b + 1) / G);
+  // kRounds: this round's tokens [r0, r1) of [0, n); block b owns [t0, t1) of them.
+  const int nn = kRounds && !bad_n ? n : 0, r0 = kRounds ? min(nn, a.round_lo) : 0;
+  const int r1 = kRounds ? min(nn, r0 + a.round_tokens) : n;
+  const int t0 = kRounds ? r0 + int(int64_t(r1 - r0) * b / G) : int(int64_t(n) * b / G);
+  const int t1 = kRounds ? r0 + int(int64_t(r1 - r0) * (b + 1) / G) : int(int64_t(n) * (b + 1) / G);
   for (int i = tid; i < E; i += blockDim.x) cntE[i] = 0;
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
@@ -262,7 +279,8 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   }
 
   dev::probe(1);
-  // A. validate [0, t1), count [0, t0).
+  // A. validate [0, t1), count [0, t0) per expert (idx is the call's) and [r0, t0) per
+  // destination (positions restart every round).
   for (int base = 0; base < t1; base += blockDim.x) {
     const int t = base + tid;
     const bool act = t < t1, before = t < t0;
@@ -287,7 +305,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
           const uint32_t peers = __match_any_sync(0xFFFFFFFFu, use ? e : -2 - lane);
           if (use && lane == __ffs(peers) - 1) atomicAdd(&cntE[e], __popc(peers));
         }
-        if (use) dmask |= 1u << (e / L);
+        if (use && (!kRounds || t >= r0)) dmask |= 1u << (e / L);
       }
     }
     for (int d = 0; d < W; ++d) {
@@ -353,7 +371,8 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
       const int nd = __popc(dbal);
       if (pos >= 0) {
         const int q = __popc(dbal & lanemask_lt());
-        s_dst[warp][q] = moe_drow(moe_half(v.bufs[lane], c, s), c, v.rank, pos);
+        s_dst[warp][q] = moe_drow_in(moe_half(v.bufs[lane], c, s), c,
+                                     kRounds ? a.round_tokens : T, v.rank, pos);
         s_drank[warp][q] = lane;
       }
       __syncwarp();
@@ -394,7 +413,26 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   // Handle rows past num_tokens.
   for (size_t i = size_t(n) * K + size_t(b) * blockDim.x + tid; i < size_t(T) * K; i += size_t(G) * blockDim.x)
     a.token_dest[i] = -1;
-  // Block G-1 now holds the totals: header of my region in every destination.
+  // Block G-1 now holds the round's rows per destination and the per-expert counts of the
+  // tokens [0, r1); a round before the last (bounded slots) adds those of [r1, n), validating
+  // their ids: the header carries the call's totals in every round (the offsets off[e][src]).
+  if (kRounds && b == G - 1 && r1 < nn) {  // block-uniform
+    for (int t = r1 + tid; t < nn; t += blockDim.x)
+      for (int k = 0; k < K; ++k) {
+        const int e = __ldg(a.ids + size_t(t) * K + k);
+        if (e < -1 || e >= E) {
+          if (atomicExch(&s_bad, 1) == 0) { s_badval = e; s_badtok = t; s_badslot = k; s_badrep = 0; }
+        } else if (e >= 0) {
+          atomicAdd(&cntE[e], 1);
+        }
+      }
+    __syncthreads();
+    if (s_bad) {
+      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+                                    bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
+      return 0;
+    }
+  }
   if (b == G - 1) {
     for (int i = tid; i < W * (1 + L); i += blockDim.x) {
       const int d = i / (1 + L), j = i - d * (1 + L);
@@ -411,6 +449,10 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
 __global__ void __launch_bounds__(kMoeThreads) dispatch_send_kernel(CommView v, MoeConfig c, DispatchSendArgs a) {
   dispatch_send_body(v, c, a);
 }
+__global__ void __launch_bounds__(kMoeThreads) dispatch_send_rounds_kernel(CommView v, MoeConfig c,
+                                                                        DispatchSendArgs a) {
+  dispatch_send_body<true>(v, c, a);
+}
 
 struct DispatchRecvArgs {
   uint8_t* expert_x;       // [L, W*T, H], or packed [P, H] (moe_layout.h)
@@ -419,7 +461,20 @@ struct DispatchRecvArgs {
   int32_t* expert_src;     // handle [L, W*T]
   const uint32_t* seq_in;  // split: the SEND's seq output; null when fused
   bool packed = false;     // expert_x / expert_x_scale in the packed form
+  int region_rows = 0;     // rounds kernels: rows of a source's region (moe_dispatch_round_tokens)
 };
+
+// The round fields of the dispatch arguments for round r (kernel parameters: read from the
+// constant bank, no registers or divisions in the kernels).
+inline void dispatch_round_args(const MoeConfig& c, int r, DispatchSendArgs* sa,
+                                DispatchRecvArgs* ra) {
+  const int Td = moe_dispatch_round_tokens(c);
+  if (sa != nullptr) {
+    sa->round_lo = moe_bounded(c) ? r * Td : 0;
+    sa->round_tokens = moe_bounded(c) ? Td : 0;
+  }
+  if (ra != nullptr) ra->region_rows = moe_bounded(c) ? Td : 0;
+}
 
 __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
   // tot [L], the W headers [W][1 + L] (their counts become the offsets off[src][le]), then
@@ -463,6 +518,8 @@ __device__ __forceinline__ void block_exclusive_scan(const int32_t* v, int32_t* 
 
 // The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
 // begin_recv); else the s of the SEND half that just ran in the same kernel (dispatch_kernel).
+// kRounds: a round of a bounded call (regions of a.region_rows rows); else regions of T rows.
+template <bool kRounds = false>
 __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeConfig& c,
                                                    const DispatchRecvArgs& a, uint64_t known_s) {
   extern __shared__ int32_t smem[];
@@ -492,9 +549,10 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
   bool bad = false;  // a header out of range (recorded): the block leaves after the barrier
   if (tid == 0) {
     int acc = 0;
+    const int Td = kRounds ? a.region_rows : T;  // a region's rows
     for (int src = 0; src < W; ++src) {
       const int r = hdr[src * (1 + L)];
-      if (r < 0 || r > T) {
+      if (r < 0 || r > Td) {
         dev::fail_inline(v, kErrCapacity, desc, src, s, uint64_t(uint32_t(r)));
         bad = true;
       }
@@ -542,7 +600,7 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
     const int g = item / nch, ch = item - g * nch;
     int src = 0;
     while (g >= s_rows[src + 1]) ++src;
-    const char* row = moe_drow(half, c, src, g - s_rows[src]);
+    const char* row = moe_drow_in(half, c, kRounds ? a.region_rows : T, src, g - s_rows[src]);
     const int32_t* meta = reinterpret_cast<const int32_t*>(row + meta_off);
     const int i0 = ch * cw + lane, iend = min(nvec, (ch + 1) * cw);
     uint4 val[kCopyU];
@@ -595,6 +653,10 @@ __device__ __forceinline__ void dispatch_recv_body(const CommView& v, const MoeC
 
 __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_kernel(CommView v, MoeConfig c, DispatchRecvArgs a) {
   dispatch_recv_body(v, c, a, 0);
+}
+__global__ void __launch_bounds__(kMoeThreads) dispatch_recv_rounds_kernel(CommView v, MoeConfig c,
+                                                                        DispatchRecvArgs a) {
+  dispatch_recv_body<true>(v, c, a, 0);
 }
 
 // A fused dispatch in one kernel: the SEND half, then (after the block published its flags) the

@@ -8,11 +8,15 @@
 //   r            = float(sum) + float(residual)        float32
 //   residual_out = T(r)
 //   normed       = T( (r * rsqrt(sum(r^2) / n + eps)) * float(weight) )
-// n = t.norm_hidden: the row's true width when the caller zero-padded the rows to a whole number
-// of 16-byte vectors (padding adds +0.0 to the sum of squares: exact), else hidden. A float32
-// weight (t.w_f32, 16-bit T only) is read as float32: 4 * E bytes per vector of the row, the
-// product above with the weight unrounded (as model code that keeps its norm weights in float32
-// computes it); a T weight is widened exactly.
+// n = t.norm_hidden: the row's true width when the caller zero-padded the rows to a whole
+// number of 16-byte vectors (padding adds +0.0 to the sum of squares: exact), else hidden; the
+// launcher resolves it (never 0 here), so the kernels divide by float(n) whatever the padding
+// and a padded width costs them nothing. The weight's form is a template parameter of every fused kernel
+// (kWf32, chosen once by the launcher): a T weight (kWf32 false, the only form for float32 T)
+// is widened exactly; a float32 weight (kWf32, 16-bit T only) is read as float32, 4 * E bytes
+// per vector of the row, the product above with the weight unrounded (as model code that keeps
+// its norm weights in float32 computes it). The two forms are separate instantiations, so the
+// T-weight kernels hold no trace of the float32 one.
 // The sum is rounded to T before the residual add, exactly as `lax.psum(x)` followed by the
 // add + RMSNorm computes it (and as TensorRT-LLM's fused kernels do). This lets two-shot gather
 // the T-typed sum (M bytes fit the all-gather zone) and run the epilogue on every rank with that
@@ -65,32 +69,29 @@ struct ArTensors {
   int64_t hidden;
   float eps;
   float* scale;            // quantised epilogue: float32 [tokens] row scales (else unused)
-  int64_t norm_hidden = 0;  // the mean's divisor (the width before zero padding); 0: hidden
-  bool w_f32 = false;       // weight is float32 [hidden] (T is 16-bit); else T [hidden]
+  int64_t norm_hidden;     // the mean's divisor: the row width before zero padding (<= hidden)
 };
 
-// The divisor of the mean square (see the semantics above).
-__device__ __forceinline__ float norm_cols(const ArTensors& t) {
-  return float(t.norm_hidden > 0 ? t.norm_hidden : t.hidden);
-}
+// Whether the fused kernel of x's dtype T exists with a float32 weight (16-bit T only).
+template <typename T, bool kWf32>
+constexpr bool kWeightFormOk = !kWf32 || !std::is_same<T, float>::value;
 
 // Address of the weights of 16-byte vector `col` of a row: 16 bytes of T, or 4 * E bytes of
-// float32 (w_f32).
-template <typename T>
-__device__ __forceinline__ const char* weight_at(const char* wgt, int col, bool w_f32) {
-  return wgt + size_t(col) * (w_f32 ? size_t(Vec<T>::kElems) * 4 : 16);
+// float32 (kWf32).
+template <typename T, bool kWf32>
+__device__ __forceinline__ const char* weight_at(const char* wgt, int col) {
+  static_assert(kWeightFormOk<T, kWf32>, "a float32 weight goes with 16-bit x only");
+  return wgt + size_t(col) * (kWf32 ? size_t(Vec<T>::kElems) * 4 : 16);
 }
 
 // The E = Vec<T>::kElems float32 weights of vector `col` (exact widening of a T weight).
-template <typename T>
-__device__ __forceinline__ void load_weight(const char* wgt, int col, bool w_f32, float* fw) {
+template <typename T, bool kWf32>
+__device__ __forceinline__ void load_weight(const char* wgt, int col, float* fw) {
   constexpr int E = Vec<T>::kElems;
-  if constexpr (std::is_same<T, float>::value) {
-    unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
-  } else if (!w_f32) {
-    unpack<T>(ld_nc_v4(wgt + size_t(col) * 16), fw);
+  if constexpr (!kWf32) {
+    unpack<T>(ld_nc_v4(weight_at<T, false>(wgt, col)), fw);
   } else {
-    const char* p = weight_at<T>(wgt, col, true);
+    const char* p = weight_at<T, true>(wgt, col);
 #pragma unroll
     for (int i = 0; i < E / 4; ++i) unpack<float>(ld_nc_v4(p + 16 * i), fw + 4 * i);
   }
@@ -181,7 +182,7 @@ __device__ __forceinline__ void store_e4m3(char* dst, const float* n, float inv)
 // Passes 2 and 3 of the quantised epilogue for the rows of one iteration (rmsnorm_rows: same
 // (row, column) pairs per thread as its pass 2). inv[p]: the row's rsqrt of pair p. Contains a
 // __syncthreads: every thread of the block calls it.
-template <typename T>
+template <typename T, bool kWf32>
 __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc, int64_t rbase,
                                            int64_t row_end, const float* inv, float4* grp_r,
                                            uint32_t* s_amax) {
@@ -209,7 +210,7 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
       const int col = c0 + (p / nr) * tpr;
       if (row < row_end && col < nvr) {
         float fw[E];
-        load_weight<T>(wgt, col, t.w_f32, fw);
+        load_weight<T, kWf32>(wgt, col, fw);
         float4* src = grp_r + (size_t(q) * nvr + col) * F4;
 #pragma unroll
         for (int f = 0; f < F4; ++f) {
@@ -301,7 +302,7 @@ __device__ __forceinline__ void quant_pass(const ArTensors& t, const RowCfg& rc,
 // runs over its columns in increasing order, then butterfly, then the group's warps in order:
 // the shape depends on (hidden, dtype) only, not on nr, so a row's result is also independent of
 // the number of tokens in the call (batch invariant).
-template <typename T, bool kQuant = false, class SumFn>
+template <typename T, bool kQuant, bool kWf32, class SumFn>
 __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& rc,
                                              int64_t row_begin, int64_t row_end, float* s_red,
                                              float4* s_r, SumFn&& sum_vec) {
@@ -331,7 +332,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
 #pragma unroll
     for (int p = 0; p < kP; ++p) {
       const int col = lane + (p / nr) * tpr;
-      if (col < nvr) prefetch_l1(weight_at<T>(wgt, col, t.w_f32));
+      if (col < nvr) prefetch_l1(weight_at<T, kWf32>(wgt, col));
     }
   }
 
@@ -408,7 +409,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         const float tot = fold_warp_partials<kWarps>(
             s_red + q * kWarps + group * warps_per_group, warps_per_group,
             [](float a, float b) { return __fadd_rn(a, b); });
-        inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
+        inv_row[q] = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.norm_hidden)), t.eps));
       }
     }
     float inv[kP];  // pair p's row is p % nr (p is a constant after unrolling: no local memory)
@@ -418,7 +419,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
     __syncthreads();  // s_red is reused by the next iteration
     probe(4);
     if constexpr (kQuant) {
-      quant_pass<T>(t, rc, rbase, row_end, inv, grp_r, s_amax);
+      quant_pass<T, kWf32>(t, rc, rbase, row_end, inv, grp_r, s_amax);
       continue;
     }
     // Pass 2: normed = (r * inv) * weight.
@@ -430,7 +431,7 @@ __device__ __forceinline__ void rmsnorm_rows(const ArTensors& t, const RowCfg& r
         const int col = c0 + (p / nr) * tpr;
         if (row < row_end && col < nvr) {
           float fw[E], o[E];
-          load_weight<T>(wgt, col, t.w_f32, fw);
+          load_weight<T, kWf32>(wgt, col, fw);
           const float4* src = grp_r + (size_t(q) * nvr + col) * F4;
 #pragma unroll
           for (int f = 0; f < F4; ++f) {

@@ -75,8 +75,10 @@ __device__ __forceinline__ void group_sync(int group) {
 // sanitised at its use.
 // kAhead: the weights are held in registers and the next row's sums and residual are
 // requested before this row's barrier (more registers); else the weights are prefetched into
-// L1 and loaded per row, and a row's sums at its start.
-template <typename T, bool kQuant, int kGroups, int kVecs, bool kAhead, bool kSanitize, class SumFn>
+// L1 and loaded per row, and a row's sums at its start. kWf32 (a float32 weight, rmsnorm.cuh):
+// the weights are never held (twice the registers): prefetched into L1 and read per row.
+template <typename T, bool kQuant, bool kWf32, int kGroups, int kVecs, bool kAhead,
+          bool kSanitize, class SumFn>
 __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowCfg& rc,
                                                   int64_t rb, int64_t re, int64_t step,
                                                   SumFn&& sum_vec) {
@@ -99,13 +101,13 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
   auto col_of = [&](int v) { return tid + kRowThreads * (v / kC) + kArThreads * (v % kC); };
   const int64_t first = rb + group;
   if (first >= re) return;  // no row for this group (its threads take no group barrier)
-  uint4 wv[kAhead ? kVecs : 1], sv[kVecs], rv[kVecs];
+  constexpr bool kHoldW = kAhead && !kWf32;  // the weights in registers
+  uint4 wv[kHoldW ? kVecs : 1], sv[kVecs], rv[kVecs];
 #pragma unroll
   for (int v = 0; v < kVecs; ++v) {
     if (col_of(v) < nvr) {
-      // a float32 weight (t.w_f32) is not held: it is read per row, from L1
-      if (kAhead && !t.w_f32) wv[kAhead ? v : 0] = ld_nc_v4(wgt + size_t(col_of(v)) * 16);
-      else prefetch_l1(weight_at<T>(wgt, col_of(v), t.w_f32));  // registers are short: L1
+      if constexpr (kHoldW) wv[v] = ld_nc_v4(wgt + size_t(col_of(v)) * 16);
+      else prefetch_l1(weight_at<T, kWf32>(wgt, col_of(v)));  // registers are short: L1
     }
   }
   auto load_row = [&](int64_t row) {
@@ -153,14 +155,14 @@ __device__ __forceinline__ void rmsnorm_rows_regs(const ArTensors& t, const RowC
     group_sync<kGroups>(group);
     const float tot = fold_warp_partials<kVW>(s_part[group][buf], kVW,
                                               [](float a, float b) { return __fadd_rn(a, b); });
-    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, norm_cols(t)), t.eps));
+    const float inv = rsqrtf(__fadd_rn(__fdiv_rn(tot, float(t.norm_hidden)), t.eps));
     uint32_t am = 0u;
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       if (col_of(v) < nvr) {
         float fw[E];
-        if (kAhead && !t.w_f32) unpack<T>(wv[kAhead ? v : 0], fw);
-        else load_weight<T>(wgt, col_of(v), t.w_f32, fw);
+        if constexpr (kHoldW) unpack<T>(wv[v], fw);
+        else load_weight<T, kWf32>(wgt, col_of(v), fw);
 #pragma unroll
         for (int e = 0; e < E; ++e) r[v][e] = __fmul_rn(__fmul_rn(r[v][e], inv), fw[e]);
         if constexpr (kQuant) {

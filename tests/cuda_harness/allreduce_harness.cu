@@ -3,7 +3,7 @@
 //
 // Build (from the repository root):
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -I csrc -o build/allreduce_harness
-//        tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
+//        tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu csrc/cuda/allreduce_wf32.cu
 // Run:
 //   build/allreduce_harness                 full run (W = 1, 2, 4, 8), exit 0 on PASS
 //   build/allreduce_harness --quick         fewer shapes
@@ -25,6 +25,7 @@
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a
 //        -gencode=arch=compute_90a,code=compute_90a -I csrc -DNVC_MULTICAST_EMULATE
 //        -o build/ar_mcemu tests/cuda_harness/allreduce_harness.cu csrc/cuda/allreduce.cu
+//        csrc/cuda/allreduce_wf32.cu
 //   (the PTX is embedded for the self-check below)
 //   build/ar_mcemu --multicast            W = 2, 4, 8: every case of one-shot and two-shot, plain,
 //                                         fused and FP8, unicast AND multicast (each rank's
@@ -1045,11 +1046,13 @@ bool quant_case(World& w, int dt, int64_t T, int64_t H, uint64_t seed, int repla
 // ---------------------------------------------------------------------------------------------
 // World 1: the row kernel (local_rows_kernel) and the one-block epilogue (local_kernel) give the
 // same bytes (normed or q + scales, residual_out), forced through all_reduce_local_variant.
+// w32: the weight's form (Shape::w32; each form has kernels of its own).
 Tally g_local_rows;
 
-bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64_t seed) {
+bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64_t seed,
+                      int w32 = 0) {
   Case c;
-  c.sh = Shape{dt, T, H, true, (seed & 1) == 1, false};
+  c.sh = Shape{dt, T, H, true, (seed & 1) == 1, false, w32};
   c.W = 1;
   gen_inputs(c, seed);
   upload(c);
@@ -1082,8 +1085,9 @@ bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64
   g_local_rows.total++;
   g_local_rows.pass += ok;
   if (!ok && g_fail_lines++ < 12)
-    std::printf("  FAIL world-1 row kernel != one-block bytes %s %s T=%lld H=%lld\n",
-                dtype_name(dt), quant ? "fp8" : "fused", (long long)T, (long long)H);
+    std::printf("  FAIL world-1 row kernel != one-block bytes %s %s T=%lld H=%lld%s\n",
+                dtype_name(dt), quant ? "fp8" : "fused", (long long)T, (long long)H,
+                w32 ? " float32 weight" : "");
   if (d_scale != nullptr) CK(cudaFree(d_scale));
   release(c);
   return ok;
@@ -1095,7 +1099,9 @@ bool local_rows_cross(World& w, int dt, int64_t T, int64_t H, bool quant, uint64
 // of two-shot and of world 1, the shared-memory rows, the FP8 epilogue): (a) the float64
 // reference with the float32 weight and the mean over Hn (run_case: also one-shot == two-shot
 // bitwise); (b) a float32 weight holding dt values gives the dt weight's bytes exactly (the
-// float32 loads read the same values: addresses, layout); (c) the same for the FP8 epilogue.
+// float32 loads read the same values: addresses, layout); (c) the same for the FP8 epilogue;
+// (d) world 1: the float32-weight row kernel gives its one-block epilogue's bytes (each weight
+// form has kernels of its own).
 Tally g_wtail;
 
 // One call of c with strategy s on every rank (quantised when scale is set): the output bytes
@@ -1196,6 +1202,15 @@ bool weight_tail_cases(World& w, uint64_t seed) {
           ok &= good;
         }
     }
+  if (w.W == 1)  // the float32-weight row kernel against its one-block epilogue, bitwise
+    for (int dt = 1; dt < 3; ++dt)
+      for (const WT& c : {WT{1, 4096, 0}, WT{7, 7168, 0}, WT{300, 4096, 0}, WT{33, 2560, 0}})
+        for (int q = 0; q < 2; ++q) {
+          const bool good = local_rows_cross(w, dt, c.T, c.H, q == 1, ++seed, 1);
+          g_wtail.total++;
+          g_wtail.pass += good;
+          ok &= good;
+        }
   return ok;
 }
 

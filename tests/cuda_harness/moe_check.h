@@ -31,7 +31,32 @@ struct Case {
   bool mixed = false;   // alternate: even ops (and rounds) fused, odd ones split, one communicator
   int graph = 0;        // > 0: capture one round per rank into a CUDA graph, replay `rounds` times
   bool packed = false;  // expert_x / expert_x_scale / expert_y in the packed form (moe_layout.h)
+  float slot_frac = 0;  // > 0: bounded slots (moe_layout.h BOUNDED SLOTS) of about this fraction
+                        // of the smaller op's whole call, so both ops run in rounds
 };
+
+// The case's config for rank r (slot_bytes from slot_frac, at least one token's rows).
+inline MoeConfig case_config(const Case& cs, int r) {
+  MoeConfig c{cs.W, r, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
+  if (cs.slot_frac > 0) {
+    const size_t d = moe_dispatch_region_bytes(c), m = moe_combine_region_bytes(c);
+    const size_t one = std::max(moe_dispatch_region_rows_bytes(c, 1), moe_combine_row_bytes(c));
+    c.slot_bytes = int64_t(align_up(std::max(size_t(double(std::min(d, m)) * cs.slot_frac), one), 256));
+  }
+  return c;
+}
+// "" when the case's config runs as it means to: a bounded case in rounds for both ops.
+inline std::string case_config_check(const Case& cs, const MoeConfig& c) {
+  if (const char* e = moe_config_error(c)) return std::string("bad case config: ") + e;
+  if (cs.slot_frac > 0 && (moe_dispatch_rounds(c) < 2 || moe_combine_rounds(c, cs.ydt) < 2))
+    return "bounded case without rounds (dispatch " + std::to_string(moe_dispatch_rounds(c)) +
+           ", combine " + std::to_string(moe_combine_rounds(c, cs.ydt)) + ")";
+  return "";
+}
+// Protocol calls (sequence numbers) of one dispatch + combine pair.
+inline uint64_t calls_per_pair(const MoeConfig& c, int y_dtype) {
+  return uint64_t(moe_dispatch_rounds(c) + moe_combine_rounds(c, y_dtype));
+}
 
 struct RankIn {
   int n;

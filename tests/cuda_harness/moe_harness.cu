@@ -14,7 +14,11 @@
 //       build/moe_harness --probe    (a build with -DNVC_PROBE) SM cycles per phase of each MoE
 //                                    kernel, block 0, mean over ranks and calls; W=2 on ONE GPU,
 //                                    so waits show the other virtual rank, not NVLink
-//       build/moe_harness --error    bad expert id (fused and split, W = 2 and 4): every rank's
+//       build/moe_harness --bounded-time  us per dispatch + combine pair in CUDA graphs, whole-call
+//                                    slots against bounded ones (calls in 2-16 rounds), W=2 on
+//                                    ONE GPU (the rounds' cost, not 2-GPU numbers)
+//       build/moe_harness --error    bad expert id (fused and split, W = 2 and 4; fused with
+//                                    bounded slots, the id in the last round): every rank's
 //                                    call ends at once with its record and no trap (the context
 //                                    stays usable: a normal case runs after it)
 #include <algorithm>
@@ -250,8 +254,8 @@ cudaError_t wait_round(const World& w) {
 }
 
 std::string run_case(const Case& cs) {
-  MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
-  if (const char* e = moe_config_error(c0)) return std::string("bad case config: ") + e;
+  const MoeConfig c0 = case_config(cs, 0);
+  if (std::string e = case_config_check(cs, c0); !e.empty()) return e;
   World w(c0);
   std::vector<std::vector<Slot>> slots(cs.W);
   for (int r = 0; r < cs.W; ++r)
@@ -292,7 +296,7 @@ std::string run_case(const Case& cs) {
       std::fprintf(stderr, "%s: %s%s\n", cs.name, cudaGetErrorString(e), w.errors().c_str());
       std::exit(3);  // the context is gone
     }
-    calls += 2 * cs.inflight;
+    calls += calls_per_pair(c0, cs.ydt) * cs.inflight;  // a protocol call per round
     for (int j = 0; j < cs.inflight && result.empty(); ++j) {
       std::vector<RankOut> out;
       for (int r = 0; r < cs.W; ++r) out.push_back(download(cs, c0, slots[r][j]));
@@ -315,11 +319,14 @@ std::string run_case(const Case& cs) {
 // and id, every other rank kErrMismatch naming rank 0 with the poison descriptor; Ctrl::failed
 // is set on every rank; a second round on the failed communicators ends at once with the
 // records unchanged. Then a normal case runs in the same process (a healthy CUDA context).
-bool error_case(int W, bool split) {
+// bounded: slots bounded (fused only), the bad token in the call's last round; found in its
+// first (every id is checked there: seq 1 on every rank all the same).
+bool error_case(int W, bool split, bool bounded = false) {
   Case cs{"bad expert", W, 4 * W, 2, 32, 64, kMoeBF16, 0, kMoeBF16};
   cs.full = true;
   cs.split = split;
-  MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
+  if (bounded) cs.slot_frac = 0.3f;
+  const MoeConfig c0 = case_config(cs, 0);
   World w(c0);
   std::vector<std::vector<Slot>> slots(cs.W);
   for (int r = 0; r < cs.W; ++r) {
@@ -351,7 +358,8 @@ bool error_case(int W, bool split) {
       if (round == 1) good &= std::memcmp(&before[r], &x, sizeof(x)) == 0;
     }
     std::printf("bad expert id, W=%d %s, %s: sync %s after %.3f s;%s %s\n", W,
-                split ? "split" : "fused", round == 0 ? "the call" : "next call",
+                split ? "split" : bounded ? "fused, bounded slots (bad id in the last round)" : "fused",
+                round == 0 ? "the call" : "next call",
                 cudaGetErrorString(e), sec, w.errors().c_str(), good ? "ok" : "FAIL");
     ok &= good;
   }
@@ -364,6 +372,7 @@ int run_error_mode() {
   bool ok = true;
   for (int W : {2, 4})
     for (bool split : {false, true}) ok &= error_case(W, split);
+  for (int W : {2, 4}) ok &= error_case(W, false, true);
   Case healthy{"W2 bf16 scales", 2, 8, 2, 64, 256, kMoeBF16, 4, kMoeBF16};
   const std::string e = run_case(healthy);
   std::printf("a normal case afterwards (healthy context): %s%s\n", e.empty() ? "PASS" : "FAIL ",
@@ -482,6 +491,75 @@ void run_graph_time() {
   }
 }
 
+// --bounded-time: a dispatch + combine pair in CUDA graphs (10 pairs per graph, best of 3
+// launches), whole-call slots against bounded slots of 1/2, 1/4 and 1/8 of a dispatch call
+// (the rounds' extra launches and flag exchanges), W = 2 virtual ranks on ONE GPU, top-8 bf16.
+// Also the buffer bytes of each: what the bound buys.
+void run_bounded_time() {
+  struct PC { const char* name; int E, T, H; };
+  const PC pcs[] = {{"EP2 512 tok, H 7168, E 16", 16, 512, 7168},
+                    {"EP2 4096 tok, H 2048, E 16", 16, 4096, 2048}};
+  std::printf("\nbounded-time: W=2 on one GPU, top-8, bf16, us per dispatch + combine pair "
+              "(graph of 10 pairs per rank, best of 3)\n");
+  std::printf("%-30s | %-10s %8s %8s %10s %8s\n", "config", "slots", "rounds", "MiB/rank",
+              "us/pair", "vs whole");
+  for (const PC& pc : pcs) {
+    double base = 0;
+    for (float frac : {0.f, 0.5f, 0.25f, 0.125f}) {
+      Case cs{pc.name, 2, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
+      cs.full = true;
+      cs.p_neg = 0;
+      cs.slot_frac = frac;
+      const MoeConfig c0 = case_config(cs, 0);
+      World w(c0);
+      std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
+      const int pairs = 10;
+      std::vector<cudaGraphExec_t> ge(cs.W);
+      for (int r = 0; r < cs.W; ++r) {
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(w.st[r], cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < pairs; ++i) enqueue(cs, w, r, slots[r]);
+        CK(cudaStreamEndCapture(w.st[r], &g));
+        CK(cudaGraphInstantiate(&ge[r], g, 0));
+        CK(cudaGraphDestroy(g));
+      }
+      cudaEvent_t e0, e1, ej;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      CK(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+      float best = 1e30f;
+      for (int rep = 0; rep < 4; ++rep) {  // the first launch warms up
+        CK(cudaEventRecord(e0, w.st[0]));
+        for (int r = 1; r < cs.W; ++r) CK(cudaStreamWaitEvent(w.st[r], e0, 0));
+        for (int r = 0; r < cs.W; ++r) CK(cudaGraphLaunch(ge[r], w.st[r]));
+        for (int r = 1; r < cs.W; ++r) {
+          CK(cudaEventRecord(ej, w.st[r]));
+          CK(cudaStreamWaitEvent(w.st[0], ej, 0));
+        }
+        CK(cudaEventRecord(e1, w.st[0]));
+        CK(wait_round(w));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (rep > 0) best = std::min(best, ms);
+      }
+      const double us = best * 1000.0 / pairs;
+      if (frac == 0) base = us;
+      char rounds[32];
+      std::snprintf(rounds, sizeof rounds, "%d+%d", moe_dispatch_rounds(c0), moe_combine_rounds(c0, cs.ydt));
+      std::printf("%-30s | %-10s %8s %8.1f %10.1f %7.2fx%s\n", pc.name,
+                  frac == 0 ? "whole call" : frac == 0.5f ? "1/2 disp" : frac == 0.25f ? "1/4 disp" : "1/8 disp",
+                  rounds, moe_buffer_bytes(c0) / 1048576.0, us, us / base,
+                  w.errors().empty() ? "" : (" ERROR" + w.errors()).c_str());
+      for (auto g : ge) CK(cudaGraphExecDestroy(g));
+      CK(cudaEventDestroy(e0));
+      CK(cudaEventDestroy(e1));
+      CK(cudaEventDestroy(ej));
+      for (auto& v : slots)
+        for (Slot& sl : v) free_slot(sl);
+    }
+  }
+}
+
 #ifdef NVC_PROBE
 // --probe: the phases of the four kernels of a fused dispatch + combine (probe indices in
 // kernels/moe_dispatch.cuh and moe_combine.cuh), 200 rounds per configuration.
@@ -534,7 +612,7 @@ int main(int argc, char** argv) {
   if (const char* m = getenv("CUDA_DEVICE_MAX_CONNECTIONS")) std::printf("CUDA_DEVICE_MAX_CONNECTIONS was %s\n", m);
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 1);
   bool perf = false;
-  const char* only = nullptr;  // --only SUBSTRING: run the matching cases
+  const char* only = nullptr;  // --only A|B|...: run the cases whose name contains A or B ...
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     if (!std::strcmp(argv[i], "--error")) {
@@ -542,6 +620,11 @@ int main(int argc, char** argv) {
       return run_error_mode();
     }
     if (!std::strcmp(argv[i], "--perf")) perf = true;
+    if (!std::strcmp(argv[i], "--bounded-time")) {
+      CK(cuda::moe_load_kernels());
+      run_bounded_time();
+      return 0;
+    }
     if (!std::strcmp(argv[i], "--graph-time")) {
       CK(cuda::moe_load_kernels());
       run_graph_time();
@@ -593,6 +676,19 @@ int main(int argc, char** argv) {
   c = {"packed tiny W4 T=5 scales zero rank", 4, 8, 2, 5, 32, kMoeBF16, 1, kMoeBF16}; c.zero_rank = 1; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"packed tiny W2 T=4 split", 2, 4, 2, 4, 32, kMoeBF16, 0, kMoeF32}; c.split = true; c.packed = true; cases.push_back(c);
   c = {"packed tiny W2 T=4 graph x3", 2, 4, 4, 4, 32, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 3; c.packed = true; cases.push_back(c);
+  // bounded slots (moe_layout.h BOUNDED SLOTS): every call in rounds of SEND + RECV kernels
+  c = {"bounded W4 scales zero rank", 4, 16, 4, 64, 256, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.zero_rank = 2; c.rounds = 3; cases.push_back(c);
+  c = {"bounded W8 fp8 top8 f32 y", 8, 64, 8, 128, 512, kMoeF8E4M3, 4, kMoeF32}; c.slot_frac = 0.2f; c.rounds = 2; cases.push_back(c);
+  c = {"bounded W8 H 7168 E 16 T=256", 8, 16, 4, 256, 7168, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.25f; c.full = true; cases.push_back(c);
+  c = {"bounded W2 T=4096", 2, 8, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.slot_frac = 0.1f; cases.push_back(c);
+  c = {"bounded W4 all to one expert", 4, 8, 3, 64, 128, kMoeBF16, 1, kMoeBF16}; c.slot_frac = 0.3f; c.hot = 5; c.full = true; cases.push_back(c);
+  c = {"bounded W8 graph x20, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.graph = 1; c.rounds = 20; c.inflight = 2; cases.push_back(c);
+  c = {"bounded packed W4 f16 -> f32 y", 4, 16, 4, 96, 512, kMoeF16, 0, kMoeF32}; c.slot_frac = 0.25f; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"bounded W16 max world", 16, 32, 4, 32, 64, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; cases.push_back(c);
+  // small enough for compute-sanitizer
+  c = {"bounded tiny W2 T=8 one token per round", 2, 4, 2, 8, 32, kMoeBF16, 1, kMoeF32}; c.slot_frac = 0.01f; cases.push_back(c);
+  c = {"bounded tiny W4 T=7 zero rank graph x3", 4, 8, 2, 7, 32, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.4f; c.zero_rank = 1; c.graph = 1; c.rounds = 3; cases.push_back(c);
+  c = {"bounded tiny packed W2 T=6", 2, 4, 4, 6, 32, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.3f; c.packed = true; c.rounds = 2; cases.push_back(c);
 
   CK(cuda::moe_load_kernels());  // before any rank spins (lazy loading would stall the host)
   int dev;
@@ -602,7 +698,16 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs\n%-36s %s\n", prop.name, prop.multiProcessorCount, "case", "result");
   int fails = 0;
   for (const Case& cs : cases) {
-    if (only && !std::strstr(cs.name, only)) continue;
+    if (only) {
+      bool match = false;
+      for (const char *p = only, *q; !match; p = q + 1) {
+        q = std::strchr(p, '|');
+        const std::string part = q ? std::string(p, q) : std::string(p);
+        match = !part.empty() && std::strstr(cs.name, part.c_str()) != nullptr;
+        if (!q) break;
+      }
+      if (!match) continue;
+    }
     auto t0 = std::chrono::steady_clock::now();
     std::string e = run_case(cs);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -58,13 +58,11 @@ void run_ranks(int W, const std::function<void(int)>& f) {
   for (auto& t : th) t.join();
 }
 
-MoeConfig cfg_of(const Case& cs, int r) {
-  return MoeConfig{cs.W, r, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
-}
+MoeConfig cfg_of(const Case& cs, int r) { return case_config(cs, r); }
 
 std::string run_case(const Case& cs) {
   MoeConfig c0 = cfg_of(cs, 0);
-  if (const char* e = moe_config_error(c0)) return std::string("bad case config: ") + e;
+  if (std::string e = case_config_check(cs, c0); !e.empty()) return e;
   World world(c0);
   const int W = cs.W, L = cs.E / W;
   const size_t erows = size_t(W) * cs.T;
@@ -107,8 +105,9 @@ std::string run_case(const Case& cs) {
       if (!e.empty()) return "round " + std::to_string(round) + " op " + std::to_string(j) + ": " + e;
     }
     for (int r = 0; r < W; ++r) {
-      const uint64_t want = uint64_t(round + 1) * 2 * cs.inflight;
-      if (reinterpret_cast<Ctrl*>(world.bufs[r])->seq != want) return "seq did not advance once per call";
+      const uint64_t want = uint64_t(round + 1) * calls_per_pair(c0, cs.ydt) * cs.inflight;
+      if (reinterpret_cast<Ctrl*>(world.bufs[r])->seq != want)
+        return "seq did not advance once per call (round)";
     }
   }
   return "";
@@ -187,6 +186,13 @@ int main() {
   c = {"packed W4 all to one expert", 4, 8, 3, 32, 32, kMoeBF16, 0, kMoeF32}; c.hot = 5; c.full = true; c.packed = true; cases.push_back(c);
   c = {"packed W4 rank 2 zero tokens", 4, 16, 2, 32, 32, kMoeBF16, 0, kMoeBF16}; c.zero_rank = 2; c.packed = true; c.rounds = 3; cases.push_back(c);
   c = {"packed W4 K > L", 4, 8, 4, 16, 16, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  // bounded slots: every call in rounds (moe_layout.h BOUNDED SLOTS)
+  c = {"bounded W4 scales zero rank", 4, 16, 4, 40, 32, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.zero_rank = 2; c.rounds = 3; cases.push_back(c);
+  c = {"bounded W8 top8 f32 y", 8, 64, 8, 64, 32, kMoeBF16, 0, kMoeF32}; c.slot_frac = 0.2f; c.rounds = 2; cases.push_back(c);
+  c = {"bounded W4 one token per round", 4, 8, 2, 9, 16, kMoeF16, 0, kMoeF16}; c.slot_frac = 0.01f; c.rounds = 2; cases.push_back(c);
+  c = {"bounded W4 all to one expert", 4, 8, 3, 32, 32, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.3f; c.hot = 5; c.full = true; cases.push_back(c);
+  c = {"bounded packed W4 in flight 2", 4, 16, 2, 32, 32, kMoeBF16, 1, kMoeBF16}; c.slot_frac = 0.4f; c.packed = true; c.inflight = 2; c.rounds = 3; cases.push_back(c);
+  c = {"bounded W2 T=4096", 2, 8, 2, 4096, 16, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.15f; cases.push_back(c);
 
   int fails = 0;
   std::printf("%-36s %s\n", "case", "result");

@@ -29,6 +29,16 @@ class _NotPrepared(Exception):
         self.needs = needs
 
 
+def _with_dynamic(args, kwargs, dyn_idx, dyn_args, dyn_kwargs):
+    """(args, kwargs) of a call with its dynamic arguments replaced (`Jitted._split`'s)."""
+    full = list(args)
+    for i, a in zip(dyn_idx, dyn_args):
+        full[i] = a
+    kw = dict(kwargs)
+    kw.update(dyn_kwargs)
+    return full, kw
+
+
 def _normalize_argnums(nums, n):
     if nums is None:
         return ()
@@ -86,11 +96,7 @@ class Jitted:
         dyn_idx, dyn, _ = self._split(args, kwargs)
 
         def g(dyn_args, dyn_kwargs):
-            full = list(args)
-            for i, a in zip(dyn_idx, dyn_args):
-                full[i] = a
-            kw = dict(kwargs)
-            kw.update(dyn_kwargs)
+            full, kw = _with_dynamic(args, kwargs, dyn_idx, dyn_args, dyn_kwargs)
             return self._fun(*full, **kw)
 
         g.__name__ = getattr(self._fun, "__name__", "fun")
@@ -163,12 +169,7 @@ class Jitted:
                 leaves, tree = jax.tree.flatten((dyn, dyn_kw))
 
                 def g(*ls):
-                    da, dk = jax.tree.unflatten(tree, ls)
-                    full = list(a)
-                    for i, v in zip(dyn_idx, da):
-                        full[i] = v
-                    kk = dict(k)
-                    kk.update(dk)
+                    full, kk = _with_dynamic(a, k, dyn_idx, *jax.tree.unflatten(tree, ls))
                     return self._fun(*full, **kk)
 
                 return jax.vjp(g, *leaves)
@@ -182,13 +183,7 @@ class Jitted:
         leaves, tree = jax.tree.flatten((dyn, dyn_kw))
 
         def rebuilt(ls):  # the call's arguments with the dynamic leaves ls
-            da, dk = jax.tree.unflatten(tree, ls)
-            full = list(args)
-            for i, v in zip(dyn_idx, da):
-                full[i] = v
-            kk = dict(kwargs)
-            kk.update(dk)
-            return full, kk
+            return _with_dynamic(args, kwargs, dyn_idx, *jax.tree.unflatten(tree, ls))
 
         @jax.custom_vjp
         def call(*ls):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax._src import ad_util, core
 from jax._src.interpreters import ad, batching, mlir
 
-from . import _order
+from . import _order, _shard
 
 _p = core.Primitive("nvc_ragged_all_to_all_linear")
 _p.multiple_results = True
@@ -109,13 +109,7 @@ def _batch(args, dims, fun, comm, n_rows, transposed):
     io, ss, oo, rs = (lead(a, d) for a, d in zip(args[n:], dims[n:]))   # [B, K]
     N = n_rows
     M = lin[1].shape[1] if not transposed else lin[0].shape[1]
-    if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
-        raise ValueError(f"jax_nvcomm: ragged_all_to_all: a vmap batch of {B} folds to "
-                         f"{B * max(N, M)} rows, more than int32 offsets address: pass int64 "
-                         "offsets and sizes (x64)")
-    shift = jnp.arange(B, dtype=io.dtype)[:, None]
-    io, oo = io + shift * N, oo + shift * M
-    index = [a.T.reshape(-1) for a in (io, ss, oo, rs)]
+    index = _shard.fold_slices(B, N, M, io, ss, oo, rs, "ragged_all_to_all")
     flat = [a.reshape((B * a.shape[1],) + a.shape[2:]) for a in lin]
     *outs, tok = _p.bind(*flat, *index, tok, fun=fun, comm=comm, n_rows=B * N,
                          transposed=transposed)

@@ -353,6 +353,24 @@ def batching(fn, rule):
     return f
 
 
+def fold_slices(B, N, M, io, ss, oo, rs, what):
+    """ragged_all_to_all's index arrays [B, K] of a vmap batch folded into one call's (lax's
+    batching: example b's operand rows follow example b-1's, its offsets shifted by b * N and
+    b * M; slice i of example b is folded slice i * B + b, so the B * k slices to one peer stay
+    together: k -> k * B). Returns the four [B * K] arrays.
+
+    Raises:
+      ValueError: int32 offsets that cannot address the B * max(N, M) folded rows.
+    """
+    if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
+        raise ValueError(f"jax_nvcomm: {what}: a vmap batch of {B} folds to {B * max(N, M)} "
+                         "rows, more than int32 offsets address: pass int64 offsets and sizes "
+                         "(x64)")
+    shift = jnp.arange(B, dtype=io.dtype)[:, None]
+    io, oo = io + shift * N, oo + shift * M
+    return tuple(a.T.reshape(-1) for a in (io, ss, oo, rs))
+
+
 def batched(size, batched_flag, x):
     """x with the batch as its leading dim: broadcast when it is not batched."""
     return x if batched_flag else jnp.broadcast_to(x, (size,) + tuple(jnp.shape(x)))

@@ -291,17 +291,9 @@ def _kernel(comm, chunked=False):
         """lax's batching: the batch folds into the slices per peer (k -> k * B)."""
         operand, output = (_shard.batched(B, b, a) for a, b in zip((operand, output), batched))
         N, M = operand.shape[1], output.shape[1]
-        if io.dtype == jnp.int32 and B * max(N, M) >= 2 ** 31:
-            raise ValueError(f"jax_nvcomm: {_WHAT}: a vmap batch of {B} folds to "
-                             f"{B * max(N, M)} rows, more than int32 offsets address: pass "
-                             "int64 offsets and sizes (x64)")
-        shift = jnp.arange(B, dtype=io.dtype)[:, None]
-        io, ss, oo, rs = (_shard.batched(B, b, a)                                   # [B, K]
-                          for a, b in zip((io, ss, oo, rs), batched[2:]))
-        io, oo = io + shift * N, oo + shift * M
-        # lax's order: slice i of example b is folded slice i * B + b, so the B * k slices to
-        # one peer stay together (k -> k * B)
-        io, ss, oo, rs = (a.T.reshape(-1) for a in (io, ss, oo, rs))
+        io, ss, oo, rs = _shard.fold_slices(
+            B, N, M, *(_shard.batched(B, b, a) for a, b in zip((io, ss, oo, rs), batched[2:])),
+            _WHAT)
         res, tok = _dispatch(comm, f, operand.reshape((B * N,) + operand.shape[2:]),
                              output.reshape((B * M,) + output.shape[2:]), io, ss, oo, rs, tok,
                              batch=B)

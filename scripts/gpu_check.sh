@@ -179,6 +179,18 @@ build_pkg() {  # build_pkg LABEL: pip build into /tmp/nvc_site, one summary line
   fi
 }
 
+build_rdot_harness() {  # the ragged_dot harness (cases, production table, sweep parts) -> build/rdot_h
+  mkdir -p build/rdot "$OUT/rdot"
+  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
+  local B=build/rdot H=tests/cuda_harness
+  rm -f $B/*.o
+  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
+      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
+    $NV -o build/rdot_h $B/*.o"
+}
+
 ensure_built() {
   if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
     build_pkg " (background)" &  # timing only: the steps use the importable jax_nvcomm
@@ -409,15 +421,7 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
 rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
   # (every edge case fully checked against float64, each sweep variant x cluster size), the
   # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
-  mkdir -p build/rdot "$OUT/rdot"
-  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-  local B=build/rdot H=tests/cuda_harness
-  rm -f $B/*.o
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
-      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
-    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
-    $NV -o build/rdot_h $B/*.o"
+  build_rdot_harness
   step rdot_cases 60 build/rdot_h
   grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   grep -E "FAIL|failure" "$OUT/rdot/cases.txt" | tee -a "$OUT/summary.txt"
@@ -432,15 +436,7 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   # against float64), memcheck of the cases with the TMA variants (balanced, row-count loop) in at
   # most 25 s, then the sweep (cluster size 1, every variant's result checked, sampled); its
   # matrix and best-per-shape table printed last
-  mkdir -p build/rdot "$OUT/rdot"
-  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-  local B=build/rdot H=tests/cuda_harness
-  rm -f $B/*.o
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
-      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
-    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
-    $NV -o build/rdot_h $B/*.o"
+  build_rdot_harness
   step rdot_cases 60 build/rdot_h
   grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
@@ -467,15 +463,7 @@ rdotlayer)  # the grouped kernel with the package's tiles: the harness cases (fl
   # variant of the sweep too), its production table, the sweep's next candidates in at most 30 s
   # (matrix last of that step), then nvc.moe_layer's rows of bench moelayer (the layer and its
   # two-dot form, device time from profiler traces); logs in $OUT/rdot, $OUT/moelayer
-  mkdir -p build/rdot "$OUT/rdot"
-  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-  local B=build/rdot H=tests/cuda_harness
-  rm -f $B/*.o
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
-      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
-    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
-    $NV -o build/rdot_h $B/*.o"
+  build_rdot_harness
   step rdot_cases 60 build/rdot_h
   grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/cases.txt"
   say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
@@ -500,15 +488,7 @@ rdotpy)  # the package's nvc.ragged_dot on GPU 0 against the float64 reference a
   ;;
 rdotfinal)  # the kernel harness (cases, production table), the package's op on GPU 0 (tests),
   # bench moelayer's gate / down rows with device time
-  mkdir -p build/rdot "$OUT/rdot"
-  local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-  local B=build/rdot H=tests/cuda_harness
-  rm -f $B/*.o
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
-      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
-    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
-    $NV -o build/rdot_h $B/*.o"
+  build_rdot_harness
   step rdot_cases 60 build/rdot_h --no-variants
   grep -A300 "=== rdot_cases" "$OUT/all.log" | grep -E "FAIL|failure" | tee -a "$OUT/summary.txt"
   step rdot_time 60 build/rdot_h --time

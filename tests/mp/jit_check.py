@@ -74,6 +74,18 @@ def traced(tag, rows, *args):
         jax.profiler.stop_trace()
 
 
+def measured(tag, rows, *args):
+    """timed() of the rows, with JIT_CHECK_HLO each compiled program written to
+    /tmp/jit_check_<tag>_<name>.hlo and with JIT_CHECK_TRACE a profiler trace of each."""
+    if os.environ.get("JIT_CHECK_HLO"):
+        for name, f in rows:
+            with open(f"/tmp/jit_check_{tag}_{name}.hlo", "w") as fh:
+                fh.write(f.lower(*args).compile().as_text())
+    times = timed(rows, *args)
+    traced(tag, rows, *args)
+    return times
+
+
 def timed(rows, *args, reps=None):
     """{name: ms per pass} of the looped programs, measured in turns (one call of each per
     round, the median over rounds), so that drift on the machine hits them alike."""
@@ -161,12 +173,7 @@ def decoder():
         want = local(jax.jit(fwd)(params, x))
         say(f"decoder: nvc.jit vs jax.jit rel {rel(got, want):.2e}")
         rows.append(("jax.jit", jax.jit(looped(fwd))))
-    if os.environ.get("JIT_CHECK_HLO"):
-        for name, f in rows:
-            with open(f"/tmp/jit_check_{name}.hlo", "w") as fh:
-                fh.write(f.lower(params, x).compile().as_text())
-    times = timed(rows, params, x)
-    traced("decoder", rows, params, x)
+    times = measured("decoder", rows, params, x)
     for name, t in times.items():
         say(f"decoder time  {name:8s} {t:8.3f} ms/pass")
     say(f"decoder: nvc.jit / hand = {times['nvc.jit'] / times['hand']:.3f}")
@@ -218,12 +225,7 @@ def moe():
         want = np.asarray(jax.jit(fwd)(params, x), np.float64)
         say(f"moe: nvc.jit vs jax.jit rel {rel(got, want):.2e}")
         rows.append(("jax.jit", jax.jit(looped(fwd))))
-    if os.environ.get("JIT_CHECK_HLO"):
-        for name, f in rows:
-            with open(f"/tmp/jit_check_moe_{name}.hlo", "w") as fh:
-                fh.write(f.lower(params, x).compile().as_text())
-    times = timed(rows, params, x)
-    traced("moe", rows, params, x)
+    times = measured("moe", rows, params, x)
     for name, t in times.items():
         say(f"moe time      {name:8s} {t:8.3f} ms/pass")
     say(f"moe: nvc.jit / hand = {times['nvc.jit'] / times['hand']:.3f}")

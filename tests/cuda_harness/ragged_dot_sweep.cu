@@ -49,7 +49,7 @@ const SweepVariant kV[] = {
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kT | kK, " tma split"),
-    RDOT_V(256, 128, 16, 3, 2, kS | kT | kK, " spec tma split"),
+    RDOT_V(256, 64, 16, 5, 2, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {

@@ -37,7 +37,7 @@ struct DefaultTile<T, TO, kRows16, false> {
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows64, false> {
-  using K = Kernel<T, TO, 128, 128, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kSplitK>;
+  using K = Kernel<T, TO, 128, 128, 64, 3, 2, false, o::kSpecRows | o::kTma>;
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows16, true> {
@@ -45,7 +45,7 @@ struct DefaultTile<T, TO, kRows16, true> {
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows64, true> {
-  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kSplitK>;
+  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma>;
 };
 
 template <class T, class TO, int KIND, bool SW>

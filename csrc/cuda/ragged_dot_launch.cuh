@@ -88,10 +88,11 @@ struct Kernel {
   }
 
   static constexpr bool kSplit = (OPT & dev::rdot::kSplitK) != 0;
+  static constexpr bool kOneBlock = kSplit || (OPT & dev::rdot::kCtaSync) != 0;
 
   static cudaError_t launch(const RaggedDotArgs& a, int cs, cudaStream_t s) {
     if (a.m == 0 || a.n == 0) return cudaSuccess;
-    if (kSplit) cs = 1;  // split-K units: clusters of one block
+    if (kOneBlock) cs = 1;  // split-K units, block barriers: clusters of one block
     const int kt = int((a.k + BK - 1) / BK);
     if (cs > kt) cs = kt >= 8 ? 8 : kt >= 4 ? 4 : kt >= 2 ? 2 : 1;
     if (cs < 1) cs = 1;

@@ -147,7 +147,11 @@ constexpr int kMaxGroups = 1024;
 //   kSplitK: the last round's items split along K into KS units, dealt round-robin, summed
 //     through a global float32 workspace by the unit that finishes last (see "Split-K units"
 //     above; round-robin items only, clusters of one block).
-constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32;
+//   kCtaSync: clusters of one block (the launcher forces cs = 1), so the epilogue orders its
+//     partials with one block barrier and reads them from its own shared memory, instead of
+//     two cluster barriers and reads through the cluster window (distributed shared memory).
+constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32,
+              kCtaSync = 128;
 // Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).
 constexpr int kMaxSplits = 8;
 template <int OPT>
@@ -409,6 +413,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   constexpr bool kT = Tl::kTmaW;
   constexpr bool kBal = (OPT & kBalanced) != 0;
   constexpr bool kSplit = (OPT & kSplitK) != 0;
+  constexpr bool kCta = (OPT & kCtaSync) != 0;
   constexpr int UW = unit_cols<OPT>();
   static_assert(!kBal || BN % UW == 0, "a piece is at most one tile wide");
   static_assert(!(kBal && kSplit), "split-K units are dealt round robin");
@@ -726,7 +731,9 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     }
 
     if (last_step) {  // ---- epilogue of item `cur` (kSplitK: of its unit) ----
-      if (pending) cluster_wait();  // every rank has finished reading my previous partials
+      // every rank has finished reading my previous partials (kCtaSync: the loop's barriers
+      // since the previous epilogue already order them)
+      if constexpr (!kCta) if (pending) cluster_wait();
 #pragma unroll
       for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
@@ -743,8 +750,13 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
             }
           }
       zero_acc();
-      cluster_arrive();
-      cluster_wait();  // every rank's partials of this item are in its shared memory
+      // every rank's partials of this item are in its shared memory
+      if constexpr (kCta) {
+        __syncthreads();
+      } else {
+        cluster_arrive();
+        cluster_wait();
+      }
       const int e4 = cur.rows * (BN / 4);
       if constexpr (kSplit) {
         if (cc.item >= DI) {  // a split unit of the tail (DI == I without a split)
@@ -805,8 +817,10 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
               store4<TO>(out + size_t(cur.r0 + row) * N + nn, o);
             }
           }
-          cluster_arrive();
-          pending = true;
+          if constexpr (!kCta) {
+            cluster_arrive();
+            pending = true;
+          }
           continue;
         }
       }
@@ -820,7 +834,8 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
         for (int w = 0; w < Tl::kNW; ++w) {
           s[w] = make_float4(0.f, 0.f, 0.f, 0.f);
           for (int r = 0; r < cs; ++r) {
-            const float* rp = cluster.map_shared_rank(part, r) + w * R * Tl::kPStride;
+            const float* rp =
+                (kCta ? part : cluster.map_shared_rank(part, r)) + w * R * Tl::kPStride;
             const float4 v = *reinterpret_cast<const float4*>(rp + row * Tl::kPStride + col);
             s[w].x += v.x; s[w].y += v.y; s[w].z += v.z; s[w].w += v.w;
           }
@@ -832,8 +847,10 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
         }
         store4<TO>(out + size_t(cur.r0 + row) * N + nn, o);
       }
-      cluster_arrive();
-      pending = true;
+      if constexpr (!kCta) {
+        cluster_arrive();
+        pending = true;
+      }
     }
   }
   cp_wait<0>();

@@ -4,7 +4,7 @@
 // harness's list at static initialisation. Variant names: BN x BK, rows tile R, stages, m16 tiles
 // per warp ("w"), then the kernel options (kernels/ragged_dot.cuh): "bal" balanced ranges of
 // 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
-// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units; "sw": a
+// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units of the last round, "cta" the epilogue's block barrier; "sw": a
 // ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
 // options: an instantiation in two translation units is two kernels, and the shared-memory limit
 // raised for one is not raised for the other.
@@ -34,41 +34,42 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
-// The package's tiles without the last round's split (kSplitK, kernels/ragged_dot.cuh), the
-// cp.async round-robin tiles they replaced ("v3prod"), and 5-stage forms; the candidates
-// measured before them are in docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
-[[maybe_unused]] constexpr int kK = r::kSplitK;
+// The package's tiles with the epilogue's block barrier (kCtaSync, "cta"), R 64 forms with
+// fewer items (BN 256), deeper pipelines (BK 64 x 6) or 8 warps, and the R 16 tiles without
+// the last round's split; the candidates measured before them are in docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
+[[maybe_unused]] constexpr int kK = r::kSplitK, kC = r::kCtaSync;
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT | kK | kC, " spec tma split cta"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, 0, " v3prod"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kC, " spec tma split cta"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 5, 2, kS | kT | kK, " spec tma split"),
+    RDOT_V(128, 128, 64, 3, 2, kS | kT | kC, " spec tma cta"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kC, " spec tma cta"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, 0, " v3prod"),
+    RDOT_V(256, 64, 64, 3, 2, kS | kT | kC, " spec tma cta"),
 };
 #elif RDOT_SWEEP_PART == 5
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 2, kS | kT, " spec tma"),
+    RDOT_V(128, 64, 64, 6, 2, kS | kT | kC, " spec tma cta"),
 };
 #elif RDOT_SWEEP_PART == 6
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kK, " spec tma split"),
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kC, " spec tma cta"),
 };
 #else
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kS | kT, " spec tma"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
 };
 #endif
 const int kRegistered = [] {

@@ -81,11 +81,13 @@ const SweepVariant kV[] = {
     RDOT_V(128, 128, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_V(128, 128, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_V(128, 64, 64, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_V(128, 128, 64, 3, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_V(128, 64, 64, 6, 1, kB | kS | kT | kW, " bal spec wgmma"),
 };
 #elif RDOT_SWEEP_PART == 9
 const SweepVariant kV[] = {
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kW, " spec wgmma"),
     RDOT_V(256, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_V(256, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
     RDOT_V(256, 64, 16, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
 };
 #else
@@ -93,6 +95,7 @@ const SweepVariant kV[] = {
     RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_VS(128, 64, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_VS(128, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
 };
 #endif
 const int kRegistered = [] {

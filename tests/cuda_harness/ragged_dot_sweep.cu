@@ -89,13 +89,21 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
     RDOT_V(256, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
     RDOT_V(256, 64, 16, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(256, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
 };
-#else
+#elif RDOT_SWEEP_PART == 10
 const SweepVariant kV[] = {
     RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_VS(128, 64, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
     RDOT_VS(128, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
     RDOT_VS(128, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
+};
+// wgmma with split-K units (kSplitK) on round-robin items
+#else
+const SweepVariant kV[] = {
+    RDOT_V(256, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kK | kW, " spec split wgmma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
 };
 #endif
 const int kRegistered = [] {

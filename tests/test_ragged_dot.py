@@ -376,7 +376,8 @@ def test_chained_calls_in_a_loop():
 def test_workspace_size_matches_the_cuda_launcher():
     """The split-K workspace the op asks XLA for is the launcher's own layout (a smaller one
     would only cost splits; this keeps the two formulas one)."""
-    from jax_nvcomm import ragged_dot as rd
+    import importlib
+    rd = importlib.import_module("jax_nvcomm.ragged_dot")  # the module (the package's name is the op)
     for m, n, g, sw in [(64, 2048, 32, True), (64, 7168, 32, False), (256, 7168, 32, False),
                         (1024, 7168, 32, False), (1024, 2048, 256, True), (8, 8, 1, False),
                         (0, 64, 4, False), (100000, 64, 3, True)]:

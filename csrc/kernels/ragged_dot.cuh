@@ -65,7 +65,7 @@
 // the blocks of one round still stream the same K rows of one group's N tiles together. A unit
 // owns K steps [ks x KT / KS, (ks + 1) x KT / KS) of its item. Its epilogue writes its float32
 // partial (the item's rows x columns) into plane ks of the workspace, then (block barrier,
-// thread 0: __threadfence, atomicAdd on the item's counter, __threadfence) the unit that counts
+// the last thread: fence.acq_rel.gpu, atomicAdd on the item's counter, fence) the unit that counts
 // KS - 1 sums the KS planes in split order 0 .. KS-1 (its own from shared memory: the same
 // values), applies the epilogue, rounds once and stores: the same bits whichever unit comes
 // last, and every unit's result reaches out exactly once. Workspace (launcher, ragged_dot.h):
@@ -786,10 +786,16 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
                                                       row * Tl::kPStride + col));
           }
           __syncthreads();
-          if (tid == 0) {
-            __threadfence();  // the block's partial (cumulative over the barrier) before the count
+          // the last thread counts: with TMA weights it has no copies of its own in flight (the
+          // lhs rows are loaded by the first threads, the weights by thread 0), so its fence
+          // waits for nothing but the stores (a fence in a thread with cp.async in flight
+          // waited for them: measured, a pipeline drain per unit)
+          if (tid == Tl::kThreads - 1) {
+            // the block's partial (cumulative over the barrier) before the count
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
             last_unit = atomicAdd(p.counters + cc.item, 1) == KS - 1;
-            __threadfence();  // the other units' partials (they counted after theirs) after it
+            // the other units' partials (each counted after its own) before they are read
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
           }
           __syncthreads();
           if (last_unit) {

@@ -41,22 +41,20 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 [[maybe_unused]] constexpr int kK = r::kSplitK;
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, 0, " v3prod"),
-    RDOT_V(256, 64, 16, 4, 2, kS | kK, " spec split"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS | kT | kK, " spec tma split"),
-    RDOT_V(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 2, kS | kT | kK, " spec tma split"),
+    RDOT_V(256, 64, 16, 4, 2, kT | kK, " tma split"),
+    RDOT_V(256, 64, 16, 5, 2, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, 0, " v3prod"),
-    RDOT_VS(128, 64, 16, 4, 1, kS, " spec v3prod-many"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
@@ -64,15 +62,15 @@ const SweepVariant kV[] = {
 };
 #elif RDOT_SWEEP_PART == 5
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kK, " spec tma split"),
+    RDOT_V(128, 128, 64, 3, 2, kB | kS | kT, " bal spec tma v3prod"),
 };
 #elif RDOT_SWEEP_PART == 6
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 5, 1, kS | kK, " spec split"),
+    RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT, " bal spec tma v3prod"),
 };
 #elif RDOT_SWEEP_PART == 7
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 5, 2, kS | kK, " spec split"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kK, " spec split"),
 };
 // The wgmma main loop (kernels/ragged_dot_wgmma.cuh) against the mma.sync tiles: R 64 as the
 // package's R 64 tile (balanced, BN 128 x BK 128 x 3) and around it; R 16 as the R 16 tiles.

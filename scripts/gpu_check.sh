@@ -75,9 +75,10 @@
 #                                      the decode-shape table against the weight-read bound and the
 #                                      tile x cluster sweep (best per shape last) (~2.5 min)
 #                            rdotsweep the kernel options (balanced ranges, per-row-count MMA loop, L2
-#                                      prefetch) x tiles: cases (each variant vs float64), memcheck
-#                                      of the cases, the sweep at the decode shapes (every result
-#                                      checked), a matrix of time / bound per variant last (~2 min)
+#                                      prefetch, TMA, wgmma) x tiles: cases (each variant vs float64),
+#                                      memcheck of the TMA / wgmma variants' cases, the sweep at the
+#                                      decode shapes (every result checked), a matrix of time /
+#                                      bound per variant last (~2.5 min)
 #                            rdotlayer the package's tiles after the sweeps: harness cases (float64),
 #                                      the production table, the sweep's next candidates (30 s),
 #                                      then the layer rows of bench moelayer (layer, layer
@@ -183,10 +184,12 @@ build_rdot_harness() {  # the ragged_dot harness (cases, production table, sweep
   mkdir -p build/rdot "$OUT/rdot"
   local NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
   local B=build/rdot H=tests/cuda_harness
+  local parts  # 0 .. kSweepParts - 1 (ragged_dot_sweep.h)
+  parts=$(seq 0 $(($(sed -nE 's/^constexpr int kSweepParts = ([0-9]+);.*/\1/p' $H/ragged_dot_sweep.h) - 1)) | tr '\n' ' ')
   rm -f $B/*.o
   step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
       $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
-    for p in 0 1 2 3 4 5 6 7; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
+    for p in $parts; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
     $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
     $NV -o build/rdot_h $B/*.o"
 }
@@ -442,12 +445,16 @@ rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda
   say "rdot cases: $(grep -c ^PASS "$OUT/rdot/cases.txt") PASS, $(grep -c ^FAIL "$OUT/rdot/cases.txt") FAIL"
   grep -E "^FAIL" "$OUT/rdot/cases.txt" | head -20 | tee -a "$OUT/summary.txt"
   step rdot_memcheck 25 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants tma
-  grep -A400 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
+  sed -n '/^=== rdot_memcheck: /,/^=== /p' "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
+  step rdot_memcheck_wg 25 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --variants wgmma
+  sed -n '/^=== rdot_memcheck_wg: /,/^=== /p' "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tail -2 | tee -a "$OUT/summary.txt"
   # variants that failed or hung in the cases stay out of the sweep (a hang there would end it);
   # one TMA variant wrong: all of them
   local skip
   skip=$(grep -A400 "=== rdot_cases" "$OUT/all.log" | sed -nE 's/^FAIL variant (.*) cluster [0-9]+ .*/\1/p; s/^HANG.*case variant (.*) cluster [0-9]+.*/\1/p' | sort -u | tr '\n' '|')
   case "$skip" in *tma*) skip="${skip}*tma" ;; esac
+  # a wgmma variant that hung: the cases after it never ran, so no wgmma variant is timed
+  grep -A400 "=== rdot_cases" "$OUT/all.log" | grep -qE "^HANG.*case variant .*wgmma" && skip="${skip}|*wgmma"
   [ -n "$skip" ] && say "rdot sweep skips: $skip"
   step rdot_sweep 95 build/rdot_h --sweep --budget 60 --skip "$skip"
   grep -A3000 "=== rdot_sweep" "$OUT/all.log" | grep -vE "^===" > "$OUT/rdot/sweep.txt"

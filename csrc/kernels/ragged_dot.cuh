@@ -94,6 +94,17 @@
 // 128-byte swizzle; stages aligned to 1 KB): the eight rows one ldmatrix reads sit in distinct
 // bank groups.
 //
+// Hopper wgmma (option kWgmma, with kTma; kernels/ragged_dot_wgmma.cuh): the stage's MMAs as
+// warpgroup-wide wgmma.mma_async m64nNk16 reading both operands from shared memory, one
+// warpgroup per 64-column TMA box (MT = 1: warp w still owns columns [16 w, 16 w + 16), and the
+// accumulators keep the mma.sync fragment layout, so the partial stores and the epilogue are
+// the same). A = the weight box as it arrives by TMA (M-major, 128-byte swizzle); B = the lhs
+// rows, written by cp.async as 8-row x 16-byte core matrices (no swizzle) instead of [R][BK+8]
+// rows; N = 8 x the item's row tiles (an immediate: compiled per count, always). Per stage:
+// cp.async wait, fence.proxy.async, block barrier, mbarrier wait; per warpgroup wgmma.fence,
+// the instructions, commit, wait_group 0 (the slot is free at the next barrier). In balanced
+// mode a whole warpgroup skips its MMAs when its box lies past the piece's width.
+//
 // Reduction of the split-K partials: deterministic, through distributed shared memory. Each
 // block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block
 // c sums slice c of the tile over ranks 0..CS-1 in that order (remote shared-memory reads),
@@ -109,7 +120,7 @@
 // istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
 // the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
 // rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
-// istart.
+// istart. kWgmma: L is [BK / 8 chunks][R / 8 row groups][8 rows][16 B] (wgmma core matrices).
 //
 // Invariants (checked by the launcher, cuda/ragged_dot.cu): K % 8 == 0 and N % 8 == 0 (16-byte
 // rows for cp.async); lhs, rhs, out 16-byte aligned; 1 <= G <= kMaxGroups; M, items < 2^31;
@@ -127,6 +138,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "ragged_dot_wgmma.cuh"
 
 namespace nvc {
 namespace dev {
@@ -147,11 +160,13 @@ constexpr int kMaxGroups = 1024;
 //   kSplitK: the last round's items split along K into KS units, dealt round-robin, summed
 //     through a global float32 workspace by the unit that finishes last (see "Split-K units"
 //     above; round-robin items only, clusters of one block).
+//   kWgmma: the MMAs by wgmma (with kTma, MT = 1, R <= 64; per-count loop implied). See "Hopper
+//     wgmma" above.
 //   kCtaSync: clusters of one block (the launcher forces cs = 1), so the epilogue orders its
 //     partials with one block barrier and reads them from its own shared memory, instead of
 //     two cluster barriers and reads through the cluster window (distributed shared memory).
 constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32,
-              kCtaSync = 128;
+              kWgmma = 64, kCtaSync = 128;
 // Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).
 constexpr int kMaxSplits = 8;
 template <int OPT>
@@ -178,11 +193,12 @@ struct Params {
 template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
 struct Tile {
   static constexpr bool kTmaW = (OPT & 16) != 0;  // kTma
+  static constexpr bool kWg = (OPT & 64) != 0;    // kWgmma
   static constexpr int kWarps = BN / (16 * MT);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kNW = SWIGLU ? 2 : 1;
   static constexpr int kWStride = kTmaW ? BN : BN + 8;  // elements per smem weight row (cp.async)
-  static constexpr int kLStride = BK + 8;   // elements per smem lhs row
+  static constexpr int kLStride = kWg ? BK : BK + 8;  // elements per smem lhs row (wgmma: none)
   static constexpr int kPStride = BN + 4;   // floats per partial row
   static constexpr int kWBytes = BK * kWStride * 2;
   static constexpr int kLBytes = R * kLStride * 2;
@@ -194,6 +210,7 @@ struct Tile {
                                2 * (kMaxGroups + 1) * 4;
   static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
   static_assert(!kTmaW || (BN % 64 == 0 && BK <= 256), "TMA boxes of 64 columns, BK rows");
+  static_assert(!kWg || (kTmaW && MT == 1 && R <= 64), "wgmma: TMA weights, a warpgroup a box");
   static_assert(kStageBytes % 16 == 0 && kPBytes % 16 == 0, "16-byte smem sections");
   static_assert(kSmem <= 227 * 1024 - 1024, "shared memory of one block (static: 128 B)");
 };
@@ -619,11 +636,22 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
     const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWBytes);
-    for (int c = tid; c < lrows * (BK / 8); c += Tl::kThreads) {
-      const int row = c / (BK / 8), col = (c % (BK / 8)) * 8;
-      const bool ok = row < it.rows && k0 + col < K;
-      cp16(ldst + (row * Tl::kLStride + col) * 2,
-           lhs + (ok ? size_t(it.r0 + row) * K + k0 + col : 0), ok);
+    if constexpr (Tl::kWg) {
+      // core-matrix layout (wg::l_off): thread pairs take the two 16-byte chunks of a 32-byte
+      // sector of one row, consecutive pairs consecutive rows (whole 128-byte core matrices)
+      for (int c = tid; c < lrows * (BK / 8); c += Tl::kThreads) {
+        const int row = (c >> 1) % lrows, col = ((c / (2 * lrows)) * 2 + (c & 1)) * 8;
+        const bool ok = row < it.rows && k0 + col < K;
+        cp16(ldst + wg::l_off<R>(row, col), lhs + (ok ? size_t(it.r0 + row) * K + k0 + col : 0),
+             ok);
+      }
+    } else {
+      for (int c = tid; c < lrows * (BK / 8); c += Tl::kThreads) {
+        const int row = c / (BK / 8), col = (c % (BK / 8)) * 8;
+        const bool ok = row < it.rows && k0 + col < K;
+        cp16(ldst + (row * Tl::kLStride + col) * 2,
+             lhs + (ok ? size_t(it.r0 + row) * K + k0 + col : 0), ok);
+      }
     }
   };
 
@@ -652,6 +680,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   const int col0 = warp * MT * 16;  // this warp's first column in the tile
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
+    if constexpr (Tl::kWg) wg::proxy_fence();  // this thread's lhs rows, before wgmma reads them
     __syncthreads();
     if (q + STAGES - 1 < q_total) load(q + STAGES - 1);
     cp_commit();
@@ -694,7 +723,14 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       }
     };
     // warps whose columns lie past the piece's width have only zeros to multiply (balanced)
-    if (!kBal || col0 < cur.nw) {
+    if constexpr (Tl::kWg) {
+      // wgmma: one warpgroup per 64-column box; a box past the piece's width skips as a whole
+      const int box = warp >> 2;
+      if (!kBal || box * 64 < cur.nw)
+        with_count<R / 8>(nrt, [&](auto nrt_c) {
+          wg::stage<T, Tl, BK, R, decltype(nrt_c)::value>(acc, smem_u32(st), box, lbase);
+        });
+    } else if (!kBal || col0 < cur.nw) {
       if constexpr ((OPT & kSpecRows) != 0) {
         with_count<R / 8>(nrt, mma_stage);
       } else {

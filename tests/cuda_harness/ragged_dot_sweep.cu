@@ -4,7 +4,9 @@
 // harness's list at static initialisation. Variant names: BN x BK, rows tile R, stages, m16 tiles
 // per warp ("w"), then the kernel options (kernels/ragged_dot.cuh): "bal" balanced ranges of
 // 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
-// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units of the last round, "cta" the epilogue's block barrier; "sw": a
+// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units
+// of the last round, "cta" the epilogue's block barrier, "wgmma" the MMAs by wgmma (weights by
+// TMA too, one warpgroup per 64 columns: "w1"); "sw": a
 // ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
 // options: an instantiation in two translation units is two kernels, and the shared-memory limit
 // raised for one is not raised for the other.
@@ -21,7 +23,7 @@ using B = __nv_bfloat16;
 using nvc::cuda::RaggedDotArgs;
 namespace r = nvc::dev::rdot;
 [[maybe_unused]] constexpr int kB = r::kBalanced, kS = r::kSpecRows, kP = r::kPf256, kU = r::kUnit32,
-                                kT = r::kTma;
+                                kT = r::kTma, kW = r::kWgmma;
 template <int BN, int BK, int R, int ST, int MT, bool SW, int OPT>
 using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_V(BN, BK, R, ST, MT, OPT, TAG)                                                   \
@@ -66,10 +68,41 @@ const SweepVariant kV[] = {
 const SweepVariant kV[] = {
     RDOT_V(128, 128, 64, 3, 1, kS | kT | kC, " spec tma cta"),
 };
-#else
+#elif RDOT_SWEEP_PART == 7
 const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
     RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
+};
+// The wgmma main loop (kernels/ragged_dot_wgmma.cuh) against the mma.sync tiles: R 64 as the
+// package's R 64 tile (balanced, BN 128 x BK 128 x 3) and around it; R 16 as the R 16 tiles.
+#elif RDOT_SWEEP_PART == 8
+const SweepVariant kV[] = {
+    RDOT_V(128, 128, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(128, 128, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(128, 64, 64, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(128, 64, 64, 6, 1, kB | kS | kT | kW, " bal spec wgmma"),
+};
+#elif RDOT_SWEEP_PART == 9
+const SweepVariant kV[] = {
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_V(256, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_V(256, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_V(256, 64, 16, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(256, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
+};
+#elif RDOT_SWEEP_PART == 10
+const SweepVariant kV[] = {
+    RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_VS(128, 64, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
+    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
+};
+// wgmma with split-K units (kSplitK) on round-robin items
+#else
+const SweepVariant kV[] = {
+    RDOT_V(256, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kK | kW, " spec split wgmma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
 };
 #endif
 const int kRegistered = [] {

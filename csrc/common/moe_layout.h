@@ -157,7 +157,8 @@ struct MoeConfig {
 };
 
 constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
-constexpr int kMoeMaxBlocks = 24;      // blocks per kernel (<= kMaxBlocks)
+constexpr int kMoeMaxBlocks = 24;      // flag blocks per source and call (<= kMaxBlocks)
+constexpr int kMoeMaxGrid = 1024;      // blocks per kernel (moe_grid_blocks)
 constexpr int kMoeMaxTopK = 32;        // one warp holds a token's top_k slots
 constexpr int kMoeMaxExperts = 4096;   // shared-memory counters
 constexpr int kMoeSubTokens = 128;     // tokens routed per step in the dispatch send kernel
@@ -172,6 +173,9 @@ struct MoeCtrl {
   uint64_t send_seq;          // SENDs issued by this rank (advanced by the SEND's last block)
   uint32_t send_done_blocks;  // last-block counter of the running SEND, 0 between calls
   uint32_t pad;
+  // A SEND grid larger than moe_blocks: arrivals per flag group (moe_dispatch.cuh publish_all),
+  // 0 between calls.
+  uint32_t group_done[kMoeMaxBlocks];
 };
 constexpr size_t kMoeCtrlOffset = (sizeof(Ctrl) + 255) / 256 * 256;
 static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit in the control block");
@@ -213,6 +217,22 @@ NVC_HD int moe_blocks(const MoeConfig& c) {
   const int64_t bb = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
   if (bb > b) b = bb;
   return int(b < 1 ? 1 : (b > kMoeMaxBlocks ? kMoeMaxBlocks : b));
+}
+
+// The grid the kernels launch (moe_blocks(c) <= it <= max(moe_blocks(c), cap)): blocks for the
+// bytes one call may copy at kMoeBytesPerBlock each, at most `cap` (the launcher's: the GPU's
+// SMs, divided among the ranks of one process that share the GPU), never fewer than the flag
+// blocks. Only the first moe_blocks(c) blocks own a flag; the others publish through their
+// flag group (moe_dispatch.cuh publish_all), so receivers wait for the same W x moe_blocks flags
+// whatever the grid, and it may differ between ranks (it is local work only).
+NVC_HD int moe_grid_blocks(const MoeConfig& c, int cap) {
+  const int gs = moe_blocks(c);
+  const int64_t db = moe_dtype_bytes(c.dtype) < 2 ? 2 : moe_dtype_bytes(c.dtype);
+  const int64_t bytes = int64_t(c.max_tokens) * c.top_k * c.hidden * db;
+  int64_t b = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
+  if (b > cap) b = cap;
+  if (b > kMoeMaxGrid) b = kMoeMaxGrid;
+  return b > gs ? int(b) : gs;
 }
 
 // ---- sizes ---------------------------------------------------------------------------------

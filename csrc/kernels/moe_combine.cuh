@@ -114,7 +114,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   }
   __syncthreads();
   if (s_bad >= 0) {
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
+    if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
     return 0;
   }
   {
@@ -127,7 +127,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
   const int nvec = int(yrow / 16), total = pre[L];
   if (a.packed && int64_t(total) > int64_t(moe_packed_rows(c))) {  // would read past expert_y
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
+    if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
     return 0;
   }
   const int64_t slots = int64_t(T) * K;
@@ -158,7 +158,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       const uint32_t badm = __ballot_sync(0xFFFFFFFFu, bad);
       if (badm != 0) {  // recorded once, the row skipped; the block must not publish
         if (lane == __ffs(badm) - 1)
-          poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+          poison_and_fail(v, c, s, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
         bad_slot = true;
       }
       for (uint32_t inm = __ballot_sync(0xFFFFFFFFu, in); inm != 0; inm &= inm - 1) {
@@ -196,7 +196,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
         if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
       const int slot = __ldg(a.expert_src + er);
       if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
-        if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+        if (lane == 0) poison_and_fail(v, c, s, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
         bad_slot = true;
         continue;
       }

@@ -118,10 +118,11 @@ __device__ __forceinline__ int cols_per_lane(int rows, int nvec, int G) {
 // one-kernel fused call this rank's own RECV half (other blocks of the kernel) reads the poison
 // from its own slots, and its kErrMismatch must not take ErrorInfo before the real cause.
 __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
-                                             int nblocks, uint32_t code, uint32_t desc, int peer,
+                                             uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
   dev::fail_inline(v, code, desc, peer, s, observed);
   const uint64_t f = make_flag(s, kMoePoisonDesc);
+  const int nblocks = moe_blocks(c);  // every flag of this rank (the flag blocks, not the grid)
   for (int r = 0; r < v.world; ++r)
     for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
 }
@@ -141,14 +142,40 @@ __device__ __forceinline__ bool wait_all_sources(const CommView& v, const MoeCon
   return !__syncthreads_or(!ok);
 }
 
-// Every thread: unless some thread of the block passes failed = true, publish this block's flag
-// for call s in every rank (after a __syncthreads) and return true; else false, nothing
-// published (the block then leaves).
+// Every thread: unless some thread of the block passes failed = true, publish this block's
+// writes for call s (after a __syncthreads) and return true; else false, nothing published (the
+// block then leaves). Grid of Gs = moe_blocks(cfg) blocks: the block raises its flag
+// moe_flag(s, me, b) in every rank. A larger grid (moe_grid_blocks): block b belongs to flag
+// group g = b % Gs; thread 0 orders the block's writes (fence.acq_rel.sys, after the barrier)
+// before its arrival ticket on MoeCtrl::group_done[g]; the group's last arrival (it has seen
+// every member's ticket, each after that member's fence: fence-fence synchronization, then its
+// own fence) resets the counter and raises flag g in every rank. So a flag still covers the
+// writes of every block of its group, and receivers wait for W x Gs flags whatever the grid.
+// A block that fails takes no ticket: its group's flag is never raised (it stays poison).
 __device__ __forceinline__ bool publish_all(const CommView& v, const MoeConfig& c, uint64_t s,
                                             uint32_t desc, bool failed = false) {
+  __shared__ int s_pub;
   if (__syncthreads_or(failed)) return false;
+  const int gs = moe_blocks(c), G = gridDim.x;
+  int grp = blockIdx.x;
+  if (G > gs) {  // grid-uniform
+    grp = blockIdx.x % gs;
+    if (threadIdx.x == 0) {
+      const unsigned members = unsigned((G - 1 - grp) / gs + 1);  // blocks b < G with b % gs == grp
+      uint32_t* cnt = &moe_ctrl(v.bufs[v.rank])->group_done[grp];
+      dev::fence_acq_rel_sys();
+      const bool last = atomicAdd(cnt, 1u) == members - 1;
+      if (last) {
+        *cnt = 0;  // for the next SEND (a later kernel: stream order)
+        dev::fence_acq_rel_sys();
+      }
+      s_pub = last;
+    }
+    __syncthreads();
+    if (!s_pub) return true;
+  }
   if (threadIdx.x < v.world)
-    dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
+    dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, grp), make_flag(s, desc));
   return true;
 }
 
@@ -274,7 +301,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
   if (__syncthreads_or(s == 0 || bad_n)) {
-    if (s != 0 && tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
+    if (s != 0 && tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, n, uint64_t(T));
     return 0;
   }
 
@@ -315,7 +342,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   }
   __syncthreads();
   if (s_bad) {
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+    if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
     return 0;
   }
@@ -355,7 +382,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
     }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+      if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return 0;
     }
@@ -428,7 +455,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
       }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+      if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return 0;
     }

@@ -17,6 +17,9 @@
 //       build/moe_harness --bounded-time  us per dispatch + combine pair in CUDA graphs, whole-call
 //                                    slots against bounded ones (calls in 2-16 rounds), W=2 on
 //                                    ONE GPU (the rounds' cost, not 2-GPU numbers)
+//       build/moe_harness --layer-time [TAG]  us per fused packed dispatch / combine at
+//                                    moe_layer's decode shapes (W 1 and 2 on ONE GPU, 8-128
+//                                    tokens, H 7168, 32 / 256 experts per rank), lines tagged TAG
 //       build/moe_harness --error    bad expert id (fused and split, W = 2 and 4; fused with
 //                                    bounded slots, the id in the last round): every rank's
 //                                    call ends at once with its record and no trap (the context
@@ -560,24 +563,145 @@ void run_bounded_time() {
   }
 }
 
+// Light inputs for the layer-shape timings: distinct random ids per row (no -1), x and expert_y
+// left as cudaMalloc gives them (timing only: no value is checked), packed buffers.
+struct LayerSlot {
+  uint8_t *x, *ey, *ex, *y;
+  float* w;
+  int32_t *ids, *cnt, *td, *es;
+};
+LayerSlot layer_slot(const Case& cs, const MoeConfig& c, int r) {
+  const size_t L = cs.E / cs.W, P = moe_packed_rows(c);
+  LayerSlot s;
+  s.x = dalloc<uint8_t>(size_t(cs.T) * moe_x_row_bytes(c));
+  s.ey = dalloc<uint8_t>(P * moe_y_row_bytes(c, cs.ydt));
+  s.ex = dalloc<uint8_t>(P * moe_x_row_bytes(c));
+  s.y = dalloc<uint8_t>(size_t(cs.T) * moe_y_row_bytes(c, cs.ydt));
+  s.w = dalloc<float>(size_t(cs.T) * cs.K);
+  s.ids = dalloc<int32_t>(size_t(cs.T) * cs.K);
+  s.cnt = dalloc<int32_t>(L);
+  s.td = dalloc<int32_t>(size_t(cs.T) * cs.K);
+  s.es = dalloc<int32_t>(L * cs.W * cs.T);
+  std::mt19937 g(1234 + r);
+  std::vector<int32_t> ids(size_t(cs.T) * cs.K);
+  std::vector<int> perm(cs.E);
+  for (int t = 0; t < cs.T; ++t) {
+    for (int e = 0; e < cs.E; ++e) perm[e] = e;
+    for (int k = 0; k < cs.K; ++k) {
+      std::swap(perm[k], perm[k + g() % (cs.E - k)]);
+      ids[size_t(t) * cs.K + k] = perm[k];
+    }
+  }
+  std::vector<float> w(size_t(cs.T) * cs.K, 0.125f);
+  CK(cudaMemcpy(s.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s.w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(s.ey, 0, P * moe_y_row_bytes(c, cs.ydt)));
+  CK(cudaMemset(s.x, 0, size_t(cs.T) * moe_x_row_bytes(c)));
+  return s;
+}
+void free_layer_slot(LayerSlot& s) {
+  for (void* p : {(void*)s.x, (void*)s.ey, (void*)s.ex, (void*)s.y, (void*)s.w, (void*)s.ids,
+                  (void*)s.cnt, (void*)s.td, (void*)s.es})
+    cudaFree(p);
+}
+
+// --layer-time [tag]: nvc.moe_layer's dispatch and combine (fused calls, packed rows, all tokens)
+// at its decode shapes: W = 1 and 2 (virtual ranks on ONE GPU: the peer is local memory), tokens
+// 8 / 32 / 128, hidden 7168 bf16, top-8, 32 and 256 experts per rank. A CUDA graph per rank of
+// 50 calls (dispatch only, then combine only: one dispatch before gives the handle), the ranks'
+// graphs launched together; us per call, best of 3 launches. One line per shape, `tag` first
+// (the build's name, for tables of two builds side by side).
+void run_layer_time(const char* tag) {
+  std::printf("\nlayer-time (%s): fused packed calls, top-8, bf16, H 7168; us per call (graph of 50 "
+              "calls per rank, best of 3); W=2 = two virtual ranks on ONE GPU\n", tag);
+  std::printf("%-8s %3s %5s %4s | %8s %8s\n", "build", "W", "L", "T", "disp", "comb");
+  for (int W : {1, 2})
+    for (int L : {32, 256})
+      for (int T : {8, 32, 128}) {
+        Case cs{"layer", W, L * W, 8, T, 7168, kMoeBF16, 0, kMoeBF16};
+        cs.full = true;
+        cs.packed = true;
+        const MoeConfig c0 = case_config(cs, 0);
+        World w(c0);
+        std::vector<LayerSlot> sl;
+        for (int r = 0; r < W; ++r) sl.push_back(layer_slot(cs, c0, r));
+        auto call = [&](int r, int which) {
+          const LayerSlot& s = sl[r];
+          if (which == 0)
+            CK(cuda::moe_dispatch(w.view(r), w.cfg(r), s.x, nullptr, s.ids, nullptr, s.ex, s.cnt,
+                                  nullptr, s.td, s.es, w.st[r], true));
+          else
+            CK(cuda::moe_combine(w.view(r), w.cfg(r), s.ey, cs.ydt, s.w, s.td, s.es, s.cnt, s.y,
+                                 w.st[r], true));
+        };
+        for (int r = 0; r < W; ++r) call(r, 0);  // the handle for the combines
+        CK(wait_round(w));
+        float us[2];
+        for (int which = 0; which < 2; ++which) {
+          const int calls = 50;
+          std::vector<cudaGraphExec_t> ge(W);
+          for (int r = 0; r < W; ++r) {
+            cudaGraph_t g;
+            CK(cudaStreamBeginCapture(w.st[r], cudaStreamCaptureModeThreadLocal));
+            for (int i = 0; i < calls; ++i) call(r, which);
+            CK(cudaStreamEndCapture(w.st[r], &g));
+            CK(cudaGraphInstantiate(&ge[r], g, 0));
+            CK(cudaGraphDestroy(g));
+          }
+          cudaEvent_t e0, e1, ej;
+          CK(cudaEventCreate(&e0));
+          CK(cudaEventCreate(&e1));
+          CK(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+          float best = 1e30f;
+          for (int rep = 0; rep < 4; ++rep) {  // the first launch warms up
+            CK(cudaEventRecord(e0, w.st[0]));
+            for (int r = 1; r < W; ++r) CK(cudaStreamWaitEvent(w.st[r], e0, 0));
+            for (int r = 0; r < W; ++r) CK(cudaGraphLaunch(ge[r], w.st[r]));
+            for (int r = 1; r < W; ++r) {
+              CK(cudaEventRecord(ej, w.st[r]));
+              CK(cudaStreamWaitEvent(w.st[0], ej, 0));
+            }
+            CK(cudaEventRecord(e1, w.st[0]));
+            CK(wait_round(w));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep > 0) best = std::min(best, ms);
+          }
+          us[which] = best * 1000.0f / calls;
+          for (auto g : ge) CK(cudaGraphExecDestroy(g));
+          CK(cudaEventDestroy(e0));
+          CK(cudaEventDestroy(e1));
+          CK(cudaEventDestroy(ej));
+        }
+        std::printf("%-8s %3d %5d %4d | %8.2f %8.2f%s\n", tag, W, L, T, us[0], us[1],
+                    w.errors().empty() ? "" : (" ERROR" + w.errors()).c_str());
+        std::fflush(stdout);
+        for (auto& s : sl) free_layer_slot(s);
+      }
+}
+
 #ifdef NVC_PROBE
 // --probe: the phases of the four kernels of a fused dispatch + combine (probe indices in
 // kernels/moe_dispatch.cuh and moe_combine.cuh), 200 rounds per configuration.
 void run_probe() {
-  struct PC { const char* name; int E, T, H; };
-  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 128, 4, 2048},
-                    {"EP2 4 tok, H 7168, E 64", 64, 4, 7168},
-                    {"EP2 128 tok, H 7168, E 64", 64, 128, 7168}};
+  struct PC { const char* name; int W, E, T, H; bool packed; };
+  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 2, 128, 4, 2048, false},
+                    {"EP2 4 tok, H 7168, E 64", 2, 64, 4, 7168, false},
+                    {"EP2 128 tok, H 7168, E 64", 2, 64, 128, 7168, false},
+                    {"layer W1 8 tok, H 7168, E 32, packed", 1, 32, 8, 7168, true},
+                    {"layer W1 128 tok, H 7168, E 32, packed", 1, 32, 128, 7168, true},
+                    {"layer W1 8 tok, H 7168, E 256, packed", 1, 256, 8, 7168, true}};
   int khz = 0;
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
-  std::printf("\nprobe: W=2 on one GPU, top-8, bf16; mean SM cycles per phase, block 0 (clock attr %d MHz)\n",
+  std::printf("\nprobe: W=1/2 on one GPU, top-8, bf16; mean SM cycles per phase, block 0 (clock attr %d MHz)\n",
               khz / 1000);
   std::printf("%-38s | dsend: %5s %5s %5s %5s | drecv: %5s %5s %5s | csend: %5s %5s %5s | crecv: %5s %5s\n",
               "config", "begin", "A", "B", "pub", "wait", "hdrs", "copy", "scan", "copy", "pub", "wait", "sum");
   for (const PC& pc : pcs) {
-    Case cs{pc.name, 2, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
+    Case cs{pc.name, pc.W, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
     cs.full = true;
     cs.p_neg = 0;
+    cs.packed = pc.packed;
     MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
     World w(c0);
     std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
@@ -623,6 +747,11 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--bounded-time")) {
       CK(cuda::moe_load_kernels());
       run_bounded_time();
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--layer-time")) {
+      CK(cuda::moe_load_kernels());
+      run_layer_time(i + 1 < argc ? argv[i + 1] : "this");
       return 0;
     }
     if (!std::strcmp(argv[i], "--graph-time")) {

@@ -1072,7 +1072,7 @@ moefast)  # MoE dispatch / combine at moe_layer's decode sizes, this tree agains
   step mf_cases 90 bash -c "build/mf_new > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
   step mf_error 30 bash -c "build/mf_new --error > $d/error.log 2>&1; rc=\$?; cat $d/error.log; exit \$rc"
   step mf_memcheck 60 bash -c "compute-sanitizer --tool memcheck --error-exitcode 1 build/mf_new \
-    --only 'packed tiny|bounded tiny|W4 T=5' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
+    --only 'packed tiny|bounded tiny|W4 T=5|groups W2 tiny|groups W2 graph' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
   for b in old new; do  # in the time left: the phase probes, a second timing of each build
     [ $((SECONDS - t0)) -lt 125 ] && [ -x build/mf_${b}_probe ] && timeout 20 build/mf_${b}_probe --probe > "$d/probe_$b.log" 2>&1
   done

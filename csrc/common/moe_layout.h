@@ -8,7 +8,9 @@
 //   nothing) and RECV (waits for every rank's flags, consumes its own slot). They run back to
 //   back (moe_dispatch / moe_combine: one custom call; on CUDA one cooperative kernel running
 //   SEND then RECV, moe_dispatch.cuh dispatch_kernel, where the ranks' grids can be resident
-//   together, else SEND and RECV kernels) or as two custom calls with other work
+//   together, else SEND and RECV kernels; at world 1 one kernel with no slot and no flags,
+//   kernels/moe_local.cuh, that gives the same outputs and advances both counters as the
+//   two halves do) or as two custom calls with other work
 //   in between (moe_*_send / moe_*_recv: "split", up to M = max_in_flight SENDs outstanding).
 //   Two counters per rank, both advanced on the device by the last block of the kernel (so
 //   CUDA-graph replays work without host code):
@@ -42,7 +44,8 @@
 // N = moe_slots = 2 * max_in_flight):
 //   [0, kCtrlBytes)                     Ctrl (layout.h): seq, done_blocks; its flags array seen
 //                                       flat as N x kMaxWorld x kMoeMaxBlocks flags (moe_flag);
-//                                       MoeCtrl at kMoeCtrlOffset (send_seq, its block counter)
+//                                       MoeCtrl at kMoeCtrlOffset (send_seq, its block counter,
+//                                       the flag groups' arrival counters)
 //   [kCtrlBytes + i * half, +half)      data slot i (i = 0 .. N-1), used by dispatch OR combine:
 //     dispatch view:  hdr[src]  (W x hdr_bytes: int32 rows, int32 count[L])
 //                     rows[src][slot] (W x T x drow_bytes), row = [payload H*D | S f32 scales |
@@ -200,8 +203,10 @@ NVC_HD int moe_max_entries(const MoeConfig& c) {
   int l = moe_local_experts(c);
   return c.top_k < l ? c.top_k : l;
 }
-// Launch grid of every MoE kernel: a pure function of the config, identical on every rank.
-// Enough blocks for the tokens (4 per block) and for the bytes one call may copy
+// Flag blocks of a call (moe_flag's block index: blocks per source whose flags a RECV waits
+// for): a pure function of the config, identical on every rank; the first moe_blocks of a
+// grid of moe_grid_blocks (below). Enough blocks for the tokens (4 per block) and for the bytes
+// one call may copy
 // (max_tokens x top_k rows of hidden x max(2, dtype) bytes, kMoeBytesPerBlock per block), so
 // that a small batch of wide rows (decode: 4 tokens x 7168) is copied by several SMs; the
 // receive kernels split rows into chunks over all warps of the grid. 32 KiB per block (64 KiB

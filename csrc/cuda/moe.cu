@@ -7,6 +7,7 @@
 
 #include "../kernels/moe_combine.cuh"
 #include "../kernels/moe_dispatch.cuh"
+#include "../kernels/moe_local.cuh"
 #include "device_cache.h"
 
 namespace nvc {
@@ -82,7 +83,11 @@ cudaError_t moe_load_kernels() {
                        (const void*)moe::combine_send_rounds_kernel,
                        (const void*)moe::combine_recv_rounds_kernel<kMoeF32>,
                        (const void*)moe::combine_recv_rounds_kernel<kMoeBF16>,
-                       (const void*)moe::combine_recv_rounds_kernel<kMoeF16>};
+                       (const void*)moe::combine_recv_rounds_kernel<kMoeF16>,
+                       (const void*)moe::dispatch_local_kernel,
+                       (const void*)moe::combine_local_kernel<kMoeF32>,
+                       (const void*)moe::combine_local_kernel<kMoeBF16>,
+                       (const void*)moe::combine_local_kernel<kMoeF16>};
   for (const void* f : fns) {
     if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
     // One shared-memory carveout for every MoE kernel: an SM changes its L1/shared split only
@@ -156,6 +161,14 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
       if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
+  }
+  if (moe::local_fits(c)) {  // world 1: one kernel, no slot, no flags (kernels/moe_local.cuh)
+    moe::DispatchSendArgs sa{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens,
+                             token_dest, nullptr};
+    moe::DispatchRecvArgs ra{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale,
+                             expert_src, nullptr, packed};
+    moe::dispatch_local_kernel<<<moe_grid(v, c), kMoeThreads, moe::local_smem(c), st>>>(v, c, sa, ra);
+    return cudaGetLastError();
   }
   // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
   const size_t smem = std::max(moe::dispatch_send_smem(c), moe::dispatch_recv_smem(c));
@@ -244,6 +257,13 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* exper
   moe::CombineSendArgs sa{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts,
                           y_dtype, nullptr, packed};
   moe::CombineRecvArgs ra{topk_weights, token_dest, static_cast<uint8_t*>(y), nullptr};
+  if (moe::local_fits(c)) {  // world 1: one kernel reading expert_y's rows (kernels/moe_local.cuh)
+    auto* local = y_dtype == kMoeF32    ? moe::combine_local_kernel<kMoeF32>
+                  : y_dtype == kMoeBF16 ? moe::combine_local_kernel<kMoeBF16>
+                                        : moe::combine_local_kernel<kMoeF16>;
+    local<<<moe_grid(v, c), kMoeThreads, moe::local_smem(c), st>>>(v, c, sa, ra);
+    return cudaGetLastError();
+  }
   const size_t smem = moe::combine_send_smem(c);
   auto* kernel = y_dtype == kMoeF32    ? moe::combine_kernel<kMoeF32>
                  : y_dtype == kMoeBF16 ? moe::combine_kernel<kMoeBF16>

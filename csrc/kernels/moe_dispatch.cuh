@@ -1,10 +1,15 @@
 // MoE dispatch kernels: SEND (source side) and RECV (expert side) halves of one call.
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
-// Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+// Both kernels: grid G = moe_grid_blocks(cfg, cap) x kMoeThreads (cuda/moe.cu moe_grid: up to
+// the GPU's SMs, shared among the virtual ranks of one process), all blocks resident. Flags:
+// Gs = moe_blocks(cfg) <= kMoeMaxBlocks per source and call, a function of the config, the same
+// on every rank; G >= Gs may differ between ranks (local work only). Blocks b >= Gs publish
+// through flag group b % Gs (publish_all); every receiver waits for W x Gs flags.
 // A fused call (moe_dispatch) runs both halves in one cooperative kernel (dispatch_kernel), or
 // as the two kernels where ranks of one process share a GPU and their grids do not fit on
-// it together (cuda/moe.cu fused_fits).
+// it together (cuda/moe.cu fused_fits). At world 1 a fused call is one kernel without a slot or
+// flags instead (moe_local.cuh), when its routing fits shared memory.
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
@@ -22,8 +27,10 @@
 //      tokens of the step going to d (__match_any_sync); whole block then copies each token once
 //      per destination: payload (16-B vectors), scales, meta (entries in k order).
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
-//   block: __syncthreads, st.release.sys moe_flag(s, me, b) in every rank (publish_all).
-// RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
+//   block: __syncthreads, st.release.sys moe_flag(s, me, b) in every rank (publish_all), or with
+//   G > Gs: fence.acq_rel.sys, an arrival ticket on its flag group's counter, and the group's
+//   last arrival raises flag b % Gs in every rank (publish_all).
+// RECV: thread i waits for flag (src = i / Gs, block = i % Gs) (bounded, dev::wait_flag), then each
 //   block stages the W headers in shared memory (one round of loads), off[src][e] = prefix
 //   over sources (in place); one warp per (received row, chunk of 32 * u vectors, u <= kCopyU
 //   spreading the rows over the grid's lanes) loads its part of the payload together with the
@@ -512,7 +519,7 @@ __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
 
 // pre[i] = v[0] + ... + v[i-1] for i in [0, n] (n <= 2^31 in sum): every thread of the block
 // (blockDim.x == kMoeThreads) calls it; per-thread segments, warp 0 scans the partials. Ends
-// with a barrier (pre is then visible to the whole block).
+// with a barrier (pre is then visible to the whole block). pre may be v itself (in place).
 __device__ __forceinline__ void block_exclusive_scan(const int32_t* v, int32_t* pre, int n) {
   __shared__ int32_t s_part[kMoeThreads];
   const int tid = threadIdx.x, lane = tid & 31;
@@ -539,7 +546,7 @@ __device__ __forceinline__ void block_exclusive_scan(const int32_t* v, int32_t* 
   }
   __syncthreads();
   int acc = s_part[tid];
-  for (int i = lo; i < hi; ++i) { pre[i] = acc; acc += v[i]; }
+  for (int i = lo; i < hi; ++i) { const int x = v[i]; pre[i] = acc; acc += x; }
   __syncthreads();
 }
 
@@ -688,7 +695,7 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_rounds_kernel(CommV
 
 // A fused dispatch in one kernel: the SEND half, then (after the block published its flags) the
 // RECV half of the same call. The RECV half waits for the flags of every block of every rank,
-// this kernel's own included, so the grid's blocks must all be resident (moe_blocks <= 24).
+// this kernel's own included, so the grid's blocks must all be resident (moe_grid: at most the SMs).
 // Dynamic shared memory: max(dispatch_send_smem, dispatch_recv_smem); the RECV half writes it
 // only after wait_all_sources' barrier, when every thread of the block is past publish_all.
 __global__ void __launch_bounds__(kMoeThreads, 1) dispatch_kernel(CommView v, MoeConfig c,

@@ -20,7 +20,7 @@
 //       build/moe_harness --layer-time [TAG]  us per fused packed dispatch / combine at
 //                                    moe_layer's decode shapes (W 1 and 2 on ONE GPU, 8-128
 //                                    tokens, H 7168, 32 / 256 experts per rank), lines tagged TAG
-//       build/moe_harness --error    bad expert id (fused and split, W = 2 and 4; fused with
+//       build/moe_harness --error    bad expert id (fused and split, W = 1, 2 and 4; fused with
 //                                    bounded slots, the id in the last round): every rank's
 //                                    call ends at once with its record and no trap (the context
 //                                    stays usable: a normal case runs after it)
@@ -324,8 +324,10 @@ std::string run_case(const Case& cs) {
 // records unchanged. Then a normal case runs in the same process (a healthy CUDA context).
 // bounded: slots bounded (fused only), the bad token in the call's last round; found in its
 // first (every id is checked there: seq 1 on every rank all the same).
-bool error_case(int W, bool split, bool bounded = false) {
-  Case cs{"bad expert", W, 4 * W, 2, 32, 64, kMoeBF16, 0, kMoeBF16};
+// wide: hidden 7168, top-8, so the grid exceeds moe_blocks (flag groups, moe_dispatch.cuh
+// publish_all) where the GPU has the SMs.
+bool error_case(int W, bool split, bool bounded = false, bool wide = false) {
+  Case cs{"bad expert", W, wide ? 8 * W : 4 * W, wide ? 8 : 2, 32, wide ? 7168 : 64, kMoeBF16, 0, kMoeBF16};
   cs.full = true;
   cs.split = split;
   if (bounded) cs.slot_frac = 0.3f;
@@ -360,8 +362,9 @@ bool error_case(int W, bool split, bool bounded = false) {
         good &= x.code == kErrMismatch && x.peer == 0 && flag_desc(x.observed) == kMoePoisonDesc;
       if (round == 1) good &= std::memcmp(&before[r], &x, sizeof(x)) == 0;
     }
-    std::printf("bad expert id, W=%d %s, %s: sync %s after %.3f s;%s %s\n", W,
+    std::printf("bad expert id, W=%d %s%s, %s: sync %s after %.3f s;%s %s\n", W,
                 split ? "split" : bounded ? "fused, bounded slots (bad id in the last round)" : "fused",
+                wide ? " (H 7168 top-8: flag groups)" : "",
                 round == 0 ? "the call" : "next call",
                 cudaGetErrorString(e), sec, w.errors().c_str(), good ? "ok" : "FAIL");
     ok &= good;
@@ -373,9 +376,10 @@ bool error_case(int W, bool split, bool bounded = false) {
 
 int run_error_mode() {
   bool ok = true;
-  for (int W : {2, 4})
+  for (int W : {1, 2, 4})
     for (bool split : {false, true}) ok &= error_case(W, split);
-  for (int W : {2, 4}) ok &= error_case(W, false, true);
+  for (int W : {1, 2, 4}) ok &= error_case(W, false, true);
+  for (bool split : {false, true}) ok &= error_case(2, split, false, true);
   Case healthy{"W2 bf16 scales", 2, 8, 2, 64, 256, kMoeBF16, 4, kMoeBF16};
   const std::string e = run_case(healthy);
   std::printf("a normal case afterwards (healthy context): %s%s\n", e.empty() ? "PASS" : "FAIL ",
@@ -805,6 +809,28 @@ int main(int argc, char** argv) {
   c = {"packed tiny W4 T=5 scales zero rank", 4, 8, 2, 5, 32, kMoeBF16, 1, kMoeBF16}; c.zero_rank = 1; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"packed tiny W2 T=4 split", 2, 4, 2, 4, 32, kMoeBF16, 0, kMoeF32}; c.split = true; c.packed = true; cases.push_back(c);
   c = {"packed tiny W2 T=4 graph x3", 2, 4, 4, 4, 32, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 3; c.packed = true; cases.push_back(c);
+  // grids past moe_blocks (flag groups: moe_dispatch.cuh publish_all) at W 2 and 4
+  c = {"groups W2 packed 64 E top8 7168 H T=64", 2, 64, 8, 64, 7168, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"groups W2 split 7168 H T=32", 2, 32, 8, 32, 7168, kMoeBF16, 0, kMoeF32}; c.split = true; c.rounds = 2; cases.push_back(c);
+  c = {"groups W4 fused and split alternate 7168 H", 4, 32, 8, 32, 7168, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 4; cases.push_back(c);
+  c = {"groups W2 graph x10 H 2048 T=32", 2, 16, 8, 32, 2048, kMoeBF16, 1, kMoeBF16}; c.graph = 1; c.rounds = 10; c.packed = true; cases.push_back(c);
+  c = {"groups W2 tiny H 2048 T=32 split", 2, 16, 8, 32, 2048, kMoeBF16, 0, kMoeBF16}; c.split = true; c.packed = true; cases.push_back(c);
+  // world 1: fused calls in one kernel each (kernels/moe_local.cuh), split calls in two halves
+  c = {"local W1 packed 32 E top8 7168 H T=128", 1, 32, 8, 128, 7168, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.full = true; c.p_neg = 0; cases.push_back(c);
+  c = {"local W1 padded scales -> f32 y", 1, 16, 4, 64, 256, kMoeBF16, 3, kMoeF32}; c.rounds = 3; cases.push_back(c);
+  c = {"local W1 fp8 scales packed -> f16 y", 1, 64, 8, 96, 512, kMoeF8E4M3, 4, kMoeF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 f32 top1", 1, 16, 1, 64, 128, kMoeF32, 0, kMoeF32}; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 K = E packed", 1, 4, 4, 40, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 all to one expert", 1, 8, 3, 64, 128, kMoeBF16, 1, kMoeBF16}; c.hot = 5; c.full = true; cases.push_back(c);
+  c = {"local W1 T=4096 (long masks)", 1, 8, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; cases.push_back(c);
+  c = {"local W1 1024 experts T=8", 1, 1024, 8, 8, 256, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"local W1 zero tokens", 1, 16, 4, 32, 128, kMoeBF16, 0, kMoeBF16}; c.zero_rank = 0; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 fused and split alternate", 1, 16, 4, 32, 128, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 8; cases.push_back(c);
+  c = {"local W1 split", 1, 32, 8, 64, 512, kMoeBF16, 2, kMoeBF16}; c.split = true; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 graph replay x20, 2 in flight", 1, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.graph = 1; c.rounds = 20; c.inflight = 2; c.packed = true; cases.push_back(c);
+  c = {"local W1 200 rounds changing routing", 1, 16, 4, 32, 64, kMoeBF16, 1, kMoeF32}; c.rounds = 200; cases.push_back(c);
+  c = {"packed tiny W1 T=6 local scales", 1, 8, 4, 6, 32, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed tiny W1 T=5 local graph x3 mixed", 1, 4, 2, 5, 32, kMoeBF16, 0, kMoeF32}; c.graph = 1; c.rounds = 3; c.mixed = true; c.packed = true; cases.push_back(c);
   // bounded slots (moe_layout.h BOUNDED SLOTS): every call in rounds of SEND + RECV kernels
   c = {"bounded W4 scales zero rank", 4, 16, 4, 64, 256, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.zero_rank = 2; c.rounds = 3; cases.push_back(c);
   c = {"bounded W8 fp8 top8 f32 y", 8, 64, 8, 128, 512, kMoeF8E4M3, 4, kMoeF32}; c.slot_frac = 0.2f; c.rounds = 2; cases.push_back(c);

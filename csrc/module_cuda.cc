@@ -82,6 +82,9 @@ NB_MODULE(_cuda, m) {
       throw std::runtime_error(std::string("jax_nvcomm: loading the ragged_dot kernels: ") +
                                cudaGetErrorString(e));
   });
+  // The split-K workspace's bytes (cuda/ragged_dot.h): tests compare it with the Python op's
+  // own computation (jax_nvcomm/ragged_dot.py _workspace_bytes).
+  m.def("ragged_dot_workspace_bytes", &cuda::ragged_dot_workspace_bytes);
   m.def("read_u64", [](int device, uint64_t addr) {
     return cuda::read_u64(device, reinterpret_cast<const void*>(addr));
   });

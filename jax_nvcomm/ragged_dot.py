@@ -221,16 +221,44 @@ def _load_cuda_kernels():
             _LOADED.add(d.id)
 
 
+# The split-K workspace of the CUDA kernel (csrc/cuda/ragged_dot.h ragged_dot_workspace_bytes,
+# the same numbers): int32 arrival counters, one per possible item, rounded to 256 bytes, then
+# up to 8 float32 planes of [M, N] (two per plane for swiglu) within 32 MiB; none when fewer
+# than two fit. XLA allocates it as a second result of the call (as it does cuBLAS's workspace)
+# and frees or reuses it after; its contents are never read by anyone else.
+_WS_BUDGET = 32 << 20
+_WS_MAX_SPLITS = 8
+
+
+def _workspace_bytes(m, n, g, swiglu):
+    plane = m * n * 4 * (2 if swiglu else 1)
+    if plane <= 0:
+        return 0
+    k = min(_WS_MAX_SPLITS, _WS_BUDGET // plane)
+    if k < 2:
+        return 0
+    counters = -(-n // 64) * (m // 16 + min(g, m) + 1)
+    return -(-counters * 4 // 256) * 256 + k * plane
+
+
 def _call(name, platform, out_dtype, lhs, *weights_and_sizes):
-    """One FFI call of `name` ("ragged_dot" or "ragged_dot_swiglu") for `platform`."""
+    """One FFI call of `name` ("ragged_dot" or "ragged_dot_swiglu") for `platform` (CUDA: with
+    its split-K workspace as a second, discarded result)."""
     if platform == "cuda":
         _load_cuda_kernels()
     *weights, gs = weights_and_sizes
     vma = _vma(lhs, *weights, gs)
     args = [_as_varying(a, vma) for a in (lhs, *weights, gs)]
-    rt = _shard.result_type(lhs, (lhs.shape[0], weights[0].shape[2]), out_dtype, vma)
-    return jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), rt,
-                            vmap_method="sequential")(*args)
+    m, n, g = lhs.shape[0], weights[0].shape[2], weights[0].shape[0]
+    rt = _shard.result_type(lhs, (m, n), out_dtype, vma)
+    if platform != "cuda":
+        return jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), rt,
+                                vmap_method="sequential")(*args)
+    ws = _shard.result_type(lhs, (max(16, _workspace_bytes(m, n, g, len(weights) == 2)),),
+                            jnp.uint8, vma)
+    out, _ = jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), (rt, ws),
+                              vmap_method="sequential")(*args)
+    return out
 
 
 def _on_platforms(name, out_dtype, platforms, fallback, *args):

@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
+from jax_nvcomm import _ffi
 from jax_nvcomm.ragged_dot import ragged_dot_swiglu
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -369,3 +370,14 @@ def test_chained_calls_in_a_loop():
         want = one(want, sizes[i])
     got = looped(x0)
     assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@pytest.mark.skipif(_ffi._cuda is None, reason="the CUDA part is not built")
+def test_workspace_size_matches_the_cuda_launcher():
+    """The split-K workspace the op asks XLA for is the launcher's own layout (a smaller one
+    would only cost splits; this keeps the two formulas one)."""
+    from jax_nvcomm import ragged_dot as rd
+    for m, n, g, sw in [(64, 2048, 32, True), (64, 7168, 32, False), (256, 7168, 32, False),
+                        (1024, 7168, 32, False), (1024, 2048, 256, True), (8, 8, 1, False),
+                        (0, 64, 4, False), (100000, 64, 3, True)]:
+        assert rd._workspace_bytes(m, n, g, sw) == _ffi._cuda.ragged_dot_workspace_bytes(m, n, g, sw)

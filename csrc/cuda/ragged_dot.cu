@@ -31,6 +31,29 @@ const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu) {
   return nullptr;
 }
 
+int64_t ragged_dot_counter_bytes(int64_t m, int64_t n, int64_t g) {
+  const int64_t items = ((n + 63) / 64) * (m / 16 + (g < m ? g : m) + 1);
+  return (items * 4 + 255) / 256 * 256;
+}
+
+int ragged_dot_planes(int64_t bytes, int64_t m, int64_t n, int64_t g, bool swiglu) {
+  const int64_t plane = m * n * 4 * (swiglu ? 2 : 1);
+  const int64_t room = bytes - ragged_dot_counter_bytes(m, n, g);
+  if (plane <= 0 || room < 2 * plane) return 0;
+  const int64_t k = room / plane;
+  return int(k > kRaggedDotMaxSplits ? kRaggedDotMaxSplits : k);
+}
+
+int64_t ragged_dot_workspace_bytes(int64_t m, int64_t n, int64_t g, bool swiglu) {
+  constexpr int64_t kBudget = int64_t(32) << 20;
+  const int64_t plane = m * n * 4 * (swiglu ? 2 : 1);
+  if (plane <= 0) return 0;
+  int64_t k = kBudget / plane;
+  if (k > kRaggedDotMaxSplits) k = kRaggedDotMaxSplits;
+  if (k < 2) return 0;
+  return ragged_dot_counter_bytes(m, n, g) + k * plane;
+}
+
 int ragged_dot_rows_tile(const RaggedDotArgs& a) {
   // rows per group with rows: at least m / g on average; random routing spreads the counts to
   // ~3x that. R 16 while that fits (a group past 16 rows takes a second chunk, which re-reads

@@ -31,7 +31,25 @@ struct RaggedDotArgs {
   int64_t m = 0, k = 0, n = 0, g = 0;
   int dtype = 1;                        // operands: 1 bfloat16 or 2 float16
   int out_dtype = 1;                    // result: dtype or 0 (float32)
+  // Split-K workspace (kernels/ragged_dot.cuh "Split-K units"): ragged_dot_workspace_bytes()
+  // bytes, 256-byte aligned, no contents required (the launcher zeroes its counters on the
+  // stream). nullptr / too small: no split (the tiles then run as round robin).
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
 };
+
+constexpr int kRaggedDotMaxSplits = 8;  // = dev::rdot::kMaxSplits (checked in ragged_dot_launch.cuh)
+
+// The workspace the split-K tiles use for [m, n] outputs over g groups (swiglu: two partials):
+// int32 arrival counters, one per possible item (ceil(n / 64) x (m / 16 + min(g, m) + 1)),
+// rounded up to 256 bytes, then up to kMaxSplits = 8 float32 planes of m x n (x 2 for swiglu),
+// as many as fit in 32 MiB; 0 when fewer than 2 fit (no split at that size). The Python op
+// (jax_nvcomm/ragged_dot.py _workspace_bytes) computes the same numbers.
+int64_t ragged_dot_workspace_bytes(int64_t m, int64_t n, int64_t g, bool swiglu);
+// The counters' bytes of that layout (the part the launcher zeroes) and the planes that fit in
+// `bytes` of workspace (<= 8; < 2 means no split).
+int64_t ragged_dot_counter_bytes(int64_t m, int64_t n, int64_t g);
+int ragged_dot_planes(int64_t bytes, int64_t m, int64_t n, int64_t g, bool swiglu);
 
 // nullptr when the kernel takes `a` (bf16/f16 operands, out dtype = operands' or float32,
 // k % 8 == 0, n % 8 == 0, 1 <= g <= 1024, m <= 2^20, 16-byte aligned pointers), else why not.

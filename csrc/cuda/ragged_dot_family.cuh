@@ -33,7 +33,9 @@ namespace o = dev::rdot;
 template <class T, class TO, int KIND, bool SW>
 struct DefaultTile;
 template <class T, class TO>
-struct DefaultTile<T, TO, kRows16, false> { using K = Kernel<T, TO, 256, 64, 16, 4, 2, false>; };
+struct DefaultTile<T, TO, kRows16, false> {
+  using K = Kernel<T, TO, 256, 64, 16, 4, 2, false, o::kSplitK>;
+};
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows16ManyGroups, false> {
   using K = Kernel<T, TO, 256, 64, 16, 4, 2, false, o::kBalanced | o::kSpecRows | o::kTma>;
@@ -43,10 +45,12 @@ struct DefaultTile<T, TO, kRows64, false> {
   using K = Kernel<T, TO, 128, 128, 64, 3, 2, false, o::kBalanced | o::kSpecRows | o::kTma>;
 };
 template <class T, class TO>
-struct DefaultTile<T, TO, kRows16, true> { using K = Kernel<T, TO, 128, 64, 16, 4, 1, true>; };
+struct DefaultTile<T, TO, kRows16, true> {
+  using K = Kernel<T, TO, 128, 64, 16, 4, 1, true, o::kSplitK>;
+};
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows16ManyGroups, true> {
-  using K = Kernel<T, TO, 128, 64, 16, 4, 1, true, o::kSpecRows>;
+  using K = Kernel<T, TO, 128, 64, 16, 4, 1, true, o::kSpecRows | o::kSplitK>;
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows64, true> {

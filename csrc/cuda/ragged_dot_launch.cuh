@@ -16,6 +16,8 @@ namespace nvc {
 namespace cuda {
 namespace rdot_launch {
 
+static_assert(kRaggedDotMaxSplits == dev::rdot::kMaxSplits, "one split limit");
+
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda);
 // nullptr when the driver lacks it (looked up once per process).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -85,8 +87,11 @@ struct Kernel {
     });
   }
 
+  static constexpr bool kSplit = (OPT & dev::rdot::kSplitK) != 0;
+
   static cudaError_t launch(const RaggedDotArgs& a, int cs, cudaStream_t s) {
     if (a.m == 0 || a.n == 0) return cudaSuccess;
+    if (kSplit) cs = 1;  // split-K units: clusters of one block
     const int kt = int((a.k + BK - 1) / BK);
     if (cs > kt) cs = kt >= 8 ? 8 : kt >= 4 ? 4 : kt >= 2 ? 2 : 1;
     if (cs < 1) cs = 1;
@@ -107,6 +112,21 @@ struct Kernel {
     p.rhs2 = a.rhs2;
     p.group_sizes = a.group_sizes;
     p.out = a.out;
+    p.ks_max = 1;
+    if constexpr (kSplit) {
+      // the workspace's counters zeroed on the stream, then its planes (ragged_dot.h layout)
+      const bool ok = a.workspace != nullptr && (reinterpret_cast<uintptr_t>(a.workspace) & 15u) == 0;
+      const int planes = ok ? ragged_dot_planes(a.workspace_bytes, a.m, a.n, a.g, SW) : 0;
+      if (planes >= 2) {
+        const int64_t cb = ragged_dot_counter_bytes(a.m, a.n, a.g);
+        if (cudaError_t e = cudaMemsetAsync(a.workspace, 0, size_t(cb), s); e != cudaSuccess)
+          return e;
+        p.counters = static_cast<int*>(a.workspace);
+        p.counters_n = int(cb / 4);
+        p.ws = reinterpret_cast<float*>(static_cast<char*>(a.workspace) + cb);
+        p.ks_max = planes;
+      }
+    }
     p.m = int(a.m);
     p.k = int(a.k);
     p.n = int(a.n);

@@ -200,5 +200,14 @@ template <class P> auto ragged_dot_swiglu(P prefix) {
       .template Ret<ffi::AnyBuffer>();      // out
 }
 
+// The CUDA targets' forms: the same operands, then the split-K workspace as a second result
+// (uint8, cuda/ragged_dot.h ragged_dot_workspace_bytes; at least 16 bytes).
+template <class P> auto ragged_dot_cuda(P prefix) {
+  return ragged_dot(prefix).template Ret<ffi::AnyBuffer>();  // workspace
+}
+template <class P> auto ragged_dot_swiglu_cuda(P prefix) {
+  return ragged_dot_swiglu(prefix).template Ret<ffi::AnyBuffer>();  // workspace
+}
+
 }  // namespace sig
 }  // namespace nvc

@@ -55,6 +55,25 @@
 // package uses it only where it measured faster, always with TMA weights (R 64; R 16 gate-shaped
 // products over >= 128 groups: cuda/ragged_dot_family.cuh).
 //
+// Split-K units (option kSplitK; round-robin items, clusters of one block): the I items of a
+// call are few at decode sizes (32 experts x 8 tokens, gate: ~26 groups x 8 N tiles = 208 items
+// on 132 SMs, two rounds for 1.6 rounds of work), and cutting every item's K steps into KS
+// units restores the balance without giving up round robin's access order. KS (1 .. ks_max,
+// each unit at least 4 K steps) is chosen on the device, the same in every block, as the count
+// that minimises ceil(I x KS / blocks) / KS (the rounds in items' time) with 1.5 % charged per
+// further split. Units are numbered group, split, item of the group, and dealt round robin, so
+// the blocks of one round still stream the same K rows of one group's N tiles together. A unit
+// owns K steps [ks x KT / KS, (ks + 1) x KT / KS) of its item. Its epilogue writes its float32
+// partial (the item's rows x columns) into plane ks of the workspace, then (block barrier,
+// thread 0: __threadfence, atomicAdd on the item's counter, __threadfence) the unit that counts
+// KS - 1 sums the KS planes in split order 0 .. KS-1 (its own from shared memory: the same
+// values), applies the epilogue, rounds once and stores: the same bits whichever unit comes
+// last, and every unit's result reaches out exactly once. Workspace (launcher, ragged_dot.h):
+// counters [counters_n] int32, zeroed by one memset before the kernel (a graph node under
+// capture), then planes [ks_max][NW][M][N] float32; no plane needs zeroing (a unit reads only
+// its item's region, which every unit of that item writes before it counts). KS = 1 (no
+// workspace, I > counters_n, or one round already balanced) is the round-robin kernel as above.
+//
 // Per-row-count MMA loop (option kSpecRows): the loop over the n8 row tiles of an item (1 .. R/8)
 // compiled once per count and picked per item, instead of R/8 runtime tests inside the k loop
 // (behind which the compiler cannot hoist the next tile's ldmatrix).
@@ -120,7 +139,12 @@ constexpr int kMaxGroups = 1024;
 //   kTma: the weight tiles by TMA (cp.async.bulk.tensor.3d over [G, K, N], boxes of BK x 64
 //     columns, 128-byte swizzle, one mbarrier per stage armed with the stage's bytes by thread
 //     0); the lhs rows stay on cp.async. See "TMA weights" above.
-constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16;
+//   kSplitK: items split along K into KS units, dealt round-robin, summed through a global
+//     float32 workspace by the unit that finishes last (see "Split-K units" above; round-robin
+//     items only, clusters of one block).
+constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32;
+// Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).
+constexpr int kMaxSplits = 8;
 template <int OPT>
 constexpr int unit_cols() { return (OPT & kUnit32) ? 32 : 64; }
 
@@ -134,6 +158,12 @@ struct Params {
   // kTma kernels: the tensor maps of rhs and rhs2 (3-d: N, K, G; box 64 x BK x 1, 128-byte
   // swizzle), encoded by the launcher; unused otherwise
   CUtensorMap tmap[2];
+  // kSplitK kernels: partial planes [ks_max][NW][M][N] float32 and one arrival counter per item
+  // (zeroed by the launcher before the kernel), counters_n of them; ks_max <= kMaxSplits
+  // planes fit in the workspace (1: no split). Unused otherwise.
+  float* ws;
+  int* counters;
+  int counters_n, ks_max;
 };
 
 template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
@@ -373,8 +403,10 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>;
   constexpr bool kT = Tl::kTmaW;
   constexpr bool kBal = (OPT & kBalanced) != 0;
+  constexpr bool kSplit = (OPT & kSplitK) != 0;
   constexpr int UW = unit_cols<OPT>();
   static_assert(!kBal || BN % UW == 0, "a piece is at most one tile wide");
+  static_assert(!(kBal && kSplit), "split-K units are dealt round robin");
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -386,6 +418,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   // TMA: full[s], the mbarrier of slot s (8-byte aligned: the sections above are 16-byte)
   const uint32_t full0 = smem_u32(istart + (kMaxGroups + 1));
   __shared__ int scan_scratch[32];
+  __shared__ int last_unit;  // kSplitK: this block's unit arrived last at its item's counter
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.m, K = p.k, N = p.n, G = p.g;
@@ -434,7 +467,24 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
 
   const int crank = int(cluster.block_rank());
   const int cid = int(blockIdx.x) / cs, ncl = int(gridDim.x) / cs;
-  // this cluster's work: round robin, items cid, cid + ncl, ...; balanced, units [u0, u1) cut
+  const int KT = (K + BK - 1) / BK;
+  // kSplitK: splits per item, the same in every block: the count of at most ks_max (each unit
+  // at least 4 K steps) that minimises the rounds of units per block over the grid, in items'
+  // time (ceil(I * ks / ncl) / ks), each further split charged 1.5 % for its partial's trip
+  // through the workspace; ties keep the fewer splits.
+  int KS = 1;
+  if constexpr (kSplit) {
+    if (total_items <= p.counters_n) {
+      float best = float((total_items + ncl - 1) / ncl);
+      for (int k2 = 2; k2 <= p.ks_max && KT / k2 >= 4; ++k2) {
+        const float c = float((int64_t(total_items) * k2 + ncl - 1) / ncl) / float(k2) *
+                        (1.f + 0.015f * float(k2 - 1));
+        if (c < best) { best = c; KS = k2; }
+      }
+    }
+  }
+  const int total_units = total_items * KS;
+  // this cluster's work: round robin, units cid, cid + ncl, ...; balanced, units [u0, u1) cut
   // into pieces. Every rank of a cluster computes the same list.
   const int u0 = int((int64_t(cid) * total_items) / ncl);
   const int u1 = int((int64_t(cid + 1) * total_items) / ncl);
@@ -443,7 +493,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     n_my = 0;
     for (int u = u0; u < u1; ++n_my) piece_at<BN, R, UW>(u, u1, NU, gstart, istart, G, &u);
   } else {
-    n_my = cid < total_items ? (total_items - cid + ncl - 1) / ncl : 0;
+    n_my = cid < total_units ? (total_units - cid + ncl - 1) / ncl : 0;
   }
   if (n_my == 0) return;  // the whole cluster leaves together: no barrier is pending
   if constexpr (kT) {
@@ -454,34 +504,67 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     }
     __syncthreads();
   }
-  const int KT = (K + BK - 1) / BK;
+  // split-K over the cluster: rank c streams K steps [kt0, kt1) of each item (cs == 1: all)
   const int kt0 = int((int64_t(crank) * KT) / cs), kt1 = int((int64_t(crank + 1) * KT) / cs);
-  const int S = kt1 - kt0;  // >= 1 (cs <= KT)
-  const int q_total = n_my * S;
 
-  // A walk over this cluster's pieces (the producer and the consumer each have one).
+  // A walk over this cluster's pieces (the producer and the consumer each have one): the item,
+  // its K steps [kb, ke), the split index ks of its unit (kSplitK, else 0), the item's index,
+  // and the step within the unit.
   struct Cursor {
-    int pi, next;
+    int pi, next, kb, ke, ks, item, step;
     Item it;
+  };
+  // unit u (kSplitK; numbered group, split, item of the group: the units of one round stream
+  // the same K rows of a group's N tiles together) -> its item and K steps
+  auto unit_at = [&](Cursor& c, int u) {
+    const int grp = group_of(u / KS, istart, G);
+    const int ni = istart[grp + 1] - istart[grp];
+    const int local = u - istart[grp] * KS;
+    c.ks = local / ni;
+    c.item = istart[grp] + (local - c.ks * ni);
+    c.it = decode<BN, R>(c.item, gstart, istart, G);
+    c.kb = int((int64_t(c.ks) * KT) / KS);
+    c.ke = int((int64_t(c.ks + 1) * KT) / KS);
   };
   auto first = [&](Cursor& c) {
     c.pi = 0;
+    c.step = 0;
+    c.ks = 0;
+    c.kb = kt0;
+    c.ke = kt1;
     if constexpr (kBal) c.it = piece_at<BN, R, UW>(u0, u1, NU, gstart, istart, G, &c.next);
+    else if constexpr (kSplit) unit_at(c, cid);
     else c.it = decode<BN, R>(cid, gstart, istart, G);
   };
   auto advance = [&](Cursor& c) {
     ++c.pi;
+    c.step = 0;
     if constexpr (kBal) c.it = piece_at<BN, R, UW>(c.next, u1, NU, gstart, istart, G, &c.next);
+    else if constexpr (kSplit) unit_at(c, cid + c.pi * ncl);
     else c.it = decode<BN, R>(cid + c.pi * ncl, gstart, istart, G);
   };
+  // the K steps of this cluster's work (the loop's length)
+  int q_total = n_my * (kt1 - kt0);
+  if constexpr (kSplit) {
+    if (KS > 1) {
+      q_total = 0;
+      Cursor c;
+      first(c);
+      for (int i = 0; i < n_my; ++i) {
+        if (i > 0) advance(c);
+        q_total += c.ke - c.kb;
+      }
+    }
+  }
 
   // ---- producer: stage q's loads into slot q % STAGES (q increases by one per call) ----
   Cursor lc;
   first(lc);
   auto load = [&](int q) {
-    if (q / S != lc.pi) advance(lc);
+    if (lc.step == lc.ke - lc.kb) advance(lc);
     const Item& it = lc.it;
-    const int k0 = (kt0 + q % S) * BK;
+    const int k0 = (lc.kb + lc.step) * BK;
+    ++lc.step;
     unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     constexpr int kWChunks = BK * (BN / 8);
     const int nend = min(it.n0 + it.nw, N);
@@ -553,8 +636,9 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     cp_commit();
 
     if constexpr (kT) mbar_wait(full0 + 8 * (q % STAGES), uint32_t((q / STAGES) & 1));
-    const int sq = q % S;
-    if (sq == 0 && q > 0) advance(cc);
+    if (cc.step == cc.ke - cc.kb) advance(cc);
+    const bool last_step = cc.step == cc.ke - cc.kb - 1;
+    ++cc.step;
     const Item& cur = cc.it;
     const int nrt = (cur.rows + 7) >> 3;
     const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
@@ -625,7 +709,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       }
     }
 
-    if (sq == S - 1) {  // ---- epilogue of item `cur` ----
+    if (last_step) {  // ---- epilogue of item `cur` (kSplitK: of its unit) ----
       if (pending) cluster_wait();  // every rank has finished reading my previous partials
 #pragma unroll
       for (int w = 0; w < Tl::kNW; ++w)
@@ -646,6 +730,64 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       cluster_arrive();
       cluster_wait();  // every rank's partials of this item are in its shared memory
       const int e4 = cur.rows * (BN / 4);
+      if constexpr (kSplit) {
+        if (KS > 1) {
+          // this unit's partial into plane ks of the workspace (its item's rows and columns,
+          // which no other unit of another item touches), then the item's arrival counter;
+          // the unit that arrives last sums the KS planes in split order (its own from shared
+          // memory: the same values), applies the epilogue and stores the item
+          const size_t plane = size_t(M) * N;
+          for (int x = tid; x < e4; x += Tl::kThreads) {
+            const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;
+            const int nn = cur.n0 + col;
+            if (nn >= N) continue;
+#pragma unroll
+            for (int w = 0; w < Tl::kNW; ++w)
+              __stcg(reinterpret_cast<float4*>(p.ws + (size_t(cc.ks) * Tl::kNW + w) * plane +
+                                               size_t(cur.r0 + row) * N + nn),
+                     *reinterpret_cast<const float4*>(part + w * R * Tl::kPStride +
+                                                      row * Tl::kPStride + col));
+          }
+          __syncthreads();
+          if (tid == 0) {
+            __threadfence();  // the block's partial (cumulative over the barrier) before the count
+            last_unit = atomicAdd(p.counters + cc.item, 1) == KS - 1;
+            __threadfence();  // the other units' partials (they counted after theirs) after it
+          }
+          __syncthreads();
+          if (last_unit) {
+            for (int x = tid; x < e4; x += Tl::kThreads) {
+              const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;
+              const int nn = cur.n0 + col;
+              if (nn >= N) continue;
+              float4 sm[Tl::kNW];
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w) {
+                sm[w] = make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int j = 0; j < KS; ++j) {
+                  const float4 v =
+                      j == cc.ks
+                          ? *reinterpret_cast<const float4*>(part + w * R * Tl::kPStride +
+                                                             row * Tl::kPStride + col)
+                          : __ldcg(reinterpret_cast<const float4*>(
+                                p.ws + (size_t(j) * Tl::kNW + w) * plane +
+                                size_t(cur.r0 + row) * N + nn));
+                  sm[w].x += v.x; sm[w].y += v.y; sm[w].z += v.z; sm[w].w += v.w;
+                }
+              }
+              float4 o = sm[0];
+              if constexpr (SWIGLU) {
+                o.x = silu(sm[0].x) * sm[1].x; o.y = silu(sm[0].y) * sm[1].y;
+                o.z = silu(sm[0].z) * sm[1].z; o.w = silu(sm[0].w) * sm[1].w;
+              }
+              store4<TO>(out + size_t(cur.r0 + row) * N + nn, o);
+            }
+          }
+          cluster_arrive();
+          pending = true;
+          continue;
+        }
+      }
       const int b = int((int64_t(crank) * e4) / cs), e = int((int64_t(crank + 1) * e4) / cs);
       for (int x = b + tid; x < e; x += Tl::kThreads) {
         const int row = x / (BN / 4), col = (x % (BN / 4)) * 4;

@@ -144,6 +144,8 @@ struct Problem {
   std::vector<int> sizes;
   void *lhs = nullptr, *rhs = nullptr, *rhs2 = nullptr, *out = nullptr;
   int32_t* gs = nullptr;
+  void* ws = nullptr;  // the split-K workspace (ragged_dot_workspace_bytes), garbage-filled
+  int64_t ws_bytes = 0;
   bool own_weights = true;  // false: rhs / rhs2 given (shared by the timing shapes)
   void alloc(uint64_t seed) {
     const size_t e = dt_size(dt);
@@ -155,6 +157,11 @@ struct Problem {
     CK(cudaMalloc(&out, std::max<size_t>(16, m * n * dt_size(odt))));
     CK(cudaMalloc(&gs, g * 4));
     CK(cudaMemcpy(gs, sizes.data(), g * 4, cudaMemcpyHostToDevice));
+    ws_bytes = nvc::cuda::ragged_dot_workspace_bytes(m, n, g, swiglu);
+    if (ws_bytes > 0) {
+      CK(cudaMalloc(&ws, size_t(ws_bytes)));
+      CK(cudaMemset(ws, 0xA5, size_t(ws_bytes)));  // no contents may be relied on
+    }
     const float ws = 1.f / std::sqrt(float(k));  // outputs of order 1
     auto f = [&](void* p, size_t cnt, uint64_t sd, float sc) {
       if (dt == 1) fill(static_cast<__nv_bfloat16*>(p), cnt, sd, sc);
@@ -169,11 +176,13 @@ struct Problem {
   }
   void free_all() {
     cudaFree(lhs); cudaFree(out); cudaFree(gs);
+    if (ws) cudaFree(ws);
     if (own_weights) { cudaFree(rhs); if (rhs2) cudaFree(rhs2); }
   }
   RaggedDotArgs args() const {
     RaggedDotArgs a;
     a.lhs = lhs; a.rhs = rhs; a.rhs2 = rhs2; a.group_sizes = gs; a.out = out;
+    a.workspace = ws; a.workspace_bytes = ws_bytes;
     a.m = m; a.k = k; a.n = n; a.g = g; a.dtype = dt; a.out_dtype = odt;
     return a;
   }
@@ -453,6 +462,15 @@ static void correctness(bool variants) {
     } else {
       run_case(p, c.name, production(c.sw), reference_all(p));
     }
+    p.free_all();
+  }
+  // the split-K tiles without a workspace (no split) and with one too small for two planes
+  for (int64_t wsb : {int64_t(0), int64_t(4096)}) {
+    Problem p = make(64, 1088, 392, {7, 0, 9, 8, 6, 10, 12, 8}, 1, 1, false);  // R 16 tiles
+    if (wsb == 0) { cudaFree(p.ws); p.ws = nullptr; }
+    p.ws_bytes = wsb;
+    run_case(p, wsb == 0 ? "bf16 no workspace (no split)" : "bf16 workspace of 4 KB (no split)",
+             production(false), reference_all(p));
     p.free_all();
   }
   // every sweep variant and cluster size on one mid-size case (and the edge tails)

@@ -4,7 +4,7 @@
 // harness's list at static initialisation. Variant names: BN x BK, rows tile R, stages, m16 tiles
 // per warp ("w"), then the kernel options (kernels/ragged_dot.cuh): "bal" balanced ranges of
 // 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
-// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA; "sw": a
+// 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units; "sw": a
 // ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
 // options: an instantiation in two translation units is two kernels, and the shared-memory limit
 // raised for one is not raised for the other.
@@ -34,51 +34,44 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
-// The next candidates after the sweeps of 2026-12-02 (docs/perf/ragged_dot.md): TMA weights on
-// round-robin items (no balanced ranges), split-K over clusters of 2 / 4 for the 8-token shapes'
-// uneven item counts. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
+// Split-K units (kSplitK, kernels/ragged_dot.cuh) on the package's round-robin tiles and their
+// TMA / row-count-loop forms, plain and swiglu; the candidates measured before them are in
+// docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
+[[maybe_unused]] constexpr int kK = r::kSplitK;
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
-    RDOT_V(256, 64, 16, 4, 2, kT, " tma"),
-    RDOT_V(256, 64, 16, 4, 2, kS, " spec"),
-    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 2),
-    RDOT_VC(256, 64, 16, 4, 2, kS, " spec", 4),
+    RDOT_V(256, 64, 16, 4, 2, 0, " v3prod"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kK, " spec split"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 5, 2, kS | kT, " spec tma"),
-    RDOT_V(256, 96, 16, 3, 2, kS | kT, " spec tma"),
-    RDOT_VC(256, 64, 16, 5, 2, kS | kT, " spec tma", 4),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT | kK, " spec tma split"),
+    RDOT_V(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 16, 4, 1, kS | kT, " spec tma"),
+    RDOT_V(128, 128, 64, 3, 2, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 2, kS | kT, " spec tma"),
-    RDOT_V(128, 128, 64, 3, 1, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 16, 4, 1, 0, " v3prod"),
+    RDOT_VS(128, 64, 16, 4, 1, kS, " spec v3prod-many"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 48, 3, 1, kS | kT, " spec tma"),
-    RDOT_V(128, 128, 48, 3, 2, kB | kS | kT, " bal spec tma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 5
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
-    RDOT_VS(128, 64, 16, 4, 1, kB | kS | kT, " bal spec tma"),
-    RDOT_VS(256, 32, 16, 4, 2, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 6
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kS | kT, " spec tma"),
-    RDOT_VS(128, 64, 48, 3, 1, kS | kT, " spec tma"),
+    RDOT_VS(128, 64, 16, 5, 1, kS | kK, " spec split"),
 };
 #else
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 48, 3, 1, kB | kS | kT, " bal spec tma"),
+    RDOT_V(256, 64, 16, 5, 2, kS | kK, " spec split"),
 };
 #endif
 const int kRegistered = [] {

@@ -113,12 +113,11 @@ cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& c, const void*
   moe::DispatchSendArgs a{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens, token_dest,
                           seq_out};
   const int g = moe_grid(v, c);
-  const size_t smem = moe::dispatch_send_smem(c);
   if (rounds == 1) {  // the whole call (one bounded round has regions of max_tokens rows too)
-    moe::dispatch_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+    moe::dispatch_send_kernel<<<g, kMoeThreads, moe::dispatch_whole_send_smem(c), st>>>(v, c, a);
   } else {
     moe::dispatch_round_args(c, round, &a, nullptr);
-    moe::dispatch_send_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+    moe::dispatch_send_rounds_kernel<<<g, kMoeThreads, moe::dispatch_send_smem(c), st>>>(v, c, a);
   }
   return cudaGetLastError();
 }
@@ -171,7 +170,7 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
     return cudaGetLastError();
   }
   // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
-  const size_t smem = std::max(moe::dispatch_send_smem(c), moe::dispatch_recv_smem(c));
+  const size_t smem = std::max(moe::dispatch_whole_send_smem(c), moe::dispatch_recv_smem(c));
   if (!fused_fits(moe::dispatch_kernel, smem, v, c)) {
     cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st);
     if (e != cudaSuccess) return e;

@@ -12,14 +12,13 @@
 // (local_fits): otherwise the fused two-half kernels. Split calls (moe_*_send / moe_*_recv)
 // always take the two-half kernels: a RECV of its own has no x / expert_y.
 //
-// ROUTING (every block, redundantly, no grid-wide dependency): the block reads the ids of every
-// token (dispatch: topk_ids of t < num_tokens; combine: token_dest, -1 past num_tokens) into
-// bit masks mask[e][t / 32] (bit t % 32: token t routes to expert e; shared atomicOr), then
-// counts[e] = popcount of e's masks and pre = exclusive prefix of counts (block scan). A token's
-// index in expert e is idx(t, e) = popcount of e's bits below t: the number of earlier tokens
-// routed to e, exactly the (source rank, token) order of the two-half protocol at world 1. Its
-// row: packed pre[e] + idx, padded e * T + idx (the expert_x / expert_y row the two-half
-// kernels use), so the results are bitwise those of the two-half kernels.
+// ROUTING (every block, redundantly, no grid-wide dependency: moe_route.cuh route_masks): the
+// block reads the ids of every token (dispatch: topk_ids of t < num_tokens; combine: token_dest,
+// -1 past num_tokens) into bit masks per expert, pre = exclusive prefix of the per-expert counts.
+// A token's index in expert e is idx(t, e) = route_idx: the number of earlier tokens routed to
+// e, exactly the (source rank, token) order of the two-half protocol at world 1. Its row:
+// packed pre[e] + idx, padded e * T + idx (the expert_x / expert_y row the two-half kernels
+// use), so the results are bitwise those of the two-half kernels.
 // dispatch: work items (token t < n, chunk of 32 * u vectors, u = cols_per_lane) over every
 //   warp of the grid; lanes k < top_k hold the token's ids; each lane loads its u vectors of x[t]
 //   and stores them to the token's rows (k order); the chunk-0 warp also writes the handle
@@ -46,14 +45,9 @@
 namespace nvc {
 namespace moe {
 
-// 32-bit words of one expert's token mask.
-NVC_HD int local_mask_words(const MoeConfig& c) { return (c.max_tokens + 31) / 32; }
-// Dynamic shared memory of both kernels: mask [E][words], pre [E + 1].
-__host__ __device__ inline size_t local_smem(const MoeConfig& c) {
-  return 4 * (size_t(c.num_experts) * local_mask_words(c) + size_t(c.num_experts) + 1);
-}
-constexpr size_t kLocalMaxSmem = 40 * 1024;  // no opt-in attribute below 48 KiB, static smem aside
-inline bool local_fits(const MoeConfig& c) { return c.world == 1 && local_smem(c) <= kLocalMaxSmem; }
+// Dynamic shared memory of both kernels: the routing's mask [E][words], pre [E + 1].
+__host__ __device__ inline size_t local_smem(const MoeConfig& c) { return route_smem(c); }
+inline bool local_fits(const MoeConfig& c) { return c.world == 1 && local_smem(c) <= kRouteMaxSmem; }
 
 // SEND and RECV counters at once: s (0 when refused: failed communicator, kErrInFlight, or
 // kErrOrder when split SENDs are outstanding), the same in every thread.
@@ -75,73 +69,15 @@ __device__ __forceinline__ void finish_local(const CommView& v, uint64_t s, uint
   }
 }
 
-// Shared results of the routing's checks (first bad entry of the block).
-struct LocalBad {
-  int flag, val, tok, slot, rep;
-};
-
-// The routing of the rows [0, rows) of ids ([T, K]): masks, then pre = exclusive prefix of the
-// per-expert counts (pre[E] = the total). Every thread; ends with a barrier. An entry outside
-// [-1, E) or a repeat within a row sets bad (bad.rep = 1 for a repeat); the masks are then
-// incomplete (the caller leaves).
-__device__ __forceinline__ void local_route(const int32_t* ids, int rows, int E, int K, int nw,
-                                            uint32_t* mask, int32_t* pre, LocalBad& bad) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < E * nw; i += blockDim.x) mask[i] = 0u;
-  if (tid == 0) bad.flag = 0;
-  __syncthreads();
-  constexpr int kU = 8;  // ids requested together
-  const int total = rows * K;
-  for (int i0 = tid; i0 < total; i0 += kU * kMoeThreads) {
-    int ev[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = i0 + u * kMoeThreads;
-      ev[u] = i < total ? __ldg(ids + i) : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = i0 + u * kMoeThreads, e = ev[u];
-      if (e == -1) continue;
-      const int t = i / K;
-      bool rep = false;
-      if (e >= 0 && e < E) {
-        const uint32_t bit = 1u << (t & 31);
-        rep = (atomicOr(&mask[e * nw + (t >> 5)], bit) & bit) != 0u;
-        if (!rep) continue;
-      }
-      if (atomicExch(&bad.flag, 1) == 0) {
-        bad.val = e; bad.tok = t; bad.slot = i - t * K; bad.rep = rep;
-      }
-    }
-  }
-  __syncthreads();
-  for (int e = tid; e < E; e += blockDim.x) {
-    int n = 0;
-    for (int w = 0; w < nw; ++w) n += __popc(mask[e * nw + w]);
-    pre[e] = n;
-  }
-  __syncthreads();
-  block_exclusive_scan(pre, pre, E);
-}
-
-// idx(t, e): earlier tokens routed to e.
-__device__ __forceinline__ int local_idx(const uint32_t* mask, int nw, int e, int t) {
-  const uint32_t* m = mask + e * nw;
-  int n = __popc(m[t >> 5] & ((1u << (t & 31)) - 1u));
-  for (int w = 0; w < (t >> 5); ++w) n += __popc(m[w]);
-  return n;
-}
-
 // ---- dispatch ----------------------------------------------------------------------------------
 __device__ __forceinline__ void dispatch_local_body(const CommView& v, const MoeConfig& c,
                                                     const DispatchSendArgs& sa,
                                                     const DispatchRecvArgs& ra) {
   extern __shared__ int32_t smem[];
-  const int E = c.num_experts, K = c.top_k, T = c.max_tokens, nw = local_mask_words(c);
+  const int E = c.num_experts, K = c.top_k, T = c.max_tokens, nw = route_words(c);
   uint32_t* mask = reinterpret_cast<uint32_t*>(smem);  // [E][nw]
   int32_t* pre = smem + E * nw;                          // [E + 1]
-  __shared__ LocalBad s_bad;
+  __shared__ RouteBad s_bad;
   __shared__ size_t s_row[kWarps][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
   const uint32_t desc = moe_dispatch_desc(c);
@@ -155,7 +91,7 @@ __device__ __forceinline__ void dispatch_local_body(const CommView& v, const Moe
   }
   const uint32_t ticket = send_ticket(v);  // after the barrier: every block read both counters
   dev::probe(1);
-  local_route(sa.ids, n, E, K, nw, mask, pre, s_bad);
+  route_masks(sa.ids, n, E, K, nw, mask, pre, s_bad);
   if (s_bad.flag) {  // block-uniform (after the routing's barriers)
     if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_bad.val,
                                   bad_expert_detail(s_bad.tok, s_bad.slot, s_bad.rep != 0));
@@ -182,7 +118,7 @@ __device__ __forceinline__ void dispatch_local_body(const CommView& v, const Moe
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {
-      const int idx = local_idx(mask, nw, e, t);
+      const int idx = route_idx(mask, nw, e, t);
       const size_t er = size_t(e) * erows + idx;
       s_row[warp][__popc(bal & lanemask_lt())] = ra.packed ? size_t(pre[e]) + idx : er;
       if (ch == 0) ra.expert_src[er] = t * K + lane;
@@ -219,10 +155,10 @@ __device__ __forceinline__ void combine_local_body(const CommView& v, const MoeC
                                                    const CombineSendArgs& sa,
                                                    const CombineRecvArgs& ra) {
   extern __shared__ int32_t smem[];
-  const int E = c.num_experts, K = c.top_k, T = c.max_tokens, nw = local_mask_words(c);
+  const int E = c.num_experts, K = c.top_k, T = c.max_tokens, nw = route_words(c);
   uint32_t* mask = reinterpret_cast<uint32_t*>(smem);  // [E][nw]
   int32_t* pre = smem + E * nw;                          // [E + 1]
-  __shared__ LocalBad s_bad;
+  __shared__ RouteBad s_bad;
   __shared__ int s_cbad;
   __shared__ const char* s_rowp[kWarps][32];
   __shared__ float s_w[kWarps][32];
@@ -239,7 +175,7 @@ __device__ __forceinline__ void combine_local_body(const CommView& v, const MoeC
     const int x = __ldg(sa.expert_counts + e);
     if (x < 0 || x > erows) s_cbad = e;
   }
-  local_route(ra.token_dest, T, E, K, nw, mask, pre, s_bad);  // its barriers cover s_cbad
+  route_masks(ra.token_dest, T, E, K, nw, mask, pre, s_bad);  // its barriers cover s_cbad
   if (s_cbad >= 0) {
     if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, s_cbad,
                                   uint64_t(__ldg(sa.expert_counts + s_cbad)));
@@ -271,7 +207,7 @@ __device__ __forceinline__ void combine_local_body(const CommView& v, const MoeC
     const int m = __popc(bal);
     bool bad = false;
     if (e >= 0) {
-      const int idx = local_idx(mask, nw, e, t);
+      const int idx = route_idx(mask, nw, e, t);
       const int64_t er = int64_t(e) * erows + idx;
       const int slot = __ldg(sa.expert_src + er);
       if (slot != t * K + lane) {  // the handle's rows are not this token's: not one dispatch's

@@ -815,6 +815,10 @@ int main(int argc, char** argv) {
   c = {"groups W4 fused and split alternate 7168 H", 4, 32, 8, 32, 7168, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 4; cases.push_back(c);
   c = {"groups W2 graph x10 H 2048 T=32", 2, 16, 8, 32, 2048, kMoeBF16, 1, kMoeBF16}; c.graph = 1; c.rounds = 10; c.packed = true; cases.push_back(c);
   c = {"groups W2 tiny H 2048 T=32 split", 2, 16, 8, 32, 2048, kMoeBF16, 0, kMoeBF16}; c.split = true; c.packed = true; cases.push_back(c);
+  // routings whose bit masks do not fit shared memory: the counting SEND (and at world 1 the
+  // two-half kernels)
+  c = {"W2 counting SEND: E 256, T=4096", 2, 256, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; cases.push_back(c);
+  c = {"W1 two halves: E 1024, T=512", 1, 1024, 4, 512, 64, kMoeBF16, 0, kMoeF32}; c.rounds = 2; cases.push_back(c);
   // world 1: fused calls in one kernel each (kernels/moe_local.cuh), split calls in two halves
   c = {"local W1 packed 32 E top8 7168 H T=128", 1, 32, 8, 128, 7168, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.full = true; c.p_neg = 0; cases.push_back(c);
   c = {"local W1 padded scales -> f32 y", 1, 16, 4, 64, 256, kMoeBF16, 3, kMoeF32}; c.rounds = 3; cases.push_back(c);

@@ -174,19 +174,21 @@ __device__ __forceinline__ bool publish_all(const CommView& v, const MoeConfig& 
   int grp = blockIdx.x;
   if (G > gs) {  // grid-uniform
     grp = blockIdx.x % gs;
-    if (threadIdx.x == 0) {
-      const unsigned members = unsigned((G - 1 - grp) / gs + 1);  // blocks b < G with b % gs == grp
-      uint32_t* cnt = &moe_ctrl(v.bufs[v.rank])->group_done[grp];
-      dev::fence_acq_rel_sys();
-      const bool last = atomicAdd(cnt, 1u) == members - 1;
-      if (last) {
-        *cnt = 0;  // for the next SEND (a later kernel: stream order)
+    if (grp + gs < G) {  // block-uniform: 2+ members; a group of one publishes as a flag block
+      if (threadIdx.x == 0) {
+        const unsigned others = unsigned((G - 1 - grp) / gs);  // members (b < G, b % gs == grp) - 1
+        uint32_t* cnt = &moe_ctrl(v.bufs[v.rank])->group_done[grp];
         dev::fence_acq_rel_sys();
+        const bool last = atomicAdd(cnt, 1u) == others;
+        if (last) {
+          *cnt = 0;  // for the next SEND (a later kernel: stream order)
+          dev::fence_acq_rel_sys();
+        }
+        s_pub = last;
       }
-      s_pub = last;
+      __syncthreads();
+      if (!s_pub) return true;
     }
-    __syncthreads();
-    if (!s_pub) return true;
   }
   if (threadIdx.x < v.world)
     dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, grp), make_flag(s, desc));

@@ -91,6 +91,19 @@ __device__ __forceinline__ void dispatch_local_body(const CommView& v, const Moe
   }
   const uint32_t ticket = send_ticket(v);  // after the barrier: every block read both counters
   dev::probe(1);
+  const size_t xrow = moe_x_row_bytes(c), erows = moe_expert_rows(c);
+  const int nvec = int(xrow / 16), S = c.scale_cols;
+  const int cw = 32 * cols_per_lane(n, nvec, G), nch = (nvec + cw - 1) / cw;
+  const int first = b * kWarps + warp;  // this warp's first work item
+  uint4 val[kCopyU];
+  auto load_x = [&](int item) {  // the item's payload vectors of this lane
+    const int t = item / nch, ch = item - t * nch, i0 = ch * cw + lane, iend = min(nvec, (ch + 1) * cw);
+    const uint8_t* xr = sa.x + size_t(t) * xrow;
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (i0 + 32 * u < iend) val[u] = ld_nc_v4(xr + size_t(i0 + 32 * u) * 16);
+  };
+  if (first < n * nch) load_x(first);  // requested before the routing: its address needs n only
   route_masks(sa.ids, n, E, K, nw, mask, pre, s_bad);
   if (s_bad.flag) {  // block-uniform (after the routing's barriers)
     if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_bad.val,
@@ -103,18 +116,11 @@ __device__ __forceinline__ void dispatch_local_body(const CommView& v, const Moe
   for (size_t i = size_t(n) * K + size_t(b) * blockDim.x + tid; i < size_t(T) * K; i += size_t(G) * blockDim.x)
     sa.token_dest[i] = -1;
 
-  const size_t xrow = moe_x_row_bytes(c), erows = moe_expert_rows(c);
-  const int nvec = int(xrow / 16), S = c.scale_cols;
-  const int cw = 32 * cols_per_lane(n, nvec, G), nch = (nvec + cw - 1) / cw;
-  for (int item = b * kWarps + warp; item < n * nch; item += G * kWarps) {
+  for (int item = first; item < n * nch; item += G * kWarps) {
     const int t = item / nch, ch = item - t * nch;
     const int e = lane < K ? __ldg(sa.ids + size_t(t) * K + lane) : -1;  // checked in the routing
     const int i0 = ch * cw + lane, iend = min(nvec, (ch + 1) * cw);
-    const uint8_t* xr = sa.x + size_t(t) * xrow;
-    uint4 val[kCopyU];
-#pragma unroll
-    for (int u = 0; u < kCopyU; ++u)
-      if (i0 + 32 * u < iend) val[u] = ld_nc_v4(xr + size_t(i0 + 32 * u) * 16);
+    if (item != first) load_x(item);
     const uint32_t bal = __ballot_sync(0xFFFFFFFFu, e >= 0);
     const int m = __popc(bal);
     if (e >= 0) {

@@ -264,7 +264,10 @@ def _call(name, platform, out_dtype, lhs, *weights_and_sizes):
 def _on_platforms(name, out_dtype, platforms, fallback, *args):
     """Our kernel `name` on the devices of `platforms`, `fallback` (lax) on any other."""
     branches = {p: functools.partial(_call, name, p, out_dtype) for p in platforms}
-    return lax.platform_dependent(*args, default=fallback, **branches)
+    # lax.platform_dependent batches every branch under vmap, and lax.ragged_dot has no rule for
+    # batched group sizes: the fallback then runs once per batch element, as the kernel does
+    return lax.platform_dependent(*args, default=jax.custom_batching.sequential_vmap(fallback),
+                                  **branches)
 
 
 def _lax_ragged_dot(lhs, rhs, gs, out_dtype, precision):

@@ -62,9 +62,8 @@ int ragged_dot_rows_tile(const RaggedDotArgs& a) {
   return 3 * avg <= 32 ? 16 : 64;
 }
 
-int ragged_dot_tile(const RaggedDotArgs& a, bool swiglu) {
-  if (ragged_dot_rows_tile(a) > 16) return kRows64;
-  return a.g >= 128 && (swiglu || a.n <= a.k) ? kRows16ManyGroups : kRows16;
+int ragged_dot_tile(const RaggedDotArgs& a, bool) {
+  return ragged_dot_rows_tile(a) > 16 ? kRows64 : kRows16;
 }
 
 int ragged_dot_cluster(const RaggedDotArgs&) {

@@ -64,9 +64,8 @@ int ragged_dot_rows_tile(const RaggedDotArgs& a);
 int ragged_dot_cluster(const RaggedDotArgs& a);
 
 // The tile the launcher picks (cuda/ragged_dot_family.cuh: the tiles and their measurements):
-// R 16 round robin; R 16 for many groups (G >= 128: the gate-shaped product, N <= K, on
-// balanced ranges with TMA weights, swiglu with the row-count loop); R 64.
-enum RaggedDotTile : int { kRows16 = 0, kRows16ManyGroups = 1, kRows64 = 2 };
+// R 16 or R 64 rows per item (ragged_dot_rows_tile).
+enum RaggedDotTile : int { kRows16 = 0, kRows64 = 2 };
 int ragged_dot_tile(const RaggedDotArgs& a, bool swiglu);
 
 // Load every kernel of this file on the current device (first launches then wait on nothing).

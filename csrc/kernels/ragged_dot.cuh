@@ -57,22 +57,27 @@
 //
 // Split-K units (option kSplitK; round-robin items, clusters of one block): the I items of a
 // call are few at decode sizes (32 experts x 8 tokens, gate: ~26 groups x 8 N tiles = 208 items
-// on 132 SMs, two rounds for 1.6 rounds of work), and cutting every item's K steps into KS
-// units restores the balance without giving up round robin's access order. KS (1 .. ks_max,
-// each unit at least 4 K steps) is chosen on the device, the same in every block, as the count
-// that minimises ceil(I x KS / blocks) / KS (the rounds in items' time) with 1.5 % charged per
-// further split. Units are numbered group, split, item of the group, and dealt round robin, so
-// the blocks of one round still stream the same K rows of one group's N tiles together. A unit
-// owns K steps [ks x KT / KS, (ks + 1) x KT / KS) of its item. Its epilogue writes its float32
-// partial (the item's rows x columns) into plane ks of the workspace, then (block barrier,
-// thread 0: __threadfence, atomicAdd on the item's counter, __threadfence) the unit that counts
-// KS - 1 sums the KS planes in split order 0 .. KS-1 (its own from shared memory: the same
-// values), applies the epilogue, rounds once and stores: the same bits whichever unit comes
-// last, and every unit's result reaches out exactly once. Workspace (launcher, ragged_dot.h):
-// counters [counters_n] int32, zeroed by one memset before the kernel (a graph node under
-// capture), then planes [ks_max][NW][M][N] float32; no plane needs zeroing (a unit reads only
-// its item's region, which every unit of that item writes before it counts). KS = 1 (no
-// workspace, I > counters_n, or one round already balanced) is the round-robin kernel as above.
+// on 132 SMs, two rounds for 1.6 rounds of work). The items of the full rounds (the first
+// DI = I - I % blocks) stay whole; only the TL = I % blocks items of the last round are cut
+// along K into KS units each (the "data-parallel + split" hybrid: the split's cost is paid on
+// the tail only). KS (1 .. ks_max, each unit at least 4 K steps) is chosen on the device, the
+// same in every block, as the count that minimises ceil(TL x KS / blocks) x (1 / KS + e) (the
+// tail's rounds in items' time, e = a split unit's epilogue over an item's stream time). Units:
+// u < DI is item u; then the tail's, numbered split, item: item DI + j % TL, split j / TL
+// (j = u - DI), dealt on round robin with the rest, so the blocks of one round stream the same
+// K rows of the tail items' N tiles together. A split unit owns K steps
+// [ks x KT / KS, (ks + 1) x KT / KS) of its item. Its epilogue writes its float32 partial (the
+// item's rows x columns) into plane ks of the workspace, then (block barrier; the last thread:
+// fence.acq_rel.gpu, atomicAdd on the tail item's counter, fence) the unit that counts KS - 1
+// sums the KS planes in split order 0 .. KS-1 (its own from shared memory: the same values),
+// applies the epilogue, rounds once and stores: the same bits whichever unit comes last, and
+// every unit's result reaches out exactly once. The last thread counts because with TMA weights
+// it has no copies of its own in flight (measured: a fence in a thread with cp.async in flight
+// waits for them, a pipeline drain per unit). Workspace (launcher, ragged_dot.h): counters
+// [counters_n] int32, zeroed by one memset before the kernel (a graph node under capture), then
+// planes [ks_max][NW][M][N] float32; no plane needs zeroing (a unit reads only its item's
+// region, which every unit of that item writes before it counts). KS = 1 (no workspace, no
+// tail, or no split pays) is the round-robin kernel as above.
 //
 // Per-row-count MMA loop (option kSpecRows): the loop over the n8 row tiles of an item (1 .. R/8)
 // compiled once per count and picked per item, instead of R/8 runtime tests inside the k loop
@@ -139,9 +144,9 @@ constexpr int kMaxGroups = 1024;
 //   kTma: the weight tiles by TMA (cp.async.bulk.tensor.3d over [G, K, N], boxes of BK x 64
 //     columns, 128-byte swizzle, one mbarrier per stage armed with the stage's bytes by thread
 //     0); the lhs rows stay on cp.async. See "TMA weights" above.
-//   kSplitK: items split along K into KS units, dealt round-robin, summed through a global
-//     float32 workspace by the unit that finishes last (see "Split-K units" above; round-robin
-//     items only, clusters of one block).
+//   kSplitK: the last round's items split along K into KS units, dealt round-robin, summed
+//     through a global float32 workspace by the unit that finishes last (see "Split-K units"
+//     above; round-robin items only, clusters of one block).
 constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32;
 // Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).
 constexpr int kMaxSplits = 8;
@@ -468,22 +473,27 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   const int crank = int(cluster.block_rank());
   const int cid = int(blockIdx.x) / cs, ncl = int(gridDim.x) / cs;
   const int KT = (K + BK - 1) / BK;
-  // kSplitK: splits per item, the same in every block: the count of at most ks_max (each unit
-  // at least 4 K steps) that minimises the rounds of units per block over the grid, in items'
-  // time (ceil(I * ks / ncl) / ks), each further split charged 1.5 % for its partial's trip
-  // through the workspace; ties keep the fewer splits.
-  int KS = 1;
+  // kSplitK: the D = I - I % ncl items of the full rounds stay whole; the TL = I % ncl items of
+  // the last round are split KS ways, KS (1 .. ks_max, each unit at least 4 K steps) the same in
+  // every block: the count that minimises the tail's rounds in items' time, ceil(TL x KS / ncl)
+  // x (1 / KS + e), e = a split unit's epilogue (partial out, count, sum: ~3 us, measured)
+  // over an item's stream time (~96 KB of weights per block at ~31 GB/s per SM); ties keep
+  // the fewer splits.
+  int KS = 1, DI = total_items, TL = 0;
   if constexpr (kSplit) {
-    if (total_items <= p.counters_n) {
-      float best = float((total_items + ncl - 1) / ncl);
+    TL = total_items % ncl;
+    if (TL > 0 && TL <= p.counters_n) {
+      const float e = 98304.f / (float(K) * float(BN) * 2.f * float(Tl::kNW));
+      float best = 1.f;
       for (int k2 = 2; k2 <= p.ks_max && KT / k2 >= 4; ++k2) {
-        const float c = float((int64_t(total_items) * k2 + ncl - 1) / ncl) / float(k2) *
-                        (1.f + 0.015f * float(k2 - 1));
+        const float c = float((TL * k2 + ncl - 1) / ncl) * (1.f / float(k2) + e);
         if (c < best) { best = c; KS = k2; }
       }
     }
+    if (KS > 1) DI = total_items - TL;
+    else TL = 0;
   }
-  const int total_units = total_items * KS;
+  const int total_units = DI + TL * KS;
   // this cluster's work: round robin, units cid, cid + ncl, ...; balanced, units [u0, u1) cut
   // into pieces. Every rank of a cluster computes the same list.
   const int u0 = int((int64_t(cid) * total_items) / ncl);
@@ -514,17 +524,23 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     int pi, next, kb, ke, ks, item, step;
     Item it;
   };
-  // unit u (kSplitK; numbered group, split, item of the group: the units of one round stream
-  // the same K rows of a group's N tiles together) -> its item and K steps
+  // unit u (kSplitK) -> its item and K steps: u < DI the whole item u; then the tail's units
+  // numbered split, item (the units of one round stream the same K rows of the tail items'
+  // N tiles together), item DI + j % TL, split j / TL of KS (j = u - DI)
   auto unit_at = [&](Cursor& c, int u) {
-    const int grp = group_of(u / KS, istart, G);
-    const int ni = istart[grp + 1] - istart[grp];
-    const int local = u - istart[grp] * KS;
-    c.ks = local / ni;
-    c.item = istart[grp] + (local - c.ks * ni);
+    if (u < DI) {
+      c.ks = 0;
+      c.item = u;
+      c.kb = 0;
+      c.ke = KT;
+    } else {
+      const int j = u - DI;
+      c.ks = j / TL;
+      c.item = DI + (j - c.ks * TL);
+      c.kb = int((int64_t(c.ks) * KT) / KS);
+      c.ke = int((int64_t(c.ks + 1) * KT) / KS);
+    }
     c.it = decode<BN, R>(c.item, gstart, istart, G);
-    c.kb = int((int64_t(c.ks) * KT) / KS);
-    c.ke = int((int64_t(c.ks + 1) * KT) / KS);
   };
   auto first = [&](Cursor& c) {
     c.pi = 0;
@@ -731,7 +747,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       cluster_wait();  // every rank's partials of this item are in its shared memory
       const int e4 = cur.rows * (BN / 4);
       if constexpr (kSplit) {
-        if (KS > 1) {
+        if (cc.item >= DI) {  // a split unit of the tail (DI == I without a split)
           // this unit's partial into plane ks of the workspace (its item's rows and columns,
           // which no other unit of another item touches), then the item's arrival counter;
           // the unit that arrives last sums the KS planes in split order (its own from shared
@@ -749,10 +765,16 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
                                                       row * Tl::kPStride + col));
           }
           __syncthreads();
-          if (tid == 0) {
-            __threadfence();  // the block's partial (cumulative over the barrier) before the count
-            last_unit = atomicAdd(p.counters + cc.item, 1) == KS - 1;
-            __threadfence();  // the other units' partials (they counted after theirs) after it
+          // the last thread counts: with TMA weights it has no copies of its own in flight (the
+          // lhs rows are loaded by the first threads, the weights by thread 0), so its fence
+          // waits for nothing but the stores (a fence in a thread with cp.async in flight
+          // waited for them: measured, a pipeline drain per unit)
+          if (tid == Tl::kThreads - 1) {
+            // the block's partial (cumulative over the barrier) before the count
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+            last_unit = atomicAdd(p.counters + (cc.item - DI), 1) == KS - 1;
+            // the other units' partials (each counted after its own) before they are read
+            asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
           }
           __syncthreads();
           if (last_unit) {

@@ -34,44 +34,41 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
-// Split-K units (kSplitK, kernels/ragged_dot.cuh) on the package's round-robin tiles and their
-// TMA / row-count-loop forms, plain and swiglu; the candidates measured before them are in
-// docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
+// The package's tiles without the last round's split (kSplitK, kernels/ragged_dot.cuh), the
+// cp.async round-robin tiles they replaced ("v3prod"), and 5-stage forms; the candidates
+// measured before them are in docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
 [[maybe_unused]] constexpr int kK = r::kSplitK;
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, 0, " v3prod"),
-    RDOT_V(256, 64, 16, 4, 2, kS | kK, " spec split"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, kS | kT | kK, " spec tma split"),
-    RDOT_V(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
+    RDOT_V(256, 64, 16, 4, 2, 0, " v3prod"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 2, kS | kT | kK, " spec tma split"),
+    RDOT_V(256, 64, 16, 5, 2, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, 0, " v3prod"),
-    RDOT_VS(128, 64, 16, 4, 1, kS, " spec v3prod-many"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
+    RDOT_VS(128, 64, 16, 4, 1, 0, " v3prod"),
 };
 #elif RDOT_SWEEP_PART == 5
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kK, " spec tma split"),
+    RDOT_V(128, 128, 64, 3, 2, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 6
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 5, 1, kS | kK, " spec split"),
+    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kK, " spec tma split"),
 };
 #else
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 5, 2, kS | kK, " spec split"),
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT, " spec tma"),
 };
 #endif
 const int kRegistered = [] {

@@ -14,7 +14,9 @@
 //   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s;
 //   the row's first 32 * kCopyU vectors are requested together with its slot. Packed expert_y
 //   (moe_layout.h PACKED EXPERT ROWS): the data row is row g itself; expert_src stays [e][i].
-//   Each landing slot has exactly one writer. Then every block publishes (publish_all: its flag
+//   Packed whole calls request their first row (row b * kWarps + warp, inside the packed array
+//   whatever the counts) before the counts' scan. Each landing slot has exactly one writer.
+//   Then every block publishes (publish_all: its flag
 //   moe_flag(s, me, b) in every rank, or through its flag group when G > moe_blocks). Call
 //   numbering and the in-flight / order checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
@@ -86,6 +88,19 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   dev::probe(0);
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int64_t erows = int64_t(W) * T;
+  const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
+  const int nvec = int(yrow / 16);
+  // Packed whole calls: this warp's first row is row g0 of expert_y whatever the counts, so its
+  // first 32 * kCopyU vectors are requested before the counts' scan (g0 < the packed rows: inside
+  // the array; used only if g0 < the total).
+  const int g0 = b * kWarps + warp;
+  const bool pf = !kRounds && a.packed && int64_t(g0) < int64_t(moe_packed_rows(c));
+  uint4 val[kCopyU];
+  if (pf) {
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (lane + 32 * u < nvec) val[u] = ld_nc_v4(a.expert_y + size_t(g0) * yrow + size_t(lane + 32 * u) * 16);
+  }
 
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
   if (tid == 0) s_bad = -1;
@@ -127,8 +142,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   __syncthreads();
 
   dev::probe(8);
-  const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
-  const int nvec = int(yrow / 16), total = pre[L];
+  const int total = pre[L];
   if (a.packed && int64_t(total) > int64_t(moe_packed_rows(c))) {  // would read past expert_y
     if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
     return 0;
@@ -193,10 +207,11 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       }
       const int64_t er = int64_t(l) * erows + (g - pre[l]);
       const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
-      uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
+      if (!(pf && g == g0)) {  // the row's first 32 * kCopyU vectors, requested with its slot
 #pragma unroll
-      for (int u = 0; u < kCopyU; ++u)
-        if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
+        for (int u = 0; u < kCopyU; ++u)
+          if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
+      }
       const int slot = __ldg(a.expert_src + er);
       if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
         if (lane == 0) poison_and_fail(v, c, s, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));

@@ -237,7 +237,9 @@ NVC_HD int moe_grid_blocks(const MoeConfig& c, int cap) {
   int64_t b = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
   if (b > cap) b = cap;
   if (b > kMoeMaxGrid) b = kMoeMaxGrid;
-  return b > gs ? int(b) : gs;
+  // a grid of less than 1.5 Gs would gain a few SMs and put flag groups (a fence and a ticket
+  // more) on the path of every call: the flag blocks alone
+  return b >= gs + gs / 2 ? int(b) : gs;
 }
 
 // ---- sizes ---------------------------------------------------------------------------------

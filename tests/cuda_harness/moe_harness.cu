@@ -809,12 +809,13 @@ int main(int argc, char** argv) {
   c = {"packed tiny W4 T=5 scales zero rank", 4, 8, 2, 5, 32, kMoeBF16, 1, kMoeBF16}; c.zero_rank = 1; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"packed tiny W2 T=4 split", 2, 4, 2, 4, 32, kMoeBF16, 0, kMoeF32}; c.split = true; c.packed = true; cases.push_back(c);
   c = {"packed tiny W2 T=4 graph x3", 2, 4, 4, 4, 32, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 3; c.packed = true; cases.push_back(c);
-  // grids past moe_blocks (flag groups: moe_dispatch.cuh publish_all) at W 2 and 4
+  // grids past moe_blocks (flag groups: moe_dispatch.cuh publish_all) at W 2 and 3 (132 SMs:
+  // 66 / 44 blocks per virtual rank against 24 flag blocks)
   c = {"groups W2 packed 64 E top8 7168 H T=64", 2, 64, 8, 64, 7168, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"groups W2 split 7168 H T=32", 2, 32, 8, 32, 7168, kMoeBF16, 0, kMoeF32}; c.split = true; c.rounds = 2; cases.push_back(c);
-  c = {"groups W4 fused and split alternate 7168 H", 4, 32, 8, 32, 7168, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 4; cases.push_back(c);
-  c = {"groups W2 graph x10 H 2048 T=32", 2, 16, 8, 32, 2048, kMoeBF16, 1, kMoeBF16}; c.graph = 1; c.rounds = 10; c.packed = true; cases.push_back(c);
-  c = {"groups W2 tiny H 2048 T=32 split", 2, 16, 8, 32, 2048, kMoeBF16, 0, kMoeBF16}; c.split = true; c.packed = true; cases.push_back(c);
+  c = {"groups W3 fused and split alternate 7168 H", 3, 24, 8, 32, 7168, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 4; cases.push_back(c);
+  c = {"groups W2 graph x10 H 4096 T=32", 2, 16, 8, 32, 4096, kMoeBF16, 1, kMoeBF16}; c.graph = 1; c.rounds = 10; c.packed = true; cases.push_back(c);
+  c = {"groups W2 tiny H 4096 T=32 split", 2, 16, 8, 32, 4096, kMoeBF16, 0, kMoeBF16}; c.split = true; c.packed = true; cases.push_back(c);
   // routings whose bit masks do not fit shared memory: the counting SEND (and at world 1 the
   // two-half kernels)
   c = {"W2 counting SEND: E 256, T=4096", 2, 256, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; cases.push_back(c);

@@ -16,9 +16,9 @@
 //   (moe_layout.h PACKED EXPERT ROWS): the data row is row g itself; expert_src stays [e][i].
 //   Packed whole calls request their first row (row b * kWarps + warp, inside the packed array
 //   whatever the counts) before the counts' scan. Each landing slot has exactly one writer.
-//   Then every block publishes (publish_all: its flag
-//   moe_flag(s, me, b) in every rank, or through its flag group when G > moe_blocks). Call
-//   numbering and the in-flight / order checks: moe_dispatch.cuh.
+//   Then every block publishes (publish_all: its flag moe_flag(s, me, b) in every rank, or
+//   through its flag group when G > moe_blocks). Call numbering and the in-flight / order
+//   checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
 //   32 * u columns, u = cols_per_lane (moe_dispatch.cuh): the rows spread over all the grid's
 //   lanes, so at decode sizes a row's columns go to several warps): the valid k of

@@ -845,6 +845,7 @@ int main(int argc, char** argv) {
   c = {"bounded W8 graph x20, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.graph = 1; c.rounds = 20; c.inflight = 2; cases.push_back(c);
   c = {"bounded packed W4 f16 -> f32 y", 4, 16, 4, 96, 512, kMoeF16, 0, kMoeF32}; c.slot_frac = 0.25f; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"bounded W16 max world", 16, 32, 4, 32, 64, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; cases.push_back(c);
+  c = {"bounded W2 H 7168 T=64 (flag groups)", 2, 16, 8, 64, 7168, kMoeBF16, 1, kMoeBF16}; c.slot_frac = 0.3f; c.packed = true; c.rounds = 2; cases.push_back(c);
   // small enough for compute-sanitizer
   c = {"bounded tiny W2 T=8 one token per round", 2, 4, 2, 8, 32, kMoeBF16, 1, kMoeF32}; c.slot_frac = 0.01f; cases.push_back(c);
   c = {"bounded tiny W4 T=7 zero rank graph x3", 4, 8, 2, 7, 32, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.4f; c.zero_rank = 1; c.graph = 1; c.rounds = 3; cases.push_back(c);

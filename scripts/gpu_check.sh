@@ -65,6 +65,11 @@
 #                                      ranks, no package build): every case (bounded and whole-call),
 #                                      --error (a bad id in a bounded call's last round), memcheck
 #                                      on the tiny bounded cases, the --bounded-time table (~2.5 min)
+#   bash scripts/gpu_check.sh moefast  MoE dispatch / combine at moe_layer's decode sizes, kernel harness on
+#                                      GPU 0 (virtual ranks, no package build): this tree's kernels
+#                                      against main's (scripts/moefast_old.patch), every case,
+#                                      --error, memcheck, the phase probes, a before/after
+#                                      graph-time table (W 1 and 2, 8/32/128 tokens) (~2.5 min)
 #   bash scripts/gpu_check.sh moebound bounded MoE slots and ragged_all_to_all's big outputs through
 #                                      the package (built if needed): tests/mp/moe_bounded_mp.py
 #                                      (calls in rounds, direct and in a fori_loop under command
@@ -194,6 +199,54 @@ build_rdot_harness() {  # the ragged_dot harness (cases, production table, sweep
     $NV -o build/rdot_h $B/*.o"
 }
 
+apply_diff() {  # apply_diff PATCH ROOT: a unified diff (git diff output) applied under ROOT, exact hunks
+  $PY - "$1" "$2" <<'PYEOF'
+import os, re, sys
+# Applies a unified diff (git diff output, leading text ignored) under root: exact hunks.
+lines = open(sys.argv[1]).read().split("\n")
+root, i, n_files = sys.argv[2], 0, 0
+while i < len(lines):
+    if not (lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")):
+        i += 1
+        continue
+    a, b = lines[i][4:], lines[i + 1][4:]
+    i += 2
+    hunks = []
+    while i < len(lines) and lines[i].startswith("@@"):
+        start = int(re.match(r"@@ -(\d+)", lines[i]).group(1))
+        i += 1
+        old, new = [], []
+        while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\\"):
+            l = lines[i]
+            i += 1
+            if l[0] in " -":
+                old.append(l[1:])
+            if l[0] in " +":
+                new.append(l[1:])
+        hunks.append((start, old, new))
+    path = os.path.join(root, (b if b != "/dev/null" else a)[2:])
+    if b == "/dev/null":
+        os.remove(path)
+    else:
+        text = [] if a == "/dev/null" else open(path).read().split("\n")
+        shift = 0
+        for start, old, new in hunks:
+            at = max(start - 1 + shift, 0) if old else len(text) - 1 if text else 0
+            cands = [k for k in range(len(text) - len(old) + 1) if text[k:k + len(old)] == old]
+            assert old == [] or cands, f"{path}: hunk at {start} not found"
+            if old:
+                at = min(cands, key=lambda k: abs(k - at))
+            text[at:at + len(old)] = new
+            shift += len(new) - len(old)
+        if a == "/dev/null":
+            text = new + [""]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write("\n".join(text))
+    n_files += 1
+print(f"patched {n_files} files under {root}")
+PYEOF
+}
+
 ensure_built() {
   if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
     build_pkg " (background)" &  # timing only: the steps use the importable jax_nvcomm
@@ -223,7 +276,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | rdotsweep | moelayerk | moeboundk) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | rdotsweep | moelayerk | moeboundk | moefast) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -940,51 +993,7 @@ wform | wform2)  # the weight form (x's dtype / float32) of the fused all-reduce
   mkdir -p build "$d"
   local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177"
   rm -rf "$old" build/wf_*; mkdir -p "$old"; cp -r csrc "$old/"
-  $PY - scripts/wform_old.patch "$old" <<'PYEOF' > "$d/patch.log" 2>&1 || { say "wform: old tree: patch failed"; cat "$d/patch.log"; }
-import os, re, sys
-# Applies a unified diff (git diff output, leading text ignored) under root: exact hunks.
-lines = open(sys.argv[1]).read().split("\n")
-root, i, n_files = sys.argv[2], 0, 0
-while i < len(lines):
-    if not (lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")):
-        i += 1
-        continue
-    a, b = lines[i][4:], lines[i + 1][4:]
-    i += 2
-    hunks = []
-    while i < len(lines) and lines[i].startswith("@@"):
-        start = int(re.match(r"@@ -(\d+)", lines[i]).group(1))
-        i += 1
-        old, new = [], []
-        while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\\"):
-            l = lines[i]
-            i += 1
-            if l[0] in " -":
-                old.append(l[1:])
-            if l[0] in " +":
-                new.append(l[1:])
-        hunks.append((start, old, new))
-    path = os.path.join(root, (b if b != "/dev/null" else a)[2:])
-    if b == "/dev/null":
-        os.remove(path)
-    else:
-        text = [] if a == "/dev/null" else open(path).read().split("\n")
-        shift = 0
-        for start, old, new in hunks:
-            at = max(start - 1 + shift, 0) if old else len(text) - 1 if text else 0
-            cands = [k for k in range(len(text) - len(old) + 1) if text[k:k + len(old)] == old]
-            assert old == [] or cands, f"{path}: hunk at {start} not found"
-            if old:
-                at = min(cands, key=lambda k: abs(k - at))
-            text[at:at + len(old)] = new
-            shift += len(new) - len(old)
-        if a == "/dev/null":
-            text = new + [""]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(path, "w").write("\n".join(text))
-    n_files += 1
-print(f"patched {n_files} files under {root}")
-PYEOF
+  apply_diff scripts/wform_old.patch "$old" > "$d/patch.log" 2>&1 || { say "wform: old tree: patch failed"; cat "$d/patch.log"; }
   cat "$d/patch.log"
   # four units side by side: the harness, this tree's two all-reduce units, the old one
   step wf_build 150 bash -c "$NV -I csrc -c -o build/wf_h.o tests/cuda_harness/allreduce_harness.cu &
@@ -1046,6 +1055,59 @@ for kind in ("local", "block", "bench"):
 PYEOF
   } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
+moefast)  # MoE dispatch / combine at moe_layer's decode sizes, this tree against main's kernels: the
+  # MoE harness (this tree's file) built four ways in parallel: this tree's csrc and main's (this
+  # csrc with scripts/moefast_old.patch applied), each plain and with -DNVC_PROBE; every case
+  # (this tree), --error, memcheck of the tiny packed / bounded cases, then --layer-time (fused
+  # packed calls, W 1 and 2 virtual ranks on GPU 0, tokens 8/32/128, H 7168, top-8, 32 and 256
+  # experts per rank) old then new, and in the time left the phase probes of both and a second
+  # timing (new, old; best of the two kept); logs in $OUT/moefast, the before/after table last
+  local t0=$SECONDS d="$OUT/moefast" old=/tmp/moefast_old
+  mkdir -p build "$d"
+  rm -rf "$old" build/mf_*; mkdir -p "$old"; cp -r csrc "$old/"
+  apply_diff scripts/moefast_old.patch "$old" > "$d/patch.log" 2>&1 || { say "moefast: old tree: patch failed"; cat "$d/patch.log"; }
+  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a" H=tests/cuda_harness/moe_harness.cu
+  step mf_build 150 bash -c "$NV -I csrc -o build/mf_new $H csrc/cuda/moe.cu &
+    $NV -I $old/csrc -o build/mf_old $H $old/csrc/cuda/moe.cu &
+    $NV -DNVC_PROBE -I csrc -o build/mf_new_probe $H csrc/cuda/moe.cu &
+    $NV -DNVC_PROBE -I $old/csrc -o build/mf_old_probe $H $old/csrc/cuda/moe.cu & wait
+    ls -l build/mf_new build/mf_old build/mf_new_probe build/mf_old_probe"
+  local b
+  for b in old new; do  # the table first: it is what this part is for
+    [ -x build/mf_$b ] && timeout 40 build/mf_$b --layer-time $b >> "$d/layer_time.log" 2>&1
+  done
+  step mf_cases 90 bash -c "build/mf_new > $d/cases.log 2>&1; rc=\$?; cat $d/cases.log; exit \$rc"
+  step mf_error 30 bash -c "build/mf_new --error > $d/error.log 2>&1; rc=\$?; cat $d/error.log; exit \$rc"
+  step mf_memcheck 60 bash -c "compute-sanitizer --tool memcheck --error-exitcode 1 build/mf_new \
+    --only 'packed tiny|bounded tiny|W4 T=5|groups W2 tiny|groups W2 graph' > $d/memcheck.log 2>&1; rc=\$?; cat $d/memcheck.log; exit \$rc"
+  for b in old new; do  # in the time left: the phase probes, a second timing of each build
+    [ $((SECONDS - t0)) -lt 125 ] && [ -x build/mf_${b}_probe ] && timeout 20 build/mf_${b}_probe --probe > "$d/probe_$b.log" 2>&1
+  done
+  for b in new old; do
+    [ $((SECONDS - t0)) -lt 130 ] && [ -x build/mf_$b ] && timeout 20 build/mf_$b --layer-time $b >> "$d/layer_time.log" 2>&1
+  done
+  { echo "--- moefast (MoE dispatch / combine, virtual ranks on GPU 0; $((SECONDS - t0)) s)"
+    grep -E "FAIL|failure" "$d/cases.log" | tail -8
+    grep -E "^PASS|FAIL" "$d/error.log" | tail -3
+    grep -E "ERROR SUMMARY|PASS:|FAIL" "$d/memcheck.log" | tail -3
+    for b in old new; do [ -f "$d/probe_$b.log" ] && grep -E "^(config|layer|example|EP2)" "$d/probe_$b.log" | sed "s/^/$b: /"; done
+    $PY - "$d/layer_time.log" <<'PYEOF'
+import sys, collections
+# layer_time.log lines: build W L T | disp comb; best of the two runs of each build
+best = collections.defaultdict(lambda: [1e30, 1e30])
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) == 7 and f[0] in ("old", "new") and f[4] == "|":
+        k = (f[0], int(f[1]), int(f[2]), int(f[3]))
+        best[k] = [min(best[k][0], float(f[5])), min(best[k][1], float(f[6]))]
+print("us per call (graph time, fused packed, H 7168 bf16 top-8; W 2 = virtual ranks on one GPU)")
+print(f"{'W':>2} {'L/rank':>6} {'tok':>4} | {'disp old':>8} {'new':>7} {'x':>5} | {'comb old':>8} {'new':>7} {'x':>5}")
+for (b, W, L, T) in sorted(k for k in best if k[0] == "old"):
+    o, n = best[("old", W, L, T)], best.get(("new", W, L, T), [float("nan")] * 2)
+    print(f"{W:>2} {L:>6} {T:>4} | {o[0]:8.2f} {n[0]:7.2f} {o[0] / n[0]:5.2f} | {o[1]:8.2f} {n[1]:7.2f} {o[1] / n[1]:5.2f}")
+PYEOF
+  } 2>&1 | tee -a "$OUT/summary.txt"
+  ;;
 moeboundk)  # MoE dispatch / combine with bounded slots: the MoE harness rebuilt from this tree,
   # every case (the bounded ones and the whole-call ones, whose kernels changed beside them),
   # --error (bounded: a bad id in the last round found in the first, every rank at once),
@@ -1089,7 +1151,7 @@ moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: 
       [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
     done; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|wform|wform2]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|moefast|wform|wform2]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -8,7 +8,9 @@
 //   nothing) and RECV (waits for every rank's flags, consumes its own slot). They run back to
 //   back (moe_dispatch / moe_combine: one custom call; on CUDA one cooperative kernel running
 //   SEND then RECV, moe_dispatch.cuh dispatch_kernel, where the ranks' grids can be resident
-//   together, else SEND and RECV kernels) or as two custom calls with other work
+//   together, else SEND and RECV kernels; at world 1 one kernel with no slot and no flags,
+//   kernels/moe_local.cuh, that gives the same outputs and advances both counters as the
+//   two halves do) or as two custom calls with other work
 //   in between (moe_*_send / moe_*_recv: "split", up to M = max_in_flight SENDs outstanding).
 //   Two counters per rank, both advanced on the device by the last block of the kernel (so
 //   CUDA-graph replays work without host code):
@@ -42,7 +44,8 @@
 // N = moe_slots = 2 * max_in_flight):
 //   [0, kCtrlBytes)                     Ctrl (layout.h): seq, done_blocks; its flags array seen
 //                                       flat as N x kMaxWorld x kMoeMaxBlocks flags (moe_flag);
-//                                       MoeCtrl at kMoeCtrlOffset (send_seq, its block counter)
+//                                       MoeCtrl at kMoeCtrlOffset (send_seq, its block counter,
+//                                       the flag groups' arrival counters)
 //   [kCtrlBytes + i * half, +half)      data slot i (i = 0 .. N-1), used by dispatch OR combine:
 //     dispatch view:  hdr[src]  (W x hdr_bytes: int32 rows, int32 count[L])
 //                     rows[src][slot] (W x T x drow_bytes), row = [payload H*D | S f32 scales |
@@ -157,7 +160,8 @@ struct MoeConfig {
 };
 
 constexpr int kMoeThreads = 256;       // threads per block, every MoE kernel
-constexpr int kMoeMaxBlocks = 24;      // blocks per kernel (<= kMaxBlocks)
+constexpr int kMoeMaxBlocks = 24;      // flag blocks per source and call (<= kMaxBlocks)
+constexpr int kMoeMaxGrid = 1024;      // blocks per kernel (moe_grid_blocks)
 constexpr int kMoeMaxTopK = 32;        // one warp holds a token's top_k slots
 constexpr int kMoeMaxExperts = 4096;   // shared-memory counters
 constexpr int kMoeSubTokens = 128;     // tokens routed per step in the dispatch send kernel
@@ -172,6 +176,9 @@ struct MoeCtrl {
   uint64_t send_seq;          // SENDs issued by this rank (advanced by the SEND's last block)
   uint32_t send_done_blocks;  // last-block counter of the running SEND, 0 between calls
   uint32_t pad;
+  // A SEND grid larger than moe_blocks: arrivals per flag group (moe_dispatch.cuh publish_all),
+  // 0 between calls.
+  uint32_t group_done[kMoeMaxBlocks];
 };
 constexpr size_t kMoeCtrlOffset = (sizeof(Ctrl) + 255) / 256 * 256;
 static_assert(kMoeCtrlOffset + sizeof(MoeCtrl) <= kCtrlBytes, "MoeCtrl must fit in the control block");
@@ -196,8 +203,10 @@ NVC_HD int moe_max_entries(const MoeConfig& c) {
   int l = moe_local_experts(c);
   return c.top_k < l ? c.top_k : l;
 }
-// Launch grid of every MoE kernel: a pure function of the config, identical on every rank.
-// Enough blocks for the tokens (4 per block) and for the bytes one call may copy
+// Flag blocks of a call (moe_flag's block index: blocks per source whose flags a RECV waits
+// for): a pure function of the config, identical on every rank; the first moe_blocks of a
+// grid of moe_grid_blocks (below). Enough blocks for the tokens (4 per block) and for the bytes
+// one call may copy
 // (max_tokens x top_k rows of hidden x max(2, dtype) bytes, kMoeBytesPerBlock per block), so
 // that a small batch of wide rows (decode: 4 tokens x 7168) is copied by several SMs; the
 // receive kernels split rows into chunks over all warps of the grid. 32 KiB per block (64 KiB
@@ -213,6 +222,24 @@ NVC_HD int moe_blocks(const MoeConfig& c) {
   const int64_t bb = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
   if (bb > b) b = bb;
   return int(b < 1 ? 1 : (b > kMoeMaxBlocks ? kMoeMaxBlocks : b));
+}
+
+// The grid the kernels launch (moe_blocks(c) <= it <= max(moe_blocks(c), cap)): blocks for the
+// bytes one call may copy at kMoeBytesPerBlock each, at most `cap` (the launcher's: the GPU's
+// SMs, divided among the ranks of one process that share the GPU), never fewer than the flag
+// blocks. Only the first moe_blocks(c) blocks own a flag; the others publish through their
+// flag group (moe_dispatch.cuh publish_all), so receivers wait for the same W x moe_blocks flags
+// whatever the grid, and it may differ between ranks (it is local work only).
+NVC_HD int moe_grid_blocks(const MoeConfig& c, int cap) {
+  const int gs = moe_blocks(c);
+  const int64_t db = moe_dtype_bytes(c.dtype) < 2 ? 2 : moe_dtype_bytes(c.dtype);
+  const int64_t bytes = int64_t(c.max_tokens) * c.top_k * c.hidden * db;
+  int64_t b = (bytes + kMoeBytesPerBlock - 1) / kMoeBytesPerBlock;
+  if (b > cap) b = cap;
+  if (b > kMoeMaxGrid) b = kMoeMaxGrid;
+  // a grid of less than 1.5 Gs would gain a few SMs and put flag groups (a fence and a ticket
+  // more) on the path of every call: the flag blocks alone
+  return b >= gs + gs / 2 ? int(b) : gs;
 }
 
 // ---- sizes ---------------------------------------------------------------------------------

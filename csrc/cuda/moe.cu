@@ -1,5 +1,5 @@
-// Launchers of the MoE kernels: grid moe_blocks(cfg) x kMoeThreads for all four kernels, a pure
-// function of the config (identical on every rank); dynamic shared memory from the config
+// Launchers of the MoE kernels: grid moe_grid (moe_grid_blocks of the config and the GPU's SMs)
+// x kMoeThreads for every kernel; dynamic shared memory from the config
 // (<= 41 KiB within moe_config_error's limits, so no opt-in attribute is needed).
 #include "moe.h"
 
@@ -7,6 +7,7 @@
 
 #include "../kernels/moe_combine.cuh"
 #include "../kernels/moe_dispatch.cuh"
+#include "../kernels/moe_local.cuh"
 #include "device_cache.h"
 
 namespace nvc {
@@ -15,12 +16,21 @@ namespace {
 bool usable(const CommView& v, const MoeConfig& c) {
   return moe_config_error(c) == nullptr && v.rank == c.rank && v.world == c.world;
 }
+// The grid of every MoE kernel of this call (moe_layout.h moe_grid_blocks): at most the GPU's
+// SMs (one block of every MoE kernel fits an SM: kMoeThreads threads, launch bounds, <= 41 KiB
+// of shared memory, so a cooperative launch of that many always fits), divided among the ranks
+// of this process on this GPU (virtual ranks: every rank's blocks resident at once).
+int moe_grid(const CommView& v, const MoeConfig& c) {
+  int cap = device_sm_count();
+  if (v.context_ranks > 1) cap /= v.context_ranks;
+  return moe_grid_blocks(c, cap);
+}
 // Bounded slots (moe_layout.h BOUNDED SLOTS): a fused call of several rounds is that many calls
 // of the protocol back to back on the stream, each a SEND kernel and a RECV kernel (the *_rounds
 // kernels) advancing the counters as a call does; a call of one round is the whole-call path
 // (same layout); a split half must be one round.
 // A fused call's kernel (SEND then RECV in one launch): its RECV half waits for the flags of
-// its own kernel's blocks, so the launch is cooperative: all moe_blocks(c) blocks are resident
+// its own kernel's blocks, so the launch is cooperative: all moe_grid blocks are resident
 // together or the kernel does not start. Ranks of one process on one GPU (v.context_ranks > 1,
 // the harnesses' virtual ranks) also wait for each other's blocks with no preemption between
 // them: the one-kernel call is used only when all their grids fit on the SMs at once
@@ -33,14 +43,14 @@ bool fused_fits(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t 
   // the SM count cached per device; the occupancy asked each time (smem follows the config)
   const int resident = resident_blocks(reinterpret_cast<const void*>(kernel), kMoeThreads, smem);
   if (resident <= 0) return false;  // a query failed
-  return int64_t(v.context_ranks) * moe_blocks(c) <= int64_t(resident);
+  return int64_t(v.context_ranks) * moe_grid(v, c) <= int64_t(resident);
 }
 template <class SendArgs, class RecvArgs>
 cudaError_t launch_fused(void (*kernel)(CommView, MoeConfig, SendArgs, RecvArgs), size_t smem,
                          cudaStream_t st, const CommView& v, const MoeConfig& c,
                          const SendArgs& sa, const RecvArgs& ra) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(moe_blocks(c)));
+  cfg.gridDim = dim3(unsigned(moe_grid(v, c)));
   cfg.blockDim = dim3(kMoeThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
@@ -73,7 +83,11 @@ cudaError_t moe_load_kernels() {
                        (const void*)moe::combine_send_rounds_kernel,
                        (const void*)moe::combine_recv_rounds_kernel<kMoeF32>,
                        (const void*)moe::combine_recv_rounds_kernel<kMoeBF16>,
-                       (const void*)moe::combine_recv_rounds_kernel<kMoeF16>};
+                       (const void*)moe::combine_recv_rounds_kernel<kMoeF16>,
+                       (const void*)moe::dispatch_local_kernel,
+                       (const void*)moe::combine_local_kernel<kMoeF32>,
+                       (const void*)moe::combine_local_kernel<kMoeBF16>,
+                       (const void*)moe::combine_local_kernel<kMoeF16>};
   for (const void* f : fns) {
     if (cudaError_t e = cudaFuncGetAttributes(&a, f); e != cudaSuccess) return e;
     // One shared-memory carveout for every MoE kernel: an SM changes its L1/shared split only
@@ -98,13 +112,12 @@ cudaError_t moe_dispatch_send(const CommView& v, const MoeConfig& c, const void*
     return cudaErrorInvalidValue;
   moe::DispatchSendArgs a{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens, token_dest,
                           seq_out};
-  const int g = moe_blocks(c);
-  const size_t smem = moe::dispatch_send_smem(c);
+  const int g = moe_grid(v, c);
   if (rounds == 1) {  // the whole call (one bounded round has regions of max_tokens rows too)
-    moe::dispatch_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+    moe::dispatch_send_kernel<<<g, kMoeThreads, moe::dispatch_whole_send_smem(c), st>>>(v, c, a);
   } else {
     moe::dispatch_round_args(c, round, &a, nullptr);
-    moe::dispatch_send_rounds_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
+    moe::dispatch_send_rounds_kernel<<<g, kMoeThreads, moe::dispatch_send_smem(c), st>>>(v, c, a);
   }
   return cudaGetLastError();
 }
@@ -119,7 +132,7 @@ cudaError_t moe_dispatch_recv(const CommView& v, const MoeConfig& c, void* exper
   if (seq_in != nullptr && rounds != 1) return cudaErrorInvalidValue;
   moe::DispatchRecvArgs a{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale, expert_src,
                           seq_in, packed};
-  const int g = moe_blocks(c);
+  const int g = moe_grid(v, c);
   const size_t smem = moe::dispatch_recv_smem(c);
   if (rounds == 1) {
     moe::dispatch_recv_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
@@ -148,8 +161,16 @@ cudaError_t moe_dispatch(const CommView& v, const MoeConfig& c, const void* x, c
     }
     return cudaSuccess;
   }
+  if (moe::local_fits(c)) {  // world 1: one kernel, no slot, no flags (kernels/moe_local.cuh)
+    moe::DispatchSendArgs sa{static_cast<const uint8_t*>(x), x_scale, topk_ids, num_tokens,
+                             token_dest, nullptr};
+    moe::DispatchRecvArgs ra{static_cast<uint8_t*>(expert_x), expert_counts, expert_x_scale,
+                             expert_src, nullptr, packed};
+    moe::dispatch_local_kernel<<<moe_grid(v, c), kMoeThreads, moe::local_smem(c), st>>>(v, c, sa, ra);
+    return cudaGetLastError();
+  }
   // SEND and RECV in one kernel (dispatch_kernel); the split ops launch them separately
-  const size_t smem = std::max(moe::dispatch_send_smem(c), moe::dispatch_recv_smem(c));
+  const size_t smem = std::max(moe::dispatch_whole_send_smem(c), moe::dispatch_recv_smem(c));
   if (!fused_fits(moe::dispatch_kernel, smem, v, c)) {
     cudaError_t e = moe_dispatch_send(v, c, x, x_scale, topk_ids, num_tokens, token_dest, st);
     if (e != cudaSuccess) return e;
@@ -173,7 +194,7 @@ cudaError_t moe_combine_send(const CommView& v, const MoeConfig& c, const void* 
     return cudaErrorInvalidValue;
   moe::CombineSendArgs a{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts, y_dtype,
                          seq_out, packed};
-  const int g = moe_blocks(c);
+  const int g = moe_grid(v, c);
   const size_t smem = moe::combine_send_smem(c);
   if (rounds == 1) {  // the whole call (a bounded call of one round has the same landing rows)
     moe::combine_send_kernel<<<g, kMoeThreads, smem, st>>>(v, c, a);
@@ -194,7 +215,7 @@ cudaError_t moe_combine_recv(const CommView& v, const MoeConfig& c, int y_dtype,
     return cudaErrorInvalidValue;
   moe::CombineRecvArgs a{topk_weights, token_dest, static_cast<uint8_t*>(y), seq_in};
   moe::combine_round_args(c, y_dtype, round, &a);
-  const int g = moe_blocks(c);
+  const int g = moe_grid(v, c);
   const bool r1 = rounds == 1;
   switch (y_dtype) {
     case kMoeF32:
@@ -235,6 +256,13 @@ cudaError_t moe_combine(const CommView& v, const MoeConfig& c, const void* exper
   moe::CombineSendArgs sa{static_cast<const uint8_t*>(expert_y), expert_src, expert_counts,
                           y_dtype, nullptr, packed};
   moe::CombineRecvArgs ra{topk_weights, token_dest, static_cast<uint8_t*>(y), nullptr};
+  if (moe::local_fits(c)) {  // world 1: one kernel reading expert_y's rows (kernels/moe_local.cuh)
+    auto* local = y_dtype == kMoeF32    ? moe::combine_local_kernel<kMoeF32>
+                  : y_dtype == kMoeBF16 ? moe::combine_local_kernel<kMoeBF16>
+                                        : moe::combine_local_kernel<kMoeF16>;
+    local<<<moe_grid(v, c), kMoeThreads, moe::local_smem(c), st>>>(v, c, sa, ra);
+    return cudaGetLastError();
+  }
   const size_t smem = moe::combine_send_smem(c);
   auto* kernel = y_dtype == kMoeF32    ? moe::combine_kernel<kMoeF32>
                  : y_dtype == kMoeBF16 ? moe::combine_kernel<kMoeBF16>

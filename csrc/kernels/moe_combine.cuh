@@ -1,10 +1,12 @@
 // MoE combine kernels: SEND (expert side) and RECV (token side) halves of one call.
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
-// Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+// Both kernels: grid G = moe_grid_blocks(cfg, cap) x kMoeThreads, all blocks resident; flags and
+// flag groups as moe_dispatch.cuh's (W x moe_blocks(cfg) flags per call whatever G).
 // A fused call (moe_combine) runs both halves in one cooperative kernel (combine_kernel), or
 // as the two kernels where ranks of one process share a GPU and their grids do not fit on
-// it together (cuda/moe.cu fused_fits).
+// it together (cuda/moe.cu fused_fits). At world 1 a fused call is one kernel that reads
+// expert_y's rows where they are instead (moe_local.cuh), when its routing fits shared memory.
 //
 // SEND: each block computes pre[e] = prefix of expert_counts (block scan); one warp per expert
 //   row g (grid-stride over all sum(counts) rows): e = last expert with pre[e] <= g, i = g-pre[e],
@@ -12,8 +14,11 @@
 //   (16-B vectors, H * sizeof(y) bytes) into landing[t*K + k] of rank src's data slot of call s;
 //   the row's first 32 * kCopyU vectors are requested together with its slot. Packed expert_y
 //   (moe_layout.h PACKED EXPERT ROWS): the data row is row g itself; expert_src stays [e][i].
-//   Each landing slot has exactly one writer. Then every block raises moe_flag(s, me, b) in
-//   every rank. Call numbering and the in-flight / order checks: moe_dispatch.cuh.
+//   Packed whole calls request their first row (row b * kWarps + warp, inside the packed array
+//   whatever the counts) before the counts' scan. Each landing slot has exactly one writer.
+//   Then every block publishes (publish_all: its flag moe_flag(s, me, b) in every rank, or
+//   through its flag group when G > moe_blocks). Call numbering and the in-flight / order
+//   checks: moe_dispatch.cuh.
 // RECV: waits for every rank's flags (bounded), then one warp per (token t < T, chunk of
 //   32 * u columns, u = cols_per_lane (moe_dispatch.cuh): the rows spread over all the grid's
 //   lanes, so at decode sizes a row's columns go to several warps): the valid k of
@@ -83,6 +88,19 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   dev::probe(0);
   const uint64_t s = begin_send(v, c, desc, a.seq_out);
   const int64_t erows = int64_t(W) * T;
+  const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
+  const int nvec = int(yrow / 16);
+  // Packed whole calls: this warp's first row is row g0 of expert_y whatever the counts, so its
+  // first 32 * kCopyU vectors are requested before the counts' scan (g0 < the packed rows: inside
+  // the array; used only if g0 < the total).
+  const int g0 = b * kWarps + warp;
+  const bool pf = !kRounds && a.packed && int64_t(g0) < int64_t(moe_packed_rows(c));
+  uint4 val[kCopyU];
+  if (pf) {
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (lane + 32 * u < nvec) val[u] = ld_nc_v4(a.expert_y + size_t(g0) * yrow + size_t(lane + 32 * u) * 16);
+  }
 
   // pre = exclusive prefix of counts: per-thread segments, then warp 0 scans the partials.
   if (tid == 0) s_bad = -1;
@@ -114,7 +132,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   }
   __syncthreads();
   if (s_bad >= 0) {
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
+    if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, s_bad, uint64_t(__ldg(a.expert_counts + s_bad)));
     return 0;
   }
   {
@@ -124,10 +142,9 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
   __syncthreads();
 
   dev::probe(8);
-  const size_t yrow = moe_y_row_bytes(c, a.y_dtype);
-  const int nvec = int(yrow / 16), total = pre[L];
+  const int total = pre[L];
   if (a.packed && int64_t(total) > int64_t(moe_packed_rows(c))) {  // would read past expert_y
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
+    if (tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, L, uint64_t(uint32_t(total)));
     return 0;
   }
   const int64_t slots = int64_t(T) * K;
@@ -158,7 +175,7 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       const uint32_t badm = __ballot_sync(0xFFFFFFFFu, bad);
       if (badm != 0) {  // recorded once, the row skipped; the block must not publish
         if (lane == __ffs(badm) - 1)
-          poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+          poison_and_fail(v, c, s, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
         bad_slot = true;
       }
       for (uint32_t inm = __ballot_sync(0xFFFFFFFFu, in); inm != 0; inm &= inm - 1) {
@@ -190,13 +207,14 @@ __device__ __forceinline__ uint64_t combine_send_body(const CommView& v, const M
       }
       const int64_t er = int64_t(l) * erows + (g - pre[l]);
       const uint8_t* yr = a.expert_y + size_t(a.packed ? int64_t(g) : er) * yrow;
-      uint4 val[kCopyU];  // the row's first 32 * kCopyU vectors, requested together with its slot
+      if (!(pf && g == g0)) {  // the row's first 32 * kCopyU vectors, requested with its slot
 #pragma unroll
-      for (int u = 0; u < kCopyU; ++u)
-        if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
+        for (int u = 0; u < kCopyU; ++u)
+          if (lane + 32 * u < nvec) val[u] = ld_nc_v4(yr + size_t(lane + 32 * u) * 16);
+      }
       const int slot = __ldg(a.expert_src + er);
       if (slot < 0 || slot >= W * slots) {  // the same in every lane: the warp skips the row
-        if (lane == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
+        if (lane == 0) poison_and_fail(v, c, s, kErrCapacity, desc, l, uint64_t(uint32_t(slot)));
         bad_slot = true;
         continue;
       }
@@ -262,12 +280,49 @@ __device__ __forceinline__ uint4 combine_pack(const float* acc) {
   return out;
 }
 
+// One lane's columns of one output row: for columns i = i0, i0 + 32, ... < iend (16-B vectors)
+// out[i] = the y dtype of fma over j = 0..m-1 (k order) of w(j) * row(j)[i], from +0.0f. Two
+// columns i and i + 32 per step: kCombU slots x 2 columns of loads in flight, then each
+// column's FMAs in k order (the order of the sum and so the bits are those of one slot and one
+// column at a time). row(j): the slot's row (char*), ld: the 16-B load for it.
+template <int YT, class Row, class Ld, class Wt>
+__device__ __forceinline__ void combine_sum_columns(int i0, int iend, int m, Row&& row, Ld&& ld,
+                                                    Wt&& weight, uint8_t* out) {
+  constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
+  for (int i = i0; i < iend; i += 64) {
+    const bool two = i + 32 < iend;
+    float acc0[kElems], acc1[kElems];
+#pragma unroll
+    for (int q = 0; q < kElems; ++q) acc0[q] = acc1[q] = 0.0f;
+    for (int j0 = 0; j0 < m; j0 += kCombU) {
+      uint4 v0[kCombU], v1[kCombU];
+#pragma unroll
+      for (int u = 0; u < kCombU; ++u) {
+        if (j0 + u < m) {
+          const char* base = row(j0 + u);
+          v0[u] = ld(base + size_t(i) * 16);
+          if (two) v1[u] = ld(base + size_t(i + 32) * 16);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCombU; ++u) {
+        if (j0 + u < m) {
+          const float w = weight(j0 + u);
+          combine_fma<YT>(acc0, v0[u], w);
+          if (two) combine_fma<YT>(acc1, v1[u], w);
+        }
+      }
+    }
+    dev::st_v4(out + size_t(i) * 16, combine_pack<YT>(acc0));
+    if (two) dev::st_v4(out + size_t(i + 32) * 16, combine_pack<YT>(acc1));
+  }
+}
+
 // The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
 // begin_recv); else the s of the SEND half that just ran in the same kernel (combine_kernel).
 template <int YT, bool kRounds = false>
 __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeConfig& c,
                                                   const CombineRecvArgs& a, uint64_t known_s) {
-  constexpr int kElems = YT == kMoeF32 ? 4 : 8;  // per 16-B vector
   __shared__ int s_k[kWarps][32];
   __shared__ float s_w[kWarps][32];
   const int E = c.num_experts, K = c.top_k, T = c.max_tokens;
@@ -320,37 +375,12 @@ __device__ __forceinline__ void combine_recv_body(const CommView& v, const MoeCo
       s_w[warp][q] = first ? s_w0[warp][lane] : __ldg(a.weights + size_t(t) * K + lane);
     }
     __syncwarp();
-    // Two columns i and i + 32 per step: kCombU slots x 2 columns of loads in flight, then
-    // each column's FMAs in k order (the order of the sum and so the bits are those of one
-    // slot and one column at a time).
-    const int iend = min(nvec, (ch + 1) * cw);
-    for (int i = ch * cw + lane; i < iend; i += 64) {
-      const bool two = i + 32 < iend;
-      float acc0[kElems], acc1[kElems];
-#pragma unroll
-      for (int q = 0; q < kElems; ++q) acc0[q] = acc1[q] = 0.0f;
-      for (int j0 = 0; j0 < m; j0 += kCombU) {
-        uint4 v0[kCombU], v1[kCombU];
-#pragma unroll
-        for (int u = 0; u < kCombU; ++u) {
-          if (j0 + u < m) {
-            const char* base = moe_landing(half, c, YT, size_t(tr) * K + s_k[warp][j0 + u]);
-            v0[u] = dev::ld_cg_v4(base + size_t(i) * 16);
-            if (two) v1[u] = dev::ld_cg_v4(base + size_t(i + 32) * 16);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kCombU; ++u) {
-          if (j0 + u < m) {
-            const float w = s_w[warp][j0 + u];
-            combine_fma<YT>(acc0, v0[u], w);
-            if (two) combine_fma<YT>(acc1, v1[u], w);
-          }
-        }
-      }
-      dev::st_v4(a.y + size_t(t) * yrow + size_t(i) * 16, combine_pack<YT>(acc0));
-      if (two) dev::st_v4(a.y + size_t(t) * yrow + size_t(i + 32) * 16, combine_pack<YT>(acc1));
-    }
+    combine_sum_columns<YT>(ch * cw + lane, min(nvec, (ch + 1) * cw), m,
+                            [&](int j) -> const char* {
+                              return moe_landing(half, c, YT, size_t(tr) * K + s_k[warp][j]);
+                            },
+                            [&](const void* p) { return dev::ld_cg_v4(p); },
+                            [&](int j) { return s_w[warp][j]; }, a.y + size_t(t) * yrow);
     __syncwarp();
   }
   dev::probe(12);

@@ -1,10 +1,15 @@
 // MoE dispatch kernels: SEND (source side) and RECV (expert side) halves of one call.
 // Layout, handle and invariants: common/moe_layout.h. Flag conventions: kernels/common.cuh.
 //
-// Both kernels: grid moe_blocks(cfg) x kMoeThreads, identical on every rank, all blocks resident.
+// Both kernels: grid G = moe_grid_blocks(cfg, cap) x kMoeThreads (cuda/moe.cu moe_grid: up to
+// the GPU's SMs, shared among the virtual ranks of one process), all blocks resident. Flags:
+// Gs = moe_blocks(cfg) <= kMoeMaxBlocks per source and call, a function of the config, the same
+// on every rank; G >= Gs may differ between ranks (local work only). Blocks b >= Gs publish
+// through flag group b % Gs (publish_all); every receiver waits for W x Gs flags.
 // A fused call (moe_dispatch) runs both halves in one cooperative kernel (dispatch_kernel), or
 // as the two kernels where ranks of one process share a GPU and their grids do not fit on
-// it together (cuda/moe.cu fused_fits).
+// it together (cuda/moe.cu fused_fits). At world 1 a fused call is one kernel without a slot or
+// flags instead (moe_local.cuh), when its routing fits shared memory.
 //
 // Call numbering (split or fused, moe_layout.h): SEND takes s = MoeCtrl::send_seq + 1, checks
 // s - Ctrl::seq <= max_in_flight, writes s to its seq output when split, and its last block
@@ -13,7 +18,13 @@
 // against send_seq (fused), and its last block stores Ctrl::seq = s (finish_recv). Data and
 // flags of call s live in slot s % moe_slots(cfg).
 //
-// SEND, block b of G owns tokens [n*b/G, n*(b+1)/G) (n = *num_tokens):
+// SEND of a whole call whose bit masks fit shared memory (dispatch_masked_fits; decode sizes):
+//   dispatch_send_masked: every block routes all n tokens (moe_route.cuh: per-expert masks, so a
+//   token's idx and its row position in each destination are popcounts), then work items
+//   (token, chunk of its row) over every warp of the grid copy each token once per destination;
+//   the slot gets the same rows, metadata and headers as the counting SEND below writes.
+// The counting SEND (bounded rounds, and masks too large), block b of G owns tokens
+//   [n*b/G, n*(b+1)/G) (n = *num_tokens):
 //   A. every thread takes one token of [0, t1): validates its ids (range) and, for tokens before
 //      the block's chunk, adds them into shared counters cntE[expert] / cntD[dest rank] (warp-
 //      aggregated shared atomics; integer sums, so the result is deterministic).
@@ -22,8 +33,10 @@
 //      tokens of the step going to d (__match_any_sync); whole block then copies each token once
 //      per destination: payload (16-B vectors), scales, meta (entries in k order).
 //   Block G-1 ends with the totals and writes the header of every destination. Then every
-//   block: __syncthreads, st.release.sys moe_flag(s, me, b) in every rank (publish_all).
-// RECV: thread i waits for flag (src = i / G, block = i % G) (bounded, dev::wait_flag), then each
+//   block: __syncthreads, st.release.sys moe_flag(s, me, b) in every rank (publish_all), or with
+//   G > Gs: fence.acq_rel.sys, an arrival ticket on its flag group's counter, and the group's
+//   last arrival raises flag b % Gs in every rank (publish_all).
+// RECV: thread i waits for flag (src = i / Gs, block = i % Gs) (bounded, dev::wait_flag), then each
 //   block stages the W headers in shared memory (one round of loads), off[src][e] = prefix
 //   over sources (in place); one warp per (received row, chunk of 32 * u vectors, u <= kCopyU
 //   spreading the rows over the grid's lanes) loads its part of the payload together with the
@@ -68,6 +81,7 @@
 
 #include "../common/moe_layout.h"
 #include "common.cuh"
+#include "moe_route.cuh"
 
 namespace nvc {
 namespace moe {
@@ -118,10 +132,11 @@ __device__ __forceinline__ int cols_per_lane(int rows, int nvec, int G) {
 // one-kernel fused call this rank's own RECV half (other blocks of the kernel) reads the poison
 // from its own slots, and its kErrMismatch must not take ErrorInfo before the real cause.
 __device__ __forceinline__ void poison_and_fail(const CommView& v, const MoeConfig& c, uint64_t s,
-                                             int nblocks, uint32_t code, uint32_t desc, int peer,
+                                             uint32_t code, uint32_t desc, int peer,
                                              uint64_t observed) {
   dev::fail_inline(v, code, desc, peer, s, observed);
   const uint64_t f = make_flag(s, kMoePoisonDesc);
+  const int nblocks = moe_blocks(c);  // every flag of this rank (the flag blocks, not the grid)
   for (int r = 0; r < v.world; ++r)
     for (int b = 0; b < nblocks; ++b) dev::st_release_sys(moe_flag(v.peer_ctrl(r), c, s, v.rank, b), f);
 }
@@ -141,14 +156,42 @@ __device__ __forceinline__ bool wait_all_sources(const CommView& v, const MoeCon
   return !__syncthreads_or(!ok);
 }
 
-// Every thread: unless some thread of the block passes failed = true, publish this block's flag
-// for call s in every rank (after a __syncthreads) and return true; else false, nothing
-// published (the block then leaves).
+// Every thread: unless some thread of the block passes failed = true, publish this block's
+// writes for call s (after a __syncthreads) and return true; else false, nothing published (the
+// block then leaves). Grid of Gs = moe_blocks(cfg) blocks: the block raises its flag
+// moe_flag(s, me, b) in every rank. A larger grid (moe_grid_blocks): block b belongs to flag
+// group g = b % Gs; thread 0 orders the block's writes (fence.acq_rel.sys, after the barrier)
+// before its arrival ticket on MoeCtrl::group_done[g]; the group's last arrival (it has seen
+// every member's ticket, each after that member's fence: fence-fence synchronization, then its
+// own fence) resets the counter and raises flag g in every rank. So a flag still covers the
+// writes of every block of its group, and receivers wait for W x Gs flags whatever the grid.
+// A block that fails takes no ticket: its group's flag is never raised (it stays poison).
 __device__ __forceinline__ bool publish_all(const CommView& v, const MoeConfig& c, uint64_t s,
                                             uint32_t desc, bool failed = false) {
+  __shared__ int s_pub;
   if (__syncthreads_or(failed)) return false;
+  const int gs = moe_blocks(c), G = gridDim.x;
+  int grp = blockIdx.x;
+  if (G > gs) {  // grid-uniform
+    grp = blockIdx.x % gs;
+    if (grp + gs < G) {  // block-uniform: 2+ members; a group of one publishes as a flag block
+      if (threadIdx.x == 0) {
+        const unsigned others = unsigned((G - 1 - grp) / gs);  // members (b < G, b % gs == grp) - 1
+        uint32_t* cnt = &moe_ctrl(v.bufs[v.rank])->group_done[grp];
+        dev::fence_acq_rel_sys();
+        const bool last = atomicAdd(cnt, 1u) == others;
+        if (last) {
+          *cnt = 0;  // for the next SEND (a later kernel: stream order)
+          dev::fence_acq_rel_sys();
+        }
+        s_pub = last;
+      }
+      __syncthreads();
+      if (!s_pub) return true;
+    }
+  }
   if (threadIdx.x < v.world)
-    dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, blockIdx.x), make_flag(s, desc));
+    dev::publish_flag(moe_flag(v.peer_ctrl(threadIdx.x), c, s, v.rank, grp), make_flag(s, desc));
   return true;
 }
 
@@ -242,6 +285,136 @@ __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
   return 4 * (size_t(c.num_experts) + 16 + size_t(kMoeSubTokens) * (16 + c.top_k));
 }
 
+// The masked SEND (whole calls whose masks fit: dispatch_masked_fits): shared memory emask
+// [E][words] and pre [E + 1] (moe_route.cuh), dmask [W][words] (token t goes to rank d).
+__host__ __device__ inline size_t dispatch_masked_smem(const MoeConfig& c) {
+  return route_smem(c) + 4 * size_t(c.world) * route_words(c);
+}
+NVC_HD bool dispatch_masked_fits(const MoeConfig& c) { return dispatch_masked_smem(c) <= kRouteMaxSmem; }
+// Dynamic shared memory of the whole-call SEND kernel (masked or counting).
+__host__ __device__ inline size_t dispatch_whole_send_smem(const MoeConfig& c) {
+  return dispatch_masked_fits(c) ? dispatch_masked_smem(c) : dispatch_send_smem(c);
+}
+
+// The SEND half of a whole call by bit-mask routing (moe_route.cuh), every thread of the block;
+// returns s or 0 as dispatch_send_body. Every block routes all n tokens (route_masks: ids
+// checked, repeats found, per-expert masks and counts), ORs the masks of each rank's experts
+// into dmask, then takes work items (token t < n, chunk of 32 * u vectors, u = cols_per_lane)
+// over every warp of the grid: lanes d < W find whether t goes to rank d and its row there, pos
+// = route_idx(dmask[d], t) (the earlier tokens going to d); each lane loads its u vectors of x[t]
+// and stores them to every destination row; the chunk-0 warp also writes the scales, the
+// metadata (t, m, then (le | k << 16, idx = route_idx(emask[e], t)) in k order) and token_dest.
+// Block G-1 writes the headers (rows = popcount of dmask[d], counts from pre). The slot then
+// holds what the counting SEND writes (the same rows, positions, metadata and headers).
+__device__ __forceinline__ uint64_t dispatch_send_masked(const CommView& v, const MoeConfig& c,
+                                                         const DispatchSendArgs& a) {
+  extern __shared__ int32_t smem[];
+  const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
+  const int nw = route_words(c);
+  uint32_t* emask = reinterpret_cast<uint32_t*>(smem);        // [E][nw]
+  int32_t* pre = smem + E * nw;                                // [E + 1]
+  uint32_t* dmask = reinterpret_cast<uint32_t*>(pre + E + 1);  // [W][nw]
+  __shared__ RouteBad s_bad;
+  __shared__ char* s_dst[kWarps][kMaxWorld];
+  __shared__ int s_drank[kWarps][kMaxWorld];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x, G = gridDim.x;
+  const uint32_t desc = moe_dispatch_desc(c);
+  dev::probe(0);
+  const int n = a.num_tokens ? __ldg(a.num_tokens) : T;  // requested with the counters
+  const uint64_t s = begin_send(v, c, desc, a.seq_out);
+  const bool bad_n = n < 0 || n > T;  // the same in every block
+  if (__syncthreads_or(s == 0 || bad_n)) {
+    if (s != 0 && tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, n, uint64_t(T));
+    return 0;
+  }
+  dev::probe(1);
+  route_masks(a.ids, n, E, K, nw, emask, pre, s_bad);
+  if (s_bad.flag) {  // block-uniform (after the routing's barriers)
+    if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_bad.val,
+                                  bad_expert_detail(s_bad.tok, s_bad.slot, s_bad.rep != 0));
+    return 0;
+  }
+  for (int i = tid; i < W * nw; i += blockDim.x) {
+    const int d = i / nw, w = i - d * nw;
+    uint32_t m = 0;
+    for (int le = 0; le < L; ++le) m |= emask[(d * L + le) * nw + w];
+    dmask[i] = m;
+  }
+  __syncthreads();
+  dev::probe(2);
+  for (size_t i = size_t(n) * K + size_t(b) * blockDim.x + tid; i < size_t(T) * K; i += size_t(G) * blockDim.x)
+    a.token_dest[i] = -1;
+  if (b == G - 1) {
+    for (int i = tid; i < W * (1 + L); i += blockDim.x) {
+      const int d = i / (1 + L), j = i - d * (1 + L);
+      int val = 0;
+      if (j == 0) {
+        for (int w = 0; w < nw; ++w) val += __popc(dmask[d * nw + w]);
+      } else {
+        val = pre[d * L + j] - pre[d * L + j - 1];
+      }
+      moe_hdr(moe_half(v.bufs[d], c, s), c, v.rank)[j] = val;
+    }
+  }
+  const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
+  const int nvec = int(xrow / 16), S = c.scale_cols;
+  const int cw = 32 * cols_per_lane(n, nvec, G), nch = (nvec + cw - 1) / cw;
+  for (int item = b * kWarps + warp; item < n * nch; item += G * kWarps) {
+    const int t = item / nch, ch = item - t * nch;
+    const int i0 = ch * cw + lane, iend = min(nvec, (ch + 1) * cw);
+    const uint8_t* xr = a.x + size_t(t) * xrow;
+    uint4 val[kCopyU];
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u)
+      if (i0 + 32 * u < iend) val[u] = ld_nc_v4(xr + size_t(i0 + 32 * u) * 16);
+    // destinations of this token, ascending rank (lane d)
+    const bool to = lane < W && ((dmask[lane * nw + (t >> 5)] >> (t & 31)) & 1u) != 0u;
+    const uint32_t dbal = __ballot_sync(0xFFFFFFFFu, to);
+    const int nd = __popc(dbal);
+    if (to) {
+      const int q = __popc(dbal & lanemask_lt());
+      s_dst[warp][q] = moe_drow_in(moe_half(v.bufs[lane], c, s), c, T, v.rank,
+                                   route_idx(dmask, nw, lane, t));
+      s_drank[warp][q] = lane;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < kCopyU; ++u) {
+      const int i = i0 + 32 * u;
+      if (i < iend)
+        for (int j = 0; j < nd; ++j) dev::st_v4(s_dst[warp][j] + size_t(i) * 16, val[u]);
+    }
+    if (ch == 0) {  // warp-uniform
+      const int e = lane < K ? __ldg(a.ids + size_t(t) * K + lane) : -1;  // checked in the routing
+      if (lane < K) a.token_dest[size_t(t) * K + lane] = e;
+      const int idx = e >= 0 ? route_idx(emask, nw, e, t) : 0;
+      for (int i = lane; i < S; i += 32) {
+        const float f = __ldg(a.x_scale + size_t(t) * S + i);
+        for (int j = 0; j < nd; ++j) reinterpret_cast<float*>(s_dst[warp][j] + scale_off)[i] = f;
+      }
+      for (int j = 0; j < nd; ++j) {
+        const int d = s_drank[warp][j];
+        const bool in = e >= 0 && e / L == d;
+        const uint32_t bal = __ballot_sync(0xFFFFFFFFu, in);
+        int32_t* meta = reinterpret_cast<int32_t*>(s_dst[warp][j] + meta_off);
+        if (in) {
+          const int q = __popc(bal & lanemask_lt());
+          meta[2 + 2 * q] = (e - d * L) | (lane << 16);
+          meta[3 + 2 * q] = idx;
+        }
+        if (lane == 0) { meta[0] = t; meta[1] = __popc(bal); }
+      }
+    }
+    __syncwarp();  // s_dst[warp] is rewritten by the warp's next item
+  }
+  dev::probe(3);
+  const uint32_t ticket = send_ticket(v);  // its round trip overlaps publish_all's release
+  publish_all(v, c, s, desc);
+  finish_send(v, s, ticket);
+  dev::probe(4);
+  return s;
+}
+
 // The SEND half, every thread of the block; returns the call's s, or 0 (every thread alike)
 // when the call failed or was refused here: the block then publishes nothing and leaves.
 // kRounds: a round of a bounded call (its own kernel, dispatch_send_rounds_kernel, so the
@@ -249,6 +422,7 @@ __host__ __device__ inline size_t dispatch_send_smem(const MoeConfig& c) {
 template <bool kRounds = false>
 __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const MoeConfig& c,
                                                        const DispatchSendArgs& a) {
+  if (!kRounds && dispatch_masked_fits(c)) return dispatch_send_masked(v, c, a);
   extern __shared__ int32_t smem[];
   const int E = c.num_experts, K = c.top_k, W = c.world, T = c.max_tokens, L = E / W;
   int32_t* cntE = smem;                                 // [E] tokens before the cursor, per expert
@@ -274,7 +448,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   if (tid < 16) cntD[tid] = 0;
   if (tid == 0) s_bad = 0;
   if (__syncthreads_or(s == 0 || bad_n)) {
-    if (s != 0 && tid == 0) poison_and_fail(v, c, s, G, kErrCapacity, desc, n, uint64_t(T));
+    if (s != 0 && tid == 0) poison_and_fail(v, c, s, kErrCapacity, desc, n, uint64_t(T));
     return 0;
   }
 
@@ -315,7 +489,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
   }
   __syncthreads();
   if (s_bad) {
-    if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+    if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
     return 0;
   }
@@ -355,7 +529,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
     }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+      if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return 0;
     }
@@ -428,7 +602,7 @@ __device__ __forceinline__ uint64_t dispatch_send_body(const CommView& v, const 
       }
     __syncthreads();
     if (s_bad) {
-      if (tid == 0) poison_and_fail(v, c, s, G, kErrBadExpert, desc, s_badval,
+      if (tid == 0) poison_and_fail(v, c, s, kErrBadExpert, desc, s_badval,
                                     bad_expert_detail(s_badtok, s_badslot, s_badrep != 0));
       return 0;
     }
@@ -481,39 +655,6 @@ __host__ __device__ inline size_t dispatch_recv_smem(const MoeConfig& c) {
   // pre [L + 1] (packed: the first packed row of each local expert)
   return 4 * (size_t(moe_local_experts(c)) + size_t(c.world) * (1 + moe_local_experts(c)) +
               size_t(moe_local_experts(c)) + 1);
-}
-
-// pre[i] = v[0] + ... + v[i-1] for i in [0, n] (n <= 2^31 in sum): every thread of the block
-// (blockDim.x == kMoeThreads) calls it; per-thread segments, warp 0 scans the partials. Ends
-// with a barrier (pre is then visible to the whole block).
-__device__ __forceinline__ void block_exclusive_scan(const int32_t* v, int32_t* pre, int n) {
-  __shared__ int32_t s_part[kMoeThreads];
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int per = (n + kMoeThreads - 1) / kMoeThreads, lo = min(tid * per, n), hi = min(lo + per, n);
-  int sum = 0;
-  for (int i = lo; i < hi; ++i) sum += v[i];
-  s_part[tid] = sum;
-  __syncthreads();
-  if (tid < 32) {
-    constexpr int kPer = kMoeThreads / 32;
-    int loc[kPer], tot = 0;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) { loc[j] = s_part[lane * kPer + j]; tot += loc[j]; }
-    int inc = tot;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int y = __shfl_up_sync(0xFFFFFFFFu, inc, d);
-      if (lane >= d) inc += y;
-    }
-    int acc = inc - tot;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) { s_part[lane * kPer + j] = acc; acc += loc[j]; }
-    if (lane == 31) pre[n] = inc;
-  }
-  __syncthreads();
-  int acc = s_part[tid];
-  for (int i = lo; i < hi; ++i) { pre[i] = acc; acc += v[i]; }
-  __syncthreads();
 }
 
 // The RECV half, every thread of the block. known_s: 0 = a kernel of its own (s from
@@ -661,8 +802,8 @@ __global__ void __launch_bounds__(kMoeThreads) dispatch_recv_rounds_kernel(CommV
 
 // A fused dispatch in one kernel: the SEND half, then (after the block published its flags) the
 // RECV half of the same call. The RECV half waits for the flags of every block of every rank,
-// this kernel's own included, so the grid's blocks must all be resident (moe_blocks <= 24).
-// Dynamic shared memory: max(dispatch_send_smem, dispatch_recv_smem); the RECV half writes it
+// this kernel's own included, so the grid's blocks must all be resident (moe_grid: at most the SMs).
+// Dynamic shared memory: max(dispatch_whole_send_smem, dispatch_recv_smem); the RECV half writes it
 // only after wait_all_sources' barrier, when every thread of the block is past publish_all.
 __global__ void __launch_bounds__(kMoeThreads, 1) dispatch_kernel(CommView v, MoeConfig c,
                                                                DispatchSendArgs sa,

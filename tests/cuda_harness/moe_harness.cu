@@ -17,7 +17,10 @@
 //       build/moe_harness --bounded-time  us per dispatch + combine pair in CUDA graphs, whole-call
 //                                    slots against bounded ones (calls in 2-16 rounds), W=2 on
 //                                    ONE GPU (the rounds' cost, not 2-GPU numbers)
-//       build/moe_harness --error    bad expert id (fused and split, W = 2 and 4; fused with
+//       build/moe_harness --layer-time [TAG]  us per fused packed dispatch / combine at
+//                                    moe_layer's decode shapes (W 1 and 2 on ONE GPU, 8-128
+//                                    tokens, H 7168, 32 / 256 experts per rank), lines tagged TAG
+//       build/moe_harness --error    bad expert id (fused and split, W = 1, 2 and 4; fused with
 //                                    bounded slots, the id in the last round): every rank's
 //                                    call ends at once with its record and no trap (the context
 //                                    stays usable: a normal case runs after it)
@@ -321,8 +324,10 @@ std::string run_case(const Case& cs) {
 // records unchanged. Then a normal case runs in the same process (a healthy CUDA context).
 // bounded: slots bounded (fused only), the bad token in the call's last round; found in its
 // first (every id is checked there: seq 1 on every rank all the same).
-bool error_case(int W, bool split, bool bounded = false) {
-  Case cs{"bad expert", W, 4 * W, 2, 32, 64, kMoeBF16, 0, kMoeBF16};
+// wide: hidden 7168, top-8, so the grid exceeds moe_blocks (flag groups, moe_dispatch.cuh
+// publish_all) where the GPU has the SMs.
+bool error_case(int W, bool split, bool bounded = false, bool wide = false) {
+  Case cs{"bad expert", W, wide ? 8 * W : 4 * W, wide ? 8 : 2, 32, wide ? 7168 : 64, kMoeBF16, 0, kMoeBF16};
   cs.full = true;
   cs.split = split;
   if (bounded) cs.slot_frac = 0.3f;
@@ -357,8 +362,9 @@ bool error_case(int W, bool split, bool bounded = false) {
         good &= x.code == kErrMismatch && x.peer == 0 && flag_desc(x.observed) == kMoePoisonDesc;
       if (round == 1) good &= std::memcmp(&before[r], &x, sizeof(x)) == 0;
     }
-    std::printf("bad expert id, W=%d %s, %s: sync %s after %.3f s;%s %s\n", W,
+    std::printf("bad expert id, W=%d %s%s, %s: sync %s after %.3f s;%s %s\n", W,
                 split ? "split" : bounded ? "fused, bounded slots (bad id in the last round)" : "fused",
+                wide ? " (H 7168 top-8: flag groups)" : "",
                 round == 0 ? "the call" : "next call",
                 cudaGetErrorString(e), sec, w.errors().c_str(), good ? "ok" : "FAIL");
     ok &= good;
@@ -370,9 +376,10 @@ bool error_case(int W, bool split, bool bounded = false) {
 
 int run_error_mode() {
   bool ok = true;
-  for (int W : {2, 4})
+  for (int W : {1, 2, 4})
     for (bool split : {false, true}) ok &= error_case(W, split);
-  for (int W : {2, 4}) ok &= error_case(W, false, true);
+  for (int W : {1, 2, 4}) ok &= error_case(W, false, true);
+  for (bool split : {false, true}) ok &= error_case(2, split, false, true);
   Case healthy{"W2 bf16 scales", 2, 8, 2, 64, 256, kMoeBF16, 4, kMoeBF16};
   const std::string e = run_case(healthy);
   std::printf("a normal case afterwards (healthy context): %s%s\n", e.empty() ? "PASS" : "FAIL ",
@@ -560,24 +567,145 @@ void run_bounded_time() {
   }
 }
 
+// Light inputs for the layer-shape timings: distinct random ids per row (no -1), x and expert_y
+// left as cudaMalloc gives them (timing only: no value is checked), packed buffers.
+struct LayerSlot {
+  uint8_t *x, *ey, *ex, *y;
+  float* w;
+  int32_t *ids, *cnt, *td, *es;
+};
+LayerSlot layer_slot(const Case& cs, const MoeConfig& c, int r) {
+  const size_t L = cs.E / cs.W, P = moe_packed_rows(c);
+  LayerSlot s;
+  s.x = dalloc<uint8_t>(size_t(cs.T) * moe_x_row_bytes(c));
+  s.ey = dalloc<uint8_t>(P * moe_y_row_bytes(c, cs.ydt));
+  s.ex = dalloc<uint8_t>(P * moe_x_row_bytes(c));
+  s.y = dalloc<uint8_t>(size_t(cs.T) * moe_y_row_bytes(c, cs.ydt));
+  s.w = dalloc<float>(size_t(cs.T) * cs.K);
+  s.ids = dalloc<int32_t>(size_t(cs.T) * cs.K);
+  s.cnt = dalloc<int32_t>(L);
+  s.td = dalloc<int32_t>(size_t(cs.T) * cs.K);
+  s.es = dalloc<int32_t>(L * cs.W * cs.T);
+  std::mt19937 g(1234 + r);
+  std::vector<int32_t> ids(size_t(cs.T) * cs.K);
+  std::vector<int> perm(cs.E);
+  for (int t = 0; t < cs.T; ++t) {
+    for (int e = 0; e < cs.E; ++e) perm[e] = e;
+    for (int k = 0; k < cs.K; ++k) {
+      std::swap(perm[k], perm[k + g() % (cs.E - k)]);
+      ids[size_t(t) * cs.K + k] = perm[k];
+    }
+  }
+  std::vector<float> w(size_t(cs.T) * cs.K, 0.125f);
+  CK(cudaMemcpy(s.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(s.w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(s.ey, 0, P * moe_y_row_bytes(c, cs.ydt)));
+  CK(cudaMemset(s.x, 0, size_t(cs.T) * moe_x_row_bytes(c)));
+  return s;
+}
+void free_layer_slot(LayerSlot& s) {
+  for (void* p : {(void*)s.x, (void*)s.ey, (void*)s.ex, (void*)s.y, (void*)s.w, (void*)s.ids,
+                  (void*)s.cnt, (void*)s.td, (void*)s.es})
+    cudaFree(p);
+}
+
+// --layer-time [tag]: nvc.moe_layer's dispatch and combine (fused calls, packed rows, all tokens)
+// at its decode shapes: W = 1 and 2 (virtual ranks on ONE GPU: the peer is local memory), tokens
+// 8 / 32 / 128, hidden 7168 bf16, top-8, 32 and 256 experts per rank. A CUDA graph per rank of
+// 50 calls (dispatch only, then combine only: one dispatch before gives the handle), the ranks'
+// graphs launched together; us per call, best of 3 launches. One line per shape, `tag` first
+// (the build's name, for tables of two builds side by side).
+void run_layer_time(const char* tag) {
+  std::printf("\nlayer-time (%s): fused packed calls, top-8, bf16, H 7168; us per call (graph of 50 "
+              "calls per rank, best of 3); W=2 = two virtual ranks on ONE GPU\n", tag);
+  std::printf("%-8s %3s %5s %4s | %8s %8s\n", "build", "W", "L", "T", "disp", "comb");
+  for (int W : {1, 2})
+    for (int L : {32, 256})
+      for (int T : {8, 32, 128}) {
+        Case cs{"layer", W, L * W, 8, T, 7168, kMoeBF16, 0, kMoeBF16};
+        cs.full = true;
+        cs.packed = true;
+        const MoeConfig c0 = case_config(cs, 0);
+        World w(c0);
+        std::vector<LayerSlot> sl;
+        for (int r = 0; r < W; ++r) sl.push_back(layer_slot(cs, c0, r));
+        auto call = [&](int r, int which) {
+          const LayerSlot& s = sl[r];
+          if (which == 0)
+            CK(cuda::moe_dispatch(w.view(r), w.cfg(r), s.x, nullptr, s.ids, nullptr, s.ex, s.cnt,
+                                  nullptr, s.td, s.es, w.st[r], true));
+          else
+            CK(cuda::moe_combine(w.view(r), w.cfg(r), s.ey, cs.ydt, s.w, s.td, s.es, s.cnt, s.y,
+                                 w.st[r], true));
+        };
+        for (int r = 0; r < W; ++r) call(r, 0);  // the handle for the combines
+        CK(wait_round(w));
+        float us[2];
+        for (int which = 0; which < 2; ++which) {
+          const int calls = 50;
+          std::vector<cudaGraphExec_t> ge(W);
+          for (int r = 0; r < W; ++r) {
+            cudaGraph_t g;
+            CK(cudaStreamBeginCapture(w.st[r], cudaStreamCaptureModeThreadLocal));
+            for (int i = 0; i < calls; ++i) call(r, which);
+            CK(cudaStreamEndCapture(w.st[r], &g));
+            CK(cudaGraphInstantiate(&ge[r], g, 0));
+            CK(cudaGraphDestroy(g));
+          }
+          cudaEvent_t e0, e1, ej;
+          CK(cudaEventCreate(&e0));
+          CK(cudaEventCreate(&e1));
+          CK(cudaEventCreateWithFlags(&ej, cudaEventDisableTiming));
+          float best = 1e30f;
+          for (int rep = 0; rep < 4; ++rep) {  // the first launch warms up
+            CK(cudaEventRecord(e0, w.st[0]));
+            for (int r = 1; r < W; ++r) CK(cudaStreamWaitEvent(w.st[r], e0, 0));
+            for (int r = 0; r < W; ++r) CK(cudaGraphLaunch(ge[r], w.st[r]));
+            for (int r = 1; r < W; ++r) {
+              CK(cudaEventRecord(ej, w.st[r]));
+              CK(cudaStreamWaitEvent(w.st[0], ej, 0));
+            }
+            CK(cudaEventRecord(e1, w.st[0]));
+            CK(wait_round(w));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep > 0) best = std::min(best, ms);
+          }
+          us[which] = best * 1000.0f / calls;
+          for (auto g : ge) CK(cudaGraphExecDestroy(g));
+          CK(cudaEventDestroy(e0));
+          CK(cudaEventDestroy(e1));
+          CK(cudaEventDestroy(ej));
+        }
+        std::printf("%-8s %3d %5d %4d | %8.2f %8.2f%s\n", tag, W, L, T, us[0], us[1],
+                    w.errors().empty() ? "" : (" ERROR" + w.errors()).c_str());
+        std::fflush(stdout);
+        for (auto& s : sl) free_layer_slot(s);
+      }
+}
+
 #ifdef NVC_PROBE
 // --probe: the phases of the four kernels of a fused dispatch + combine (probe indices in
 // kernels/moe_dispatch.cuh and moe_combine.cuh), 200 rounds per configuration.
 void run_probe() {
-  struct PC { const char* name; int E, T, H; };
-  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 128, 4, 2048},
-                    {"EP2 4 tok, H 7168, E 64", 64, 4, 7168},
-                    {"EP2 128 tok, H 7168, E 64", 64, 128, 7168}};
+  struct PC { const char* name; int W, E, T, H; bool packed; };
+  const PC pcs[] = {{"example decode: 4 tok, H 2048, E 128", 2, 128, 4, 2048, false},
+                    {"EP2 4 tok, H 7168, E 64", 2, 64, 4, 7168, false},
+                    {"EP2 128 tok, H 7168, E 64", 2, 64, 128, 7168, false},
+                    {"layer W1 8 tok, H 7168, E 32, packed", 1, 32, 8, 7168, true},
+                    {"layer W1 128 tok, H 7168, E 32, packed", 1, 32, 128, 7168, true},
+                    {"layer W1 8 tok, H 7168, E 256, packed", 1, 256, 8, 7168, true}};
   int khz = 0;
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
-  std::printf("\nprobe: W=2 on one GPU, top-8, bf16; mean SM cycles per phase, block 0 (clock attr %d MHz)\n",
+  std::printf("\nprobe: W=1/2 on one GPU, top-8, bf16; mean SM cycles per phase, block 0 (clock attr %d MHz)\n",
               khz / 1000);
   std::printf("%-38s | dsend: %5s %5s %5s %5s | drecv: %5s %5s %5s | csend: %5s %5s %5s | crecv: %5s %5s\n",
               "config", "begin", "A", "B", "pub", "wait", "hdrs", "copy", "scan", "copy", "pub", "wait", "sum");
   for (const PC& pc : pcs) {
-    Case cs{pc.name, 2, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
+    Case cs{pc.name, pc.W, pc.E, 8, pc.T, pc.H, kMoeBF16, 0, kMoeBF16};
     cs.full = true;
     cs.p_neg = 0;
+    cs.packed = pc.packed;
     MoeConfig c0{cs.W, 0, cs.E, cs.K, cs.T, cs.H, cs.dtype, cs.S};
     World w(c0);
     std::vector<std::vector<Slot>> slots = timing_slots(cs, c0);
@@ -623,6 +751,11 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--bounded-time")) {
       CK(cuda::moe_load_kernels());
       run_bounded_time();
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--layer-time")) {
+      CK(cuda::moe_load_kernels());
+      run_layer_time(i + 1 < argc ? argv[i + 1] : "this");
       return 0;
     }
     if (!std::strcmp(argv[i], "--graph-time")) {
@@ -676,6 +809,33 @@ int main(int argc, char** argv) {
   c = {"packed tiny W4 T=5 scales zero rank", 4, 8, 2, 5, 32, kMoeBF16, 1, kMoeBF16}; c.zero_rank = 1; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"packed tiny W2 T=4 split", 2, 4, 2, 4, 32, kMoeBF16, 0, kMoeF32}; c.split = true; c.packed = true; cases.push_back(c);
   c = {"packed tiny W2 T=4 graph x3", 2, 4, 4, 4, 32, kMoeBF16, 0, kMoeBF16}; c.graph = 1; c.rounds = 3; c.packed = true; cases.push_back(c);
+  // grids past moe_blocks (flag groups: moe_dispatch.cuh publish_all) at W 2 and 3 (132 SMs:
+  // 66 / 44 blocks per virtual rank against 24 flag blocks)
+  c = {"groups W2 packed 64 E top8 7168 H T=64", 2, 64, 8, 64, 7168, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"groups W2 split 7168 H T=32", 2, 32, 8, 32, 7168, kMoeBF16, 0, kMoeF32}; c.split = true; c.rounds = 2; cases.push_back(c);
+  c = {"groups W3 fused and split alternate 7168 H", 3, 24, 8, 32, 7168, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 4; cases.push_back(c);
+  c = {"groups W2 graph x10 H 4096 T=32", 2, 16, 8, 32, 4096, kMoeBF16, 1, kMoeBF16}; c.graph = 1; c.rounds = 10; c.packed = true; cases.push_back(c);
+  c = {"groups W2 tiny H 4096 T=32 split", 2, 16, 8, 32, 4096, kMoeBF16, 0, kMoeBF16}; c.split = true; c.packed = true; cases.push_back(c);
+  // routings whose bit masks do not fit shared memory: the counting SEND (and at world 1 the
+  // two-half kernels)
+  c = {"W2 counting SEND: E 256, T=4096", 2, 256, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; cases.push_back(c);
+  c = {"W1 two halves: E 1024, T=512", 1, 1024, 4, 512, 64, kMoeBF16, 0, kMoeF32}; c.rounds = 2; cases.push_back(c);
+  // world 1: fused calls in one kernel each (kernels/moe_local.cuh), split calls in two halves
+  c = {"local W1 packed 32 E top8 7168 H T=128", 1, 32, 8, 128, 7168, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.full = true; c.p_neg = 0; cases.push_back(c);
+  c = {"local W1 padded scales -> f32 y", 1, 16, 4, 64, 256, kMoeBF16, 3, kMoeF32}; c.rounds = 3; cases.push_back(c);
+  c = {"local W1 fp8 scales packed -> f16 y", 1, 64, 8, 96, 512, kMoeF8E4M3, 4, kMoeF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 f32 top1", 1, 16, 1, 64, 128, kMoeF32, 0, kMoeF32}; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 K = E packed", 1, 4, 4, 40, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 all to one expert", 1, 8, 3, 64, 128, kMoeBF16, 1, kMoeBF16}; c.hot = 5; c.full = true; cases.push_back(c);
+  c = {"local W1 T=4096 (long masks)", 1, 8, 2, 4096, 64, kMoeBF16, 1, kMoeBF16}; c.packed = true; cases.push_back(c);
+  c = {"local W1 1024 experts T=8", 1, 1024, 8, 8, 256, kMoeBF16, 0, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"local W1 zero tokens", 1, 16, 4, 32, 128, kMoeBF16, 0, kMoeBF16}; c.zero_rank = 0; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 fused and split alternate", 1, 16, 4, 32, 128, kMoeBF16, 1, kMoeBF16}; c.mixed = true; c.inflight = 2; c.rounds = 8; cases.push_back(c);
+  c = {"local W1 split", 1, 32, 8, 64, 512, kMoeBF16, 2, kMoeBF16}; c.split = true; c.packed = true; c.rounds = 2; cases.push_back(c);
+  c = {"local W1 graph replay x20, 2 in flight", 1, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.graph = 1; c.rounds = 20; c.inflight = 2; c.packed = true; cases.push_back(c);
+  c = {"local W1 200 rounds changing routing", 1, 16, 4, 32, 64, kMoeBF16, 1, kMoeF32}; c.rounds = 200; cases.push_back(c);
+  c = {"packed tiny W1 T=6 local scales", 1, 8, 4, 6, 32, kMoeBF16, 2, kMoeBF16}; c.packed = true; c.rounds = 3; cases.push_back(c);
+  c = {"packed tiny W1 T=5 local graph x3 mixed", 1, 4, 2, 5, 32, kMoeBF16, 0, kMoeF32}; c.graph = 1; c.rounds = 3; c.mixed = true; c.packed = true; cases.push_back(c);
   // bounded slots (moe_layout.h BOUNDED SLOTS): every call in rounds of SEND + RECV kernels
   c = {"bounded W4 scales zero rank", 4, 16, 4, 64, 256, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.zero_rank = 2; c.rounds = 3; cases.push_back(c);
   c = {"bounded W8 fp8 top8 f32 y", 8, 64, 8, 128, 512, kMoeF8E4M3, 4, kMoeF32}; c.slot_frac = 0.2f; c.rounds = 2; cases.push_back(c);
@@ -685,6 +845,7 @@ int main(int argc, char** argv) {
   c = {"bounded W8 graph x20, 2 in flight", 8, 32, 4, 48, 128, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; c.graph = 1; c.rounds = 20; c.inflight = 2; cases.push_back(c);
   c = {"bounded packed W4 f16 -> f32 y", 4, 16, 4, 96, 512, kMoeF16, 0, kMoeF32}; c.slot_frac = 0.25f; c.packed = true; c.rounds = 2; cases.push_back(c);
   c = {"bounded W16 max world", 16, 32, 4, 32, 64, kMoeBF16, 2, kMoeBF16}; c.slot_frac = 0.3f; cases.push_back(c);
+  c = {"bounded W2 H 7168 T=64 (flag groups)", 2, 16, 8, 64, 7168, kMoeBF16, 1, kMoeBF16}; c.slot_frac = 0.3f; c.packed = true; c.rounds = 2; cases.push_back(c);
   // small enough for compute-sanitizer
   c = {"bounded tiny W2 T=8 one token per round", 2, 4, 2, 8, 32, kMoeBF16, 1, kMoeF32}; c.slot_frac = 0.01f; cases.push_back(c);
   c = {"bounded tiny W4 T=7 zero rank graph x3", 4, 8, 2, 7, 32, kMoeBF16, 0, kMoeBF16}; c.slot_frac = 0.4f; c.zero_rank = 1; c.graph = 1; c.rounds = 3; cases.push_back(c);

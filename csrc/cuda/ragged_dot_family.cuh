@@ -9,14 +9,15 @@
 //   kRows16 (decode, up to ~10 rows per group): BN 256 x BK 64, 4 stages, 8 warps of 2 m16
 //        tiles (swiglu: BN 128 over two weights, 8 warps of 1 m16 tile), items dealt round
 //        robin, TMA weights, the row-count loop, the last round's items split along K
-//        (kSplitK): round robin with TMA and the row-count loop 1.38 / 1.21 / 1.30 / 1.17 / 1.15
-//        (gate), 1.28 / 1.23 / 1.20 / 1.16 / 1.15 (down), 1.38 / 1.18 / 1.21 / 1.17 / 1.15
-//        (swiglu), against 1.36-1.45 / 1.17-1.24 / 1.20-1.30 / 1.18-1.24 / 1.19-1.31 for the
-//        cp.async round-robin tiles and the balanced ranges many groups had (kept nowhere now).
-//   kRows64 (~32 rows per group): BN 128 x BK 128, 3 stages, 4 warps of 2 m16 tiles (swiglu
-//        BN 128 x BK 64, 8 warps of 1), round robin, the row-count loop, TMA weights, the last
-//        round split: 32 experts x 128 tokens gate 1.39-1.40, down 1.62-1.63, swiglu 1.31
-//        (balanced ranges: 1.48-1.51 / 1.67-1.71 / 1.41-1.44).
+//        (kSplitK), the epilogue's block barrier (kCtaSync): 1.25 / 1.21 / 1.21 / 1.17 / 1.16
+//        (gate), 1.28 / 1.21 / 1.21 / 1.17 / 1.13 (down), 1.21 / 1.20 / 1.21 / 1.16 / 1.16
+//        (swiglu). Without the split the swiglu pass at 32 x 8 took 1.38 (416 items on 132
+//        SMs); the cp.async tiles and the balanced ranges many groups had: 1.2-1.45.
+//   kRows64 (~32 rows per group): BN 256 x BK 64, 3 stages, 8 warps of 2 m16 tiles (swiglu
+//        BN 128 x BK 64, 8 warps of 1), round robin, the row-count loop, TMA weights, the
+//        block barrier: 32 experts x 128 tokens gate 1.19, down 1.22, swiglu 1.17 (BN 128 x
+//        BK 128 with cluster barriers: 1.23 / 1.42 / 1.18; balanced ranges 1.48 / 1.67 / 1.41;
+//        the split option compiled in cost ~10 % there although it never splits).
 // Blocks per cluster: 1 (ragged_dot.cu ragged_dot_cluster): split-K over a cluster lost to it at
 // every decode shape but one.
 #pragma once
@@ -33,19 +34,21 @@ template <class T, class TO, int KIND, bool SW>
 struct DefaultTile;
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows16, false> {
-  using K = Kernel<T, TO, 256, 64, 16, 4, 2, false, o::kSpecRows | o::kTma | o::kSplitK>;
+  using K = Kernel<T, TO, 256, 64, 16, 4, 2, false,
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync>;
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows64, false> {
-  using K = Kernel<T, TO, 128, 128, 64, 3, 2, false, o::kSpecRows | o::kTma>;
+  using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync>;
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows16, true> {
-  using K = Kernel<T, TO, 128, 64, 16, 4, 1, true, o::kSpecRows | o::kTma | o::kSplitK>;
+  using K = Kernel<T, TO, 128, 64, 16, 4, 1, true,
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync>;
 };
 template <class T, class TO>
 struct DefaultTile<T, TO, kRows64, true> {
-  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma>;
+  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync>;
 };
 
 template <class T, class TO, int KIND, bool SW>

@@ -36,17 +36,17 @@ using K = nvc::cuda::rdot_launch::Kernel<B, B, BN, BK, R, ST, MT, SW, OPT>;
 #define RDOT_VS(BN, BK, R, ST, MT, OPT, TAG)                                                  \
   SweepVariant{"sw BN" #BN " BK" #BK " R" #R " st" #ST " w" #MT TAG, RDOT_SWEEP_PART, true,                    \
                &K<BN, BK, R, ST, MT, true, OPT>::launch}
-// The package's tiles with the epilogue's block barrier (kCtaSync, "cta"), R 64 forms with
-// fewer items (BN 256), deeper pipelines (BK 64 x 6) or 8 warps, and the R 16 tiles without
-// the last round's split; the candidates measured before them are in docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
+// The package's previous tiles (cluster barriers in the epilogue), R 64 forms of BN 128 with
+// the block barrier (kCtaSync, "cta"), the R 16 tiles without the last round's split; the
+// candidates measured before them are in docs/perf/ragged_dot.md. The package's tiles (cuda/ragged_dot_family.cuh) are not repeated here.
 [[maybe_unused]] constexpr int kK = r::kSplitK, kC = r::kCtaSync;
 #if RDOT_SWEEP_PART == 0
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 2, kS | kT | kK | kC, " spec tma split cta"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 1
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kC, " spec tma split cta"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK, " spec tma split"),
 };
 #elif RDOT_SWEEP_PART == 2
 const SweepVariant kV[] = {
@@ -54,15 +54,15 @@ const SweepVariant kV[] = {
 };
 #elif RDOT_SWEEP_PART == 3
 const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kC, " spec tma cta"),
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 4
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 64, 3, 2, kS | kT | kC, " spec tma cta"),
+    RDOT_V(128, 128, 64, 3, 2, kS | kT, " spec tma"),
 };
 #elif RDOT_SWEEP_PART == 5
 const SweepVariant kV[] = {
-    RDOT_V(128, 64, 64, 6, 2, kS | kT | kC, " spec tma cta"),
+    RDOT_V(256, 64, 16, 4, 2, kS | kT | kC, " spec tma cta"),
 };
 #elif RDOT_SWEEP_PART == 6
 const SweepVariant kV[] = {

@@ -83,7 +83,10 @@ def one_config(E, K, T, H, F, dtype, mode, nt_mode, n_rounds):
             ref = np_moe_layer_reference(f64(x), ids, w, nt, f64(wg), f64(wu), f64(wd), W)
             y = g(*(global_array(mesh, P("x"), a) for a in (x, ids, w, nt)), *gw)
             rtol, atol = TOL[dt.name]
-            scale = float(np.sqrt(np.mean(ref ** 2))) or 1.0
+            # the output's scale over the rows that have tokens (rows past num_tokens are exact
+            # zeros, checked below: counted in, they would shrink the bfloat16 tolerance)
+            live = ref[np.any(ref != 0, axis=1)]
+            scale = float(np.sqrt(np.mean(live ** 2))) if live.size else 1.0
             check_shards(y, ref, rtol=rtol, atol=atol * scale, what=name)
             for sh in y.addressable_shards:  # rows past num_tokens: exactly zero
                 r = (sh.index[0].start or 0) // T

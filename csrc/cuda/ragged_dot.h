@@ -6,11 +6,12 @@
 // for r < min(sum(max(group_sizes, 0)), M); rows past that are zero. lhs [M, K] rows sorted by
 // group; group_sizes: device int32 [G], read by the kernel (no host sync); out [M, N].
 //
-// Contract: no allocation, no synchronisation, no host state beyond per-device caches of
-// occupancy answers and the driver's tensor-map encoder (looked up once; TMA tiles encode their
-// weights' maps on the host at each launch, into the kernel's parameters): CUDA-graph
-// capturable (one kernel launch on `s`). Deterministic: the same
-// inputs give the same bits (fixed-order split-K reduction). Arguments the kernel does not take
+// Contract: no allocation (the split-K workspace is the caller's: RaggedDotArgs::workspace), no
+// synchronisation, no host state beyond per-device caches of occupancy answers and the driver's
+// tensor-map encoder (looked up once; TMA tiles encode their weights' maps on the host at each
+// launch, into the kernel's parameters): CUDA-graph capturable (a memset of the workspace's
+// counters and one kernel launch on `s`). Deterministic: the same inputs give the same bits
+// (fixed-order split-K reduction, whichever unit finishes last). Arguments the kernel does not take
 // (ragged_dot_check says why, as static text) return cudaErrorInvalidValue before anything is
 // launched. M == 0 or N == 0 launches nothing.
 #pragma once

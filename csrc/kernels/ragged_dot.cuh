@@ -165,6 +165,8 @@ constexpr int kMaxGroups = 1024;
 //   kCtaSync: clusters of one block (the launcher forces cs = 1), so the epilogue orders its
 //     partials with one block barrier and reads them from its own shared memory, instead of
 //     two cluster barriers and reads through the cluster window (distributed shared memory).
+// The package's tiles (cuda/ragged_dot_family.cuh) use kSpecRows | kTma | kCtaSync, and at
+// R 16 kSplitK; the other options are the sweep's (measured slower at the decode shapes).
 constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32,
               kWgmma = 64, kCtaSync = 128;
 // Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).

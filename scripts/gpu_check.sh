@@ -67,8 +67,8 @@
 #                                      on the tiny bounded cases, the --bounded-time table (~2.5 min)
 #   bash scripts/gpu_check.sh moefast  MoE dispatch / combine at moe_layer's decode sizes, kernel harness on
 #                                      GPU 0 (virtual ranks, no package build): this tree's kernels
-#                                      against main's (scripts/moefast_old.patch), every case,
-#                                      --error, memcheck, the phase probes, a before/after
+#                                      (against another tree's when MOE_BASE=<its root>), every
+#                                      case, --error, memcheck, the phase probes, a (before/after)
 #                                      graph-time table (W 1 and 2, 8/32/128 tokens) (~2.5 min)
 #   bash scripts/gpu_check.sh moebound bounded MoE slots and ragged_all_to_all's big outputs through
 #                                      the package (built if needed): tests/mp/moe_bounded_mp.py
@@ -1055,23 +1055,24 @@ for kind in ("local", "block", "bench"):
 PYEOF
   } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-moefast)  # MoE dispatch / combine at moe_layer's decode sizes, this tree against main's kernels: the
-  # MoE harness (this tree's file) built four ways in parallel: this tree's csrc and main's (this
-  # csrc with scripts/moefast_old.patch applied), each plain and with -DNVC_PROBE; every case
+moefast)  # MoE dispatch / combine at moe_layer's decode sizes, this tree's kernels, and those of
+  # the tree at $MOE_BASE (e.g. a `git archive` of an older commit) when it is set: the MoE
+  # harness (this tree's file) built in parallel from this tree's csrc and $MOE_BASE/csrc, each
+  # plain and with -DNVC_PROBE; every case
   # (this tree), --error, memcheck of the tiny packed / bounded cases, then --layer-time (fused
   # packed calls, W 1 and 2 virtual ranks on GPU 0, tokens 8/32/128, H 7168, top-8, 32 and 256
   # experts per rank) old then new, and in the time left the phase probes of both and a second
   # timing (new, old; best of the two kept); logs in $OUT/moefast, the before/after table last
   local t0=$SECONDS d="$OUT/moefast" old=/tmp/moefast_old
   mkdir -p build "$d"
-  rm -rf "$old" build/mf_*; mkdir -p "$old"; cp -r csrc "$old/"
-  apply_diff scripts/moefast_old.patch "$old" > "$d/patch.log" 2>&1 || { say "moefast: old tree: patch failed"; cat "$d/patch.log"; }
+  rm -rf "$old" build/mf_*; mkdir -p "$old"
+  if [ -n "${MOE_BASE:-}" ]; then cp -r "$MOE_BASE/csrc" "$old/"; else say "moefast: no MOE_BASE: this tree only"; fi
   local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a" H=tests/cuda_harness/moe_harness.cu
   step mf_build 150 bash -c "$NV -I csrc -o build/mf_new $H csrc/cuda/moe.cu &
-    $NV -I $old/csrc -o build/mf_old $H $old/csrc/cuda/moe.cu &
     $NV -DNVC_PROBE -I csrc -o build/mf_new_probe $H csrc/cuda/moe.cu &
-    $NV -DNVC_PROBE -I $old/csrc -o build/mf_old_probe $H $old/csrc/cuda/moe.cu & wait
-    ls -l build/mf_new build/mf_old build/mf_new_probe build/mf_old_probe"
+    if [ -d $old/csrc ]; then $NV -I $old/csrc -o build/mf_old $H $old/csrc/cuda/moe.cu &
+      $NV -DNVC_PROBE -I $old/csrc -o build/mf_old_probe $H $old/csrc/cuda/moe.cu & fi; wait
+    ls -l build/mf_*"
   local b
   for b in old new; do  # the table first: it is what this part is for
     [ -x build/mf_$b ] && timeout 40 build/mf_$b --layer-time $b >> "$d/layer_time.log" 2>&1
@@ -1102,8 +1103,9 @@ for line in open(sys.argv[1]):
         best[k] = [min(best[k][0], float(f[5])), min(best[k][1], float(f[6]))]
 print("us per call (graph time, fused packed, H 7168 bf16 top-8; W 2 = virtual ranks on one GPU)")
 print(f"{'W':>2} {'L/rank':>6} {'tok':>4} | {'disp old':>8} {'new':>7} {'x':>5} | {'comb old':>8} {'new':>7} {'x':>5}")
-for (b, W, L, T) in sorted(k for k in best if k[0] == "old"):
-    o, n = best[("old", W, L, T)], best.get(("new", W, L, T), [float("nan")] * 2)
+nan = [float("nan")] * 2
+for (W, L, T) in sorted({k[1:] for k in best}):
+    o, n = best.get(("old", W, L, T), nan), best.get(("new", W, L, T), nan)
     print(f"{W:>2} {L:>6} {T:>4} | {o[0]:8.2f} {n[0]:7.2f} {o[0] / n[0]:5.2f} | {o[1]:8.2f} {n[1]:7.2f} {o[1] / n[1]:5.2f}")
 PYEOF
   } 2>&1 | tee -a "$OUT/summary.txt"

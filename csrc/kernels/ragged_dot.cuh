@@ -36,6 +36,11 @@
 //   3-10x slower). Warps split the BN columns (MT m16 tiles each); ldmatrix.trans gives the weight
 //   fragments from the [k][n] layout, ldmatrix the row fragments, mma.sync.m16n8k16 (f32
 //   accumulators) only for the row tiles that hold rows.
+//   That is the kernel with OPT = 0. The package's tiles (cuda/ragged_dot_family.cuh) load the
+//   weights by TMA (kTma), compile the MMA loop per row count (kSpecRows), run clusters of one
+//   block with a block-barrier epilogue (kCtaSync) and at R 16 split the last round's items
+//   along K (kSplitK): 1.14-1.28x the weight-read bound at the decode shapes above
+//   (docs/perf/ragged_dot.md, v4).
 //
 // Balanced ranges (option kBalanced): whole items dealt round-robin leave the grid unevenly loaded
 // when the item count is not a multiple of the clusters (32 experts x 8 tokens, gate: ~28 groups

@@ -39,7 +39,7 @@
 //   That is the kernel with OPT = 0. The package's tiles (cuda/ragged_dot_family.cuh) load the
 //   weights by TMA (kTma), compile the MMA loop per row count (kSpecRows), run clusters of one
 //   block with a block-barrier epilogue (kCtaSync) and at R 16 split the last round's items
-//   along K (kSplitK): 1.14-1.28x the weight-read bound at the decode shapes above
+//   along K (kSplitK): 1.13-1.26x the weight-read bound per product at the decode shapes above
 //   (docs/perf/ragged_dot.md, v4).
 //
 // Balanced ranges (option kBalanced): whole items dealt round-robin leave the grid unevenly loaded

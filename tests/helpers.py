@@ -123,3 +123,31 @@ def np_moe_layer_reference(x, ids, w, nt, wg, wu, wd, world):
                 g, u = x[r] @ wg[e], x[r] @ wu[e]
                 y[r] += np.float64(w[r, k]) * ((g / (1.0 + np.exp(-g)) * u) @ wd[e])
     return y
+
+
+def tanh_expert_losses(moe, scale, ids, nt, check_vma=True):
+    """(loss, loss_ref) of x [W*T, H], w [W*T, K] for a gradient check of dispatch + combine:
+    each expert e applies tanh(x * scale[e]) (a stand-in FFN); loss runs nvc.moe_dispatch /
+    nvc.moe_combine inside shard_map over `moe`'s mesh, loss_ref the same sum in pure JAX over
+    the token rows each rank sends (rows past nt and ids of -1 contribute nothing)."""
+    import jax_nvcomm as nvc
+    from jax.sharding import PartitionSpec as P
+    L, T, W = moe.num_local_experts, moe.max_tokens, moe.world_size
+
+    def loss(x, w):
+        def body(x, ids, w, nt):
+            d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
+            s = jax.lax.dynamic_slice(scale, (jax.lax.axis_index("x") * L,), (L,))
+            y = nvc.moe_combine(jnp.tanh(d.expert_x * s[:, None, None]), w, d.handle, moe)
+            return jnp.sum(y * y)[None]
+        return jnp.sum(jax.shard_map(body, mesh=moe.mesh, in_specs=(P("x"),) * 4,
+                                     out_specs=P("x"), check_vma=check_vma)(x, ids, w, nt))
+
+    def loss_ref(x, w):
+        valid = (ids >= 0) & (np.arange(W * T)[:, None] % T < np.repeat(nt, T)[:, None])
+        s = scale[np.maximum(ids, 0)]  # [N, K]
+        contrib = w[..., None] * jnp.tanh(x[:, None, :] * s[..., None])
+        y = jnp.sum(jnp.where(valid[..., None], contrib, 0.0), axis=1)
+        return jnp.sum(y * y)
+
+    return loss, loss_ref

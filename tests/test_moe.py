@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from helpers import clear_error_tokens, mesh1d, np_moe_reference
+from helpers import clear_error_tokens, mesh1d, np_moe_reference, tanh_expert_losses
 
 MOES = {}
 
@@ -186,27 +186,8 @@ def test_gradients_match_pure_jax(rng, check_vma):
     ids[2, 1] = -1
     w = rng.random((world * T, K)).astype(np.float32)
     nt = np.array([5, 4, 0, 5], np.int32)
-    L = moe.num_local_experts
     scale = jnp.asarray(rng.standard_normal((E,)), jnp.float32)  # per-expert "FFN"
-
-    def loss(x, w):
-        def body(x, ids, w, nt):
-            d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
-            r = jax.lax.axis_index("x")
-            s = jax.lax.dynamic_slice(scale, (r * L,), (L,))
-            ey = jnp.tanh(d.expert_x * s[:, None, None])
-            y = nvc.moe_combine(ey, w, d.handle, moe)
-            return jnp.sum(y * y)[None]
-        return jnp.sum(jax.shard_map(body, mesh=moe.mesh, in_specs=(P("x"),) * 4,
-                                     out_specs=P("x"), check_vma=check_vma)(x, ids, w, nt))
-
-    def loss_ref(x, w):
-        valid = (ids >= 0) & (np.arange(world * T)[:, None] % T < np.repeat(nt, T)[:, None])
-        s = scale[np.maximum(ids, 0)]  # [N, K]
-        contrib = w[..., None] * jnp.tanh(x[:, None, :] * s[..., None])
-        y = jnp.sum(jnp.where(valid[..., None], contrib, 0.0), axis=1)
-        return jnp.sum(y * y)
-
+    loss, loss_ref = tanh_expert_losses(moe, scale, ids, nt, check_vma=check_vma)
     g1 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     g2 = jax.grad(loss_ref, argnums=(0, 1))(x, w)
     for a, b in zip(g1, g2):

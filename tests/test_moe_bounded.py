@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from helpers import clear_error_tokens, mesh1d
+from helpers import clear_error_tokens, mesh1d, tanh_expert_losses
 from jax_nvcomm import moe as moe_mod
 
 
@@ -156,25 +156,8 @@ def test_gradients_match_pure_jax_in_rounds(rng):
         ids = routing(rng, W * T, E, K)
         w = rng.random((W * T, K)).astype(np.float32)
         nt = np.array([T, 50, 0, T, 33, T, 1, T], np.int32)
-        L = moe.num_local_experts
         scale = jnp.asarray(rng.standard_normal((E,)), jnp.float32)
-
-        def loss(x, w):
-            def body(x, ids, w, nt):
-                d = nvc.moe_dispatch(x, ids, moe, num_tokens=nt[0])
-                s = jax.lax.dynamic_slice(scale, (jax.lax.axis_index("x") * L,), (L,))
-                y = nvc.moe_combine(jnp.tanh(d.expert_x * s[:, None, None]), w, d.handle, moe)
-                return jnp.sum(y * y)[None]
-            return jnp.sum(jax.shard_map(body, mesh=moe.mesh, in_specs=(P("x"),) * 4,
-                                         out_specs=P("x"))(x, ids, w, nt))
-
-        def loss_ref(x, w):
-            valid = (ids >= 0) & (np.arange(W * T)[:, None] % T < np.repeat(nt, T)[:, None])
-            s = scale[np.maximum(ids, 0)]
-            contrib = w[..., None] * jnp.tanh(x[:, None, :] * s[..., None])
-            y = jnp.sum(jnp.where(valid[..., None], contrib, 0.0), axis=1)
-            return jnp.sum(y * y)
-
+        loss, loss_ref = tanh_expert_losses(moe, scale, ids, nt)
         g1 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
         g2 = jax.grad(loss_ref, argnums=(0, 1))(x, w)
         for a, b in zip(g1, g2):

@@ -9,8 +9,7 @@ from ._version import __version__
 from .allgather import all_gather
 from .allreduce import all_reduce, all_reduce_rms_norm
 from .allreduce_quant import all_reduce_rms_norm_quant
-from ._explain import Explanation, explain
-from ._jit import jit
+from .jit import Explanation, explain, jit  # the package jax_nvcomm/jit/ (the attribute: the function)
 from .communicator import Communicator, CommunicatorError
 from .moe import Dispatched, MoECommunicator, MoEHandle, moe_combine, moe_dispatch
 from .moe_experts import moe_layer

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm import _pool
+from jax_nvcomm.jit import pool as _pool
 from test_jit import mesh_of, targets, xla_collectives
 
 
@@ -142,7 +142,7 @@ def test_inner_jit_and_outer_jit():
 def test_inside_shard_map_runs_xla_and_warns():
     """nvc.jit applied inside a shard_map body: its collectives have no shard_map of their
     own to be rewritten in; they stay XLA's and it says where nvc.jit belongs."""
-    from jax_nvcomm import _rewrite
+    from jax_nvcomm.jit import rewrite as _rewrite
     _rewrite.reset_warnings()
     j = nvc.jit(lambda v: lax.psum(v, "tp"))
     f = smap(lambda x: j(x), in_specs=P(), out_specs=P())
@@ -277,7 +277,7 @@ def test_helpers_without_collectives_keep_their_call():
 
 
 def test_fixable_fallback_warns_once_per_site(monkeypatch):
-    from jax_nvcomm import _rewrite
+    from jax_nvcomm.jit import rewrite as _rewrite
     _rewrite.reset_warnings()
     monkeypatch.setenv("JAX_NVCOMM_JIT_MAX_MESSAGE_BYTES", str(1 << 16))
     f = smap(lambda v: lax.all_gather(v, "tp", tiled=True), in_specs=P("tp"),

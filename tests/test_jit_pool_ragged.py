@@ -10,7 +10,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm import _pool, ragged
+from jax_nvcomm import ragged
+from jax_nvcomm.jit import pool as _pool
 
 W = 8
 

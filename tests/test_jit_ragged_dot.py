@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm import _rewrite
+from jax_nvcomm.jit import rewrite as _rewrite
 
 OUR = re.compile(r"custom_call @(nvc_\w+)")
 

@@ -214,7 +214,7 @@ def moe():
         "collectives")
     say(f"moe: nvc.jit vs hand max|d| {np.abs(got - got_hand).max():.2e}")
     rows = [("nvc.jit", nvc.jit(looped(fwd))), ("hand", jax.jit(looped(hand)))]
-    from jax_nvcomm import _pool
+    from jax_nvcomm.jit import pool as _pool
     pool_comm, _ = _pool.lookup(mesh, ("ep",))
     if pool_comm is not None:  # the hand-written program on nvc.jit's own communicator
         rows.append(("hand@pool", jax.jit(looped(fwd_of(

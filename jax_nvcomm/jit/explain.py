@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from . import _jit
+from . import entry as _jit
 
 _HLO_COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"

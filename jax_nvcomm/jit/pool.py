@@ -22,7 +22,7 @@ import threading
 
 from jax._src import core
 
-from .communicator import Communicator
+from ..communicator import Communicator
 
 _lock = threading.RLock()
 _comms: dict = {}      # (mesh, axes) -> Communicator
@@ -61,7 +61,7 @@ def _size(need) -> int:
     large enough that the one-shot slot (about a sixth of it) holds its largest all-reduce up
     to the slot a default Communicator has, so nvc.jit picks the strategies hand-written code
     on a default Communicator gets; capped by cap_bytes()."""
-    from . import _ffi
+    from .. import _ffi
     world = 1
     for a in need.axes:
         world *= int(need.mesh.shape[a])
@@ -78,7 +78,7 @@ def _register(comm) -> None:
     """Make comm findable by axis name (the ops' `axis_name=` form) and closed by
     `jax_nvcomm.close_all()`, where the registry exists."""
     try:
-        from . import _registry
+        from .. import _registry
     except ImportError:  # pragma: no cover - the registry not in this build
         return
     _registry.register(comm)
@@ -86,7 +86,7 @@ def _register(comm) -> None:
 
 def _unregister(comm) -> None:
     try:
-        from . import _registry
+        from .. import _registry
     except ImportError:  # pragma: no cover
         return
     _registry.unregister(comm)

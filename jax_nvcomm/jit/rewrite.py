@@ -36,9 +36,9 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from . import _norm
-from ._eqn import like as _like
-from ._eqn import site_of, source_of
+from . import norm as _norm
+from .eqn import like as _like
+from .eqn import site_of, source_of
 
 PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -81,7 +81,7 @@ _warned: set = set()
 def _warn(site: Site) -> None:
     """A fallback the user could fix: one warning per call site (JAX_NVCOMM_QUIET=1: none),
     issued at the collective's own source line."""
-    from . import _warn as warn
+    from .. import _warn as warn
     if not site.fixable or warn.quiet():
         return
     file, line = site.where or ("<unknown>", 0)
@@ -195,7 +195,7 @@ def _message_bytes(eqn, mesh, axes) -> int:
     if name == "reduce_scatter":
         return n
     if name == "all_to_all":
-        from . import _ffi
+        from .. import _ffi
         rows = max(int(av.shape[0]), 1) if av.ndim else 1
         row = n // rows
         need = 4096
@@ -203,7 +203,7 @@ def _message_bytes(eqn, mesh, axes) -> int:
             need *= 2
         return need
     if name == "ragged_all_to_all":
-        from . import _ffi
+        from .. import _ffi
         out = eqn.invars[1].aval
         row = int(np.prod(av.shape[1:], dtype=np.int64)) * av.dtype.itemsize
         k = max(1, int(eqn.invars[2].aval.shape[0]) // max(world, 1))
@@ -475,7 +475,7 @@ def _ordered(eqn, invals):
     token carries no data, so its value may change).
     Without this, a device may run it and one of our calls in the other order than its peers
     (XLA:CPU runs independent ops concurrently), each waiting for the other: a deadlock."""
-    from . import _order
+    from .. import _order
     axes = [a for a in _axes_of(eqn) if isinstance(a, str)]
     if not axes or not invals:
         return _bind(eqn, invals)
@@ -544,7 +544,7 @@ def _comm_for(eqn, site, ctx):
 
 
 def _local(comm, x, dims):
-    from . import _shard
+    from .. import _shard
     return _shard.local_shape(comm, x, dims)
 
 
@@ -572,8 +572,8 @@ def _collective(eqn, invals, ctx, note=""):
 
 def _psum(eqn, invals, ctx, note=""):
     """psum of several operands: each float one on our all_reduce where it is served."""
-    from . import strategy as _strategy
-    from .allreduce import all_reduce
+    from .. import strategy as _strategy
+    from ..allreduce import all_reduce
     outs = [None] * len(invals)
     for j, (v, x) in enumerate(zip(eqn.invars, invals)):
         site = _site(eqn, v.aval, ctx)
@@ -609,7 +609,7 @@ def _psum(eqn, invals, ctx, note=""):
 def _fused_decision(eqn, fused, ctx, jaxpr):
     """(Site, a `_norm.Fire` or None): whether the matched psum -> add -> RMSNorm goes to
     all_reduce_rms_norm. None: the psum takes the plain path (its Site is made there)."""
-    from . import strategy as _strategy
+    from .. import strategy as _strategy
     x_aval = fused.x.aval
     site = _site(eqn, x_aval, ctx)
     if len(eqn.invars) != 1 or jnp.dtype(x_aval.dtype) not in _FLOATS:
@@ -636,7 +636,7 @@ def _fused_decision(eqn, fused, ctx, jaxpr):
 
 
 def _all_gather(eqn, invals, comm, site):
-    from . import allgather
+    from .. import allgather
     p = eqn.params
     (x,) = invals
     if comm.xla_fallback:
@@ -654,7 +654,7 @@ def _all_gather(eqn, invals, comm, site):
 
 
 def _reduce_scatter(eqn, invals, comm, site):
-    from . import varlen
+    from .. import varlen
     p = eqn.params
     (x,) = invals
     W = comm.world_size
@@ -691,7 +691,7 @@ def _reduce_scatter(eqn, invals, comm, site):
 def _all_to_all(eqn, invals, comm, site):
     """lax.all_to_all with split_axis == concat_axis == 0 as a ragged_all_to_all of equal
     slices (a copy: bitwise); other axes stay XLA's (they would need transposes)."""
-    from . import ragged
+    from .. import ragged
     p = eqn.params
     (x,) = invals
     W = comm.world_size
@@ -723,7 +723,7 @@ def _all_to_all(eqn, invals, comm, site):
 
 
 def _ragged(eqn, invals, comm, site):
-    from . import ragged
+    from .. import ragged
     operand, output, io, ss, oo, rs = invals
     if comm.xla_fallback:
         site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
@@ -761,9 +761,9 @@ def _ragged_dot(eqn, invals, ctx):
     picks, lax's elsewhere), inside a shard_map body or in a program of one device; outside
     shard_map on several devices lax's stays (our op is per device: XLA would gather its
     operands). A fallback the caller can fix warns once at the program's own line."""
-    from . import _warn as warn
-    from .ragged_dot import _ragged_dot as nvc_ragged_dot
-    from .ragged_dot import fallback
+    from .. import _warn as warn
+    from ..ragged_dot import _ragged_dot as nvc_ragged_dot
+    from ..ragged_dot import fallback
     lhs, rhs, gs = invals
     if ctx.mesh is None and jax.device_count() > 1:
         return _bind(eqn, invals)

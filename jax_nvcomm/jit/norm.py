@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 
-from ._eqn import like as _like
-from ._eqn import source_of
+from .eqn import like as _like
+from .eqn import source_of
 
 PSUMS = ("psum", "psum_invariant")
 _VIEW = ("convert_element_type",)
@@ -459,7 +459,7 @@ def plan(jaxpr) -> dict:
 
 def refuse(fused: Fused) -> str:
     """Why this match cannot take all_reduce_rms_norm ("" when it can)."""
-    from . import allreduce
+    from .. import allreduce
     x = fused.x.aval
     H = int(x.shape[-1])
     if H == 0 or int(np.prod(x.shape)) == 0:
@@ -478,7 +478,7 @@ class Fire:
         self.binds = (fused.r, fused.n) if fused.q is None else (fused.r, fused.q, fused.scale)
 
     def fire(self, read, env, lazy):
-        from .allreduce import all_reduce_rms_norm
+        from ..allreduce import all_reduce_rms_norm
         f = self.fused
         for v in self.binds:
             lazy.pop(v, None)
@@ -491,7 +491,7 @@ class Fire:
             if w.dtype != x.dtype and w.dtype != jnp.float32:
                 w = w.astype(jnp.float32)
         if f.q is not None:
-            from .allreduce_quant import all_reduce_rms_norm_quant
+            from ..allreduce_quant import all_reduce_rms_norm_quant
             q, scale, r_out = all_reduce_rms_norm_quant(x, res, w, self.comm, eps=f.eps)
             env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
             env[f.q] = q.reshape(f.q.aval.shape)

@@ -16,7 +16,7 @@ import jax
 from jax._src import core
 from jax._src.interpreters import ad
 
-from . import _pool, _rewrite
+from . import pool as _pool, rewrite as _rewrite
 
 
 class _NotPrepared(Exception):

@@ -1,0 +1,18 @@
+"""`jax_nvcomm.jit` and `jax_nvcomm.explain`: the compile pass that puts our kernels into
+unchanged model code.
+
+One module per job (each states at its top what it matches and what it refuses):
+  entry.py    the `jit` entry point and its caches (`Jitted`)
+  rewrite.py  the jaxpr walk: re-binds every equation, our ops in place of XLA's collectives
+  norm.py     the psum -> add -> RMSNorm pattern (the fused all-reduce)
+  pool.py     the communicators the pass makes (one per mesh and axes), made outside traces
+  explain.py  `explain`: one row per collective and per replaced op, and why
+  eqn.py      small helpers on jaxpr equations (source lines, avals)
+
+`jax_nvcomm.jit` (the attribute of the package) is the function; the modules are reached as
+`from jax_nvcomm.jit import rewrite`.
+"""
+from .entry import Jitted, jit
+from .explain import Explanation, explain
+
+__all__ = ["Jitted", "jit", "Explanation", "explain"]

@@ -47,7 +47,8 @@ _NO_GRAD = (
     "it in full")
 
 
-def _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what):
+def _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what,
+                      scales=(None, None, None)):
     T, H, K, L = moe.max_tokens, moe.hidden, moe.top_k, moe.num_local_experts
     if moe.dtype not in _LAYER_DTYPES:
         raise TypeError(f"jax_nvcomm: {what}: the communicator's dtype must be bfloat16, "
@@ -67,13 +68,31 @@ def _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what
         if w.shape != want:
             raise ValueError(f"jax_nvcomm: {what}: {name} must have shape {want} (w_gate is "
                              f"{w_gate.shape}), got {w.shape}")
+    eight = jnp.dtype(w_gate.dtype) in _rd.W8_DTYPES
+    if eight and x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"jax_nvcomm: {what}: w_gate: expected x's dtype {x.dtype} (8-bit "
+                        f"weights take bfloat16 or float16 x), got {w_gate.dtype}")
+    want = w_gate.dtype if eight else x.dtype
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"jax_nvcomm: {what}: {name} must have x's dtype {x.dtype}, got "
-                            f"{w.dtype}")
+        if w.dtype != want:
+            raise TypeError(f"jax_nvcomm: {what}: {name} must have "
+                            + (f"w_gate's 8-bit dtype {want}" if eight else
+                               f"x's dtype {x.dtype}") + f", got {w.dtype}")
+    out = []
+    for name, w, sc in zip(("w_gate_scale", "w_up_scale", "w_down_scale"),
+                           (w_gate, w_up, w_down), scales):
+        if sc is not None and not eight:
+            raise TypeError(f"jax_nvcomm: {what}: {name}: expected None for weights of "
+                            f"dtype {w.dtype} (scales go with int8 or float8_e4m3fn "
+                            "weights), got an array")
+        out.append(None if sc is None else _rd.check_scale(sc, w.shape, what, name)[0])
+    if eight and (out[0] is None) != (out[1] is None):
+        raise ValueError(f"jax_nvcomm: {what}: w_gate_scale, w_up_scale: expected both or "
+                         "neither")
+    return tuple(out)
 
 
-def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
+def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype, scales=(None, None, None)):
     """SwiGLU experts on packed rows (lax.ragged_dot's form): row r of group e (the rows
     [sum(counts[:e]), sum(counts[:e + 1]))) gives (silu(x W_gate[e]) * (x W_up[e])) W_down[e];
     rows past sum(counts) are unspecified on input and output. Rounding: module docstring.
@@ -81,8 +100,11 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
     Args:
       xp: [P, H], sum(counts) <= P.
       counts: int32 [L].
-      w_gate, w_up: [L, H, F]; w_down: [L, F, H], xp's dtype.
+      w_gate, w_up: [L, H, F]; w_down: [L, F, H], xp's dtype, or all three int8 / all
+        float8_e4m3fn (8-bit weights).
       out_dtype: the result's dtype.
+      scales: (gate, up, down) scales of 8-bit weights (nvc.ragged_dot's rhs_scale forms),
+        each None for none.
 
     Returns:
       [P, H] of out_dtype.
@@ -93,6 +115,19 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
                                           preferred_element_type=jnp.float32)
         h = (jax.nn.silu(dot(xp, w_gate)) * dot(xp, w_up)).astype(w_down.dtype)
         return dot(h, w_down).astype(out_dtype)
+    if jnp.dtype(w_gate.dtype) in _rd.W8_DTYPES:
+        # 8-bit experts: as the 16-bit ones, with the SwiGLU rounded to xp's dtype (the
+        # activations') before the down product
+        sg, su, sd = scales
+        if GATE_UP == "two":
+            h = (jax.nn.silu(_rd.ragged_dot(xp, w_gate, counts, rhs_scale=sg,
+                                            preferred_element_type=jnp.float32)) *
+                 _rd.ragged_dot(xp, w_up, counts, rhs_scale=su,
+                                preferred_element_type=jnp.float32)).astype(xp.dtype)
+        else:
+            h = _rd.ragged_dot_swiglu(xp, w_gate, w_up, counts, gate_scale=sg, up_scale=su,
+                                      preferred_element_type=xp.dtype)
+        return _rd.ragged_dot(h, w_down, counts, rhs_scale=sd, preferred_element_type=out_dtype)
     # 16-bit experts: gate and up in one pass of the grouped kernel (SwiGLU rounded once to
     # the weights' dtype), then down rounded once to out_dtype (nvc.ragged_dot's rule picks
     # the kernel or lax by the rows per expert)
@@ -106,7 +141,8 @@ def expert_rows(xp, counts, w_gate, w_up, w_down, out_dtype):
     return _rd.ragged_dot(h, w_down, counts, preferred_element_type=out_dtype)
 
 
-def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=None):
+def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=None,
+                 scales=(None, None, None)):
     """`expert_rows` on the padded dispatch layout (moe_dispatch's expert_x): expert_y[e, i]
     for x = expert_x[e, i], i < counts[e]; later rows of expert_y are unspecified (combine
     reads only the counted rows). The counted rows are gathered into packed rows, multiplied,
@@ -118,6 +154,7 @@ def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=Non
       counts: int32 [L], sum(counts) <= max_rows.
       w_gate, w_up, w_down, out_dtype: as `expert_rows`.
       max_rows: static bound on sum(counts) (default L * R).
+      scales: as `expert_rows`.
 
     Returns:
       expert_y [L, R, H] of out_dtype.
@@ -132,12 +169,12 @@ def expert_block(expert_x, counts, w_gate, w_up, w_down, out_dtype, max_rows=Non
     src = jnp.where(valid, e * R + (p - starts[e]), 0)
     xs = expert_x.reshape(L * R, H)[src]
     xs = jnp.where(valid[:, None], xs, jnp.zeros((), xs.dtype))  # uncounted rows: not NaN
-    ys = expert_rows(xs, counts, w_gate, w_up, w_down, out_dtype)
+    ys = expert_rows(xs, counts, w_gate, w_up, w_down, out_dtype, scales)
     back = jnp.clip(starts[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :], 0, M - 1)
     return ys[back]
 
 
-def _layer_kernels(x, ids, w, wg, wu, wd, nt, tok, *, moe):
+def _layer_kernels(x, ids, w, wg, wu, wd, sc, nt, tok, *, moe):
     """The layer on our kernels: packed dispatch, expert_rows, combine of the packed rows.
     Returns (y, order token)."""
     what = "moe_layer"
@@ -146,23 +183,24 @@ def _layer_kernels(x, ids, w, wg, wu, wd, nt, tok, *, moe):
                                                                           packed=True))
     combine = _moe.moe_call(moe, what, lambda *a: _moe._combine_kernel(*a, moe=moe))
     xp, counts, _, token_dest, expert_src, tok = dispatch(x, ids, nt.astype(jnp.int32), tok)
-    ys = expert_rows(xp, counts, wg, wu, wd, x.dtype)
+    ys = expert_rows(xp, counts, wg, wu, wd, x.dtype, sc)
     y, tok = combine(ys, w, token_dest, expert_src, counts, tok)
     return y, tok
 
 
-def _layer_fallback(x, ids, w, wg, wu, wd, nt, tok, *, moe):
+def _layer_fallback(x, ids, w, wg, wu, wd, sc, nt, tok, *, moe):
     """The layer on a communicator in XLA fallback mode: the public ops (which take
     lax.ragged_all_to_all there) around expert_block on their padded layout."""
     _order.record(tok)
     d = moe_dispatch(x, ids, moe, num_tokens=nt)
-    ey = expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype, _moe.packed_rows(moe))
+    ey = expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype, _moe.packed_rows(moe),
+                      sc)
     y = moe_combine(ey, w, d.handle, moe)
     return y, _order.token(moe.axis_name)
 
 
 def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe=None, *, axis_name=None,
-              num_tokens=None):
+              num_tokens=None, w_gate_scale=None, w_up_scale=None, w_down_scale=None):
     """The routed experts of an MoE layer: dispatch, SwiGLU experts, combine, in one op.
 
     Call inside `jax.shard_map` over `moe.axis_name`; rank r holds experts
@@ -178,7 +216,9 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe=None, *, axis
         -1 marks an unused slot.
       topk_weights: float32 [max_tokens, top_k].
       w_gate, w_up: [L, hidden, F] of x's dtype: this rank's experts.
-      w_down: [L, F, hidden] of x's dtype.
+      w_down: [L, F, hidden] of x's dtype. 8-bit experts: all three int8 or all three
+        float8_e4m3fn with bfloat16 / float16 x (each product as nvc.ragged_dot's with 8-bit
+        weights; the SwiGLU result rounded to x's dtype before the down product).
       moe: a `MoECommunicator` over one axis of the surrounding shard_map's mesh, with
         scale_cols=0.
       axis_name: in place of moe (exactly one of the two): the axis of a registered
@@ -186,6 +226,10 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe=None, *, axis
         local expert count fit x, topk_ids and w_gate.
       num_tokens: optional int scalar (may be traced) in [0, max_tokens]: only rows
         < num_tokens are routed. Default: all.
+      w_gate_scale, w_up_scale, w_down_scale: 8-bit weights only, optional (gate and up:
+        both or neither): each weight's float scale as nvc.ragged_dot's rhs_scale, per output
+        channel [L, N] or per 128 x 128 block [L, ceil(K/128), ceil(N/128)] of this rank's
+        experts (N, K: the matrix's columns and rows).
 
     Returns:
       [max_tokens, hidden] of x's dtype, varying across the axis.
@@ -205,23 +249,25 @@ def moe_layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe=None, *, axis
     x, topk_ids, topk_weights = (jnp.asarray(a) for a in (x, topk_ids, topk_weights))
     w_gate, w_up, w_down = (jnp.asarray(a) for a in (w_gate, w_up, w_down))
     _check_dispatch_args(x, topk_ids, moe, num_tokens, None, what)
-    _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what)
+    sc = _check_layer_args(x, topk_ids, topk_weights, w_gate, w_up, w_down, moe, what,
+                           (w_gate_scale, w_up_scale, w_down_scale))
     axis = moe.axis_name
     nt = jnp.asarray(moe.max_tokens if num_tokens is None else num_tokens)
 
     body = _layer_fallback if moe.xla_fallback else _layer_kernels
 
     @jax.custom_jvp
-    def layer(x, ids, w, wg, wu, wd, n, tok):
+    def layer(x, ids, w, wg, wu, wd, sc, n, tok):
         # tok: the caller's order token, passed in (a custom_jvp body is a nested trace)
         wg, wu, wd = (_shard.varying(a, axis) for a in (wg, wu, wd))
-        return body(x, ids, w, wg, wu, wd, n, tok, moe=moe)
+        sc = tuple(None if a is None else _shard.varying(a, axis) for a in sc)
+        return body(x, ids, w, wg, wu, wd, sc, n, tok, moe=moe)
 
     @layer.defjvp
     def _no_jvp(primals, tangents):
         raise NotImplementedError(_NO_GRAD)
 
-    y, tok = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, nt,
+    y, tok = layer(x, topk_ids, topk_weights, w_gate, w_up, w_down, sc, nt,
                    _order.token(axis))
     _order.record(tok)
     return y

@@ -31,6 +31,9 @@ MAX_ROWS = 1 << 20
 # product is compute-bound and XLA's GEMM wins (kernels/ragged_dot.cuh: the two numbers)
 KERNEL_MAX_ROWS_PER_GROUP = 64
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# 8-bit expert weights (module `ragged_dot_w8`): these weight dtypes with 16-bit activations
+W8_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+_W8_LHS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +57,57 @@ def _out_dtype(lhs_dtype, preferred_element_type):
     return jnp.dtype(lhs_dtype if preferred_element_type is None else preferred_element_type)
 
 
+def _operands_dtype(lhs_dtype, rhs_dtype):
+    """The result dtype lax gives the operands: lhs's with 8-bit weights (lax promotes int8 x
+    bf16 to bf16 and refuses float8 x bf16, which here means lhs's dtype too)."""
+    if jnp.dtype(rhs_dtype) in W8_DTYPES:
+        return jnp.dtype(lhs_dtype)
+    return jnp.result_type(lhs_dtype, rhs_dtype)
+
+
+def _w8_served(platform) -> bool:
+    """Whether `platform`'s backend registers the 8-bit-weight targets."""
+    if platform == "cpu":
+        return "nvc_ragged_dot_w8" in _ffi.HOST_TARGETS
+    return _ffi.CUDA_BUILT and "nvc_cuda_ragged_dot_w8" in _ffi.CUDA_TARGETS
+
+
+# the CUDA kernel's multiples for 8-bit weights (16-byte rows of int8 / e4m3 tiles)
+W8_CUDA_MULTIPLE = 16
+
+
+def _decide_w8(m, k, g, n, dt, rdt, odt, platform):
+    """`_decide` for 8-bit weights (rdt in W8_DTYPES), without the rows rule."""
+    if dt not in _W8_LHS_DTYPES:
+        return "xla", (f"operands {dt.name} x {rdt.name} (8-bit weights take bfloat16 or "
+                       "float16 activations)"), True
+    if odt not in (dt, jnp.dtype(jnp.float32)):
+        return "xla", f"result dtype {odt.name} (the kernel gives {dt.name} or float32)", True
+    if not _w8_served(platform):
+        return "xla", f"this build has no 8-bit-weight kernel for {platform}", False
+    if platform == "cuda" and (k % W8_CUDA_MULTIPLE or n % W8_CUDA_MULTIPLE):
+        return "xla", f"K {k} or N {n} not a multiple of {W8_CUDA_MULTIPLE}", True
+    return None
+
+
 def _decide(m, k, g, n, dt, rdt, odt, platform, rows_rule):
     """(strategy, why, fixable) of `select_ragged_dot_strategy`; rows_rule=False skips the
     rows-per-group rule (strategy="kernel"). fixable: XLA's path for a reason the caller can
     change (a dtype mix, a result dtype, K or N off a multiple of 8)."""
     if platform not in ("cpu", "cuda"):
         return "xla", f"platform {platform!r} has no kernel", False
-    if dt != rdt or dt not in _KERNEL_DTYPES:
+    if rdt in W8_DTYPES:
+        no = _decide_w8(m, k, g, n, dt, rdt, odt, platform)
+        if no is not None:
+            return no
+    elif dt != rdt or dt not in _KERNEL_DTYPES:
         return "xla", (f"operands {dt.name} x {rdt.name} (the kernel takes one dtype of "
                        "bfloat16, float16, float32)"), True
-    if platform == "cuda" and dt == jnp.float32:
+    elif platform == "cuda" and dt == jnp.float32:
         return "xla", "float32 operands on CUDA devices (XLA's GEMM)", False
-    if odt not in (dt, jnp.dtype(jnp.float32)):
+    elif odt not in (dt, jnp.dtype(jnp.float32)):
         return "xla", f"result dtype {odt.name} (the kernel gives {dt.name} or float32)", True
-    if platform == "cuda" and (k % 8 or n % 8):
+    elif platform == "cuda" and (k % 8 or n % 8):
         return "xla", f"K {k} or N {n} not a multiple of 8", True
     if not 1 <= g <= MAX_GROUPS or m > MAX_ROWS:
         return "xla", f"G {g} outside [1, {MAX_GROUPS}] or M {m} > {MAX_ROWS}", False
@@ -109,7 +149,7 @@ def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element
     g, _, n = (int(d) for d in rhs_shape)
     dt = jnp.dtype(dtype)
     rdt = jnp.dtype(rhs_dtype) if rhs_dtype is not None else dt
-    odt = _out_dtype(jnp.result_type(dt, rdt), preferred_element_type)
+    odt = _out_dtype(_operands_dtype(dt, rdt), preferred_element_type)
     strat, why, _ = _decide(m, k, g, n, dt, rdt, odt, platform, True)
     if not explain:
         return strat
@@ -241,29 +281,31 @@ def _workspace_bytes(m, n, g, swiglu):
     return -(-counters * 4 // 256) * 256 + k * plane
 
 
-def _call(name, platform, out_dtype, lhs, *weights_and_sizes):
-    """One FFI call of `name` ("ragged_dot" or "ragged_dot_swiglu") for `platform` (CUDA: with
-    its split-K workspace as a second, discarded result)."""
+def _call(name, platform, out_dtype, lhs, *operands, **attrs):
+    """One FFI call of `name` ("ragged_dot", "ragged_dot_swiglu" or their "_w8" forms, whose
+    operands carry the scales after the weights and whose `attrs` hold scale_mode) for
+    `platform` (CUDA: with its split-K workspace as a second, discarded result)."""
     if platform == "cuda":
         _load_cuda_kernels()
-    *weights, gs = weights_and_sizes
-    vma = _vma(lhs, *weights, gs)
-    args = [_as_varying(a, vma) for a in (lhs, *weights, gs)]
-    m, n, g = lhs.shape[0], weights[0].shape[2], weights[0].shape[0]
+    gs = operands[-1]
+    vma = _vma(lhs, *operands)
+    args = [_as_varying(a, vma) for a in (lhs, *operands)]
+    m, n, g = lhs.shape[0], operands[0].shape[2], operands[0].shape[0]
     rt = _shard.result_type(lhs, (m, n), out_dtype, vma)
+    del gs
     if platform != "cuda":
         return jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), rt,
-                                vmap_method="sequential")(*args)
-    ws = _shard.result_type(lhs, (max(16, _workspace_bytes(m, n, g, len(weights) == 2)),),
-                            jnp.uint8, vma)
+                                vmap_method="sequential")(*args, **attrs)
+    swiglu = name.startswith("ragged_dot_swiglu")
+    ws = _shard.result_type(lhs, (max(16, _workspace_bytes(m, n, g, swiglu)),), jnp.uint8, vma)
     out, _ = jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), (rt, ws),
-                              vmap_method="sequential")(*args)
+                              vmap_method="sequential")(*args, **attrs)
     return out
 
 
-def _on_platforms(name, out_dtype, platforms, fallback, *args):
+def _on_platforms(name, out_dtype, platforms, fallback, *args, **attrs):
     """Our kernel `name` on the devices of `platforms`, `fallback` (lax) on any other."""
-    branches = {p: functools.partial(_call, name, p, out_dtype) for p in platforms}
+    branches = {p: functools.partial(_call, name, p, out_dtype, **attrs) for p in platforms}
     # lax.platform_dependent batches every branch under vmap, and lax.ragged_dot has no rule for
     # batched group sizes: the fallback then runs once per batch element, as the kernel does
     return lax.platform_dependent(*args, default=jax.custom_batching.sequential_vmap(fallback),
@@ -299,8 +341,8 @@ def _instantiate(t, like):
     return t
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=None,
-               strategy: str = "auto"):
+def ragged_dot(lhs, rhs, group_sizes, *, rhs_scale=None, preferred_element_type=None,
+               precision=None, strategy: str = "auto"):
     """`lax.ragged_dot(lhs, rhs, group_sizes)` for the MoE form, on our kernel where faster.
 
     out[r] = lhs[r] @ rhs[g] for the rows r of group g: group g owns rows [start_g, start_g +
@@ -310,10 +352,22 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=
     rounded once to the result dtype. Negative sizes are outside the contract (lax's groups
     then overlap; the kernel counts them as 0).
 
+    8-bit weights (rhs int8 or float8_e4m3fn, lhs bfloat16 or float16): the product of the
+    values, as `lax.ragged_dot` on rhs converted to lhs's dtype (exact for both), times
+    rhs_scale where given: out[r, n] = sum_k lhs[r, k] * (float(rhs[g, k, n]) * s(g, k, n)),
+    float32 accumulation, rounded once; s = rhs_scale[g, n] (per output channel) or
+    rhs_scale[g, k // 128, n // 128] (per 128 x 128 block, DeepSeek-V3's FP8 form). On our
+    kernel (host backend on CPU devices, the 8-bit-weight kernel on CUDA devices); XLA's path
+    (convert, lax.ragged_dot, scale) where it cannot serve the call.
+
     Args:
       lhs: [M, K], rows sorted by group (bfloat16, float16 or float32).
-      rhs: [G, K, N] of lhs's dtype (others: XLA's path, as lax promotes them).
+      rhs: [G, K, N] of lhs's dtype (others: XLA's path, as lax promotes them), or int8 /
+        float8_e4m3fn with bfloat16 / float16 lhs (8-bit weights).
       group_sizes: int [G] (cast to int32), traced: no host sync.
+      rhs_scale: 8-bit rhs only, optional: float [G, N] (per output channel) or
+        [G, ceil(K / 128), ceil(N / 128)] (per 128 x 128 block of rhs), the mode read from
+        the shape (any float dtype, converted to float32). None: no scale.
       preferred_element_type: the result dtype (None: the operands'); the kernel gives the
         operands' dtype or float32, others take XLA's path.
       precision: passed to `lax.ragged_dot` on XLA's path and in the gradient; the kernel
@@ -327,7 +381,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=
 
     Raises:
       ValueError / TypeError: shapes other than the MoE form, non-integer group_sizes, an
-        unknown strategy; each names the argument, the expected and the actual value.
+        unknown strategy, rhs_scale of another shape or with 16-bit rhs; each names the
+        argument, the expected and the actual value.
 
     Warns:
       a UserWarning (XlaPathWarning), once per call site, when the call takes lax's path on the
@@ -341,12 +396,23 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, precision=
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes, "ragged_dot")
     gs = group_sizes.astype(jnp.int32)
+    if jnp.dtype(rhs.dtype) in W8_DTYPES:
+        scale, mode = check_scale(rhs_scale, rhs.shape, "ragged_dot", "rhs_scale")
+        return _ragged_dot_w8(lhs, rhs, scale, mode, gs, preferred_element_type, precision,
+                              strategy, True)
+    if rhs_scale is not None:
+        raise TypeError(f"jax_nvcomm: ragged_dot: rhs_scale: expected None for rhs of dtype "
+                        f"{rhs.dtype} (scales go with int8 or float8_e4m3fn rhs), got an array "
+                        f"of shape {jnp.shape(rhs_scale)}")
     return _ragged_dot(lhs, rhs, gs, preferred_element_type, precision, strategy, True)
 
 
 def _ragged_dot(lhs, rhs, gs, preferred_element_type, precision, strategy, warn):
     """`ragged_dot` past its argument checks (gs int32); warn: a fixable fallback warns once
     per call site (nvc.jit's rewrite warns at the program's own line instead)."""
+    if jnp.dtype(rhs.dtype) in W8_DTYPES:
+        return _ragged_dot_w8(lhs, rhs, None, 0, gs, preferred_element_type, precision,
+                              strategy, warn)
     out_dtype = _out_dtype(jnp.result_type(lhs.dtype, rhs.dtype), preferred_element_type)
     platforms = _kernel_platforms(strategy, lhs, rhs, out_dtype)
     if warn:
@@ -383,15 +449,18 @@ def _swiglu_kernel_jvp(out_dtype, platforms, primals, tangents):
     return out, t
 
 
-def ragged_dot_swiglu(lhs, w_gate, w_up, group_sizes, *, preferred_element_type=None,
-                      strategy: str = "auto"):
+def ragged_dot_swiglu(lhs, w_gate, w_up, group_sizes, *, gate_scale=None, up_scale=None,
+                      preferred_element_type=None, strategy: str = "auto"):
     """silu(lhs @ w_gate) * (lhs @ w_up) per group (private: the MoE layer's first half).
 
     Both products over the same rows of lhs in one pass of our kernel, summed in float32,
     silu in float32, rounded once; the rows as `ragged_dot`'s (rows past the groups: zero).
 
     Args:
-      lhs: [M, K]; w_gate, w_up: [G, K, F] of lhs's dtype; group_sizes: int [G].
+      lhs: [M, K]; w_gate, w_up: [G, K, F] of lhs's dtype, or both int8 / both float8_e4m3fn
+        with bfloat16 / float16 lhs (8-bit weights, as `ragged_dot`'s); group_sizes: int [G].
+      gate_scale, up_scale: 8-bit weights only, both or neither: the scales of w_gate and
+        w_up, each as `ragged_dot`'s rhs_scale, of one mode.
       preferred_element_type: the result dtype (None: lhs's).
       strategy: "auto" / "kernel" as `ragged_dot` (the same rule on the gate product), "xla":
         two `lax.ragged_dot` (float32 results) and the SwiGLU in XLA.
@@ -410,8 +479,175 @@ def ragged_dot_swiglu(lhs, w_gate, w_up, group_sizes, *, preferred_element_type=
                          f"{w_gate.shape} and dtype {w_gate.dtype}, got {w_up.shape} "
                          f"{w_up.dtype}")
     gs = group_sizes.astype(jnp.int32)
+    if jnp.dtype(w_gate.dtype) in W8_DTYPES:
+        return _swiglu_w8(lhs, w_gate, w_up, gate_scale, up_scale, gs, preferred_element_type,
+                          strategy)
+    if gate_scale is not None or up_scale is not None:
+        raise TypeError(f"jax_nvcomm: ragged_dot_swiglu: gate_scale / up_scale: expected None "
+                        f"for weights of dtype {w_gate.dtype} (scales go with int8 or "
+                        "float8_e4m3fn weights), got an array")
     out_dtype = _out_dtype(lhs.dtype, preferred_element_type)
     platforms = _kernel_platforms(strategy, lhs, w_gate, out_dtype)
     if not platforms:
         return _swiglu_reference(lhs, w_gate, w_up, gs, out_dtype)
     return _swiglu_kernel(lhs, w_gate, w_up, gs, out_dtype, platforms)
+
+
+# ---- 8-bit expert weights: int8 / float8_e4m3fn rhs with optional scales ----
+# The targets nvc_ragged_dot_w8 (lhs, rhs, rhs_scale, group_sizes) and
+# nvc_ragged_dot_swiglu_w8 (lhs, w_gate, w_up, gate_scale, up_scale, group_sizes), attribute
+# scale_mode: 0 none (scale f32[1], ignored), 1 per output channel f32[G, N], 2 per 128 x 128
+# block f32[G, ceil(K/128), ceil(N/128)]. The kernels widen each weight exactly and multiply it
+# by its scale in float32 (or apply a channel scale in the epilogue, a block scale per 128-wide
+# K block: the same up to float32 order); float32 accumulation; one rounding.
+
+SCALE_BLOCK = 128
+_NO_SCALE, _PER_CHANNEL, _PER_BLOCK = 0, 1, 2
+
+
+def check_scale(scale, rhs_shape, what, name):
+    """(the scale as float32, scale_mode) for weights of `rhs_shape` [G, K, N]: None -> a
+    float32 [1] one and mode 0; [G, N] -> mode 1; [G, ceil(K/128), ceil(N/128)] -> mode 2.
+    Raises ValueError / TypeError naming `name` with the expected and the actual value."""
+    g, k, n = (int(d) for d in rhs_shape)
+    if scale is None:
+        return jnp.ones((1,), jnp.float32), _NO_SCALE
+    scale = jnp.asarray(scale)
+    blocks = (g, -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK))
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise TypeError(f"jax_nvcomm: {what}: {name}: expected a float dtype, got "
+                        f"{scale.dtype}")
+    if scale.shape == (g, n):
+        mode = _PER_CHANNEL
+    elif scale.shape == blocks:
+        mode = _PER_BLOCK
+    else:
+        raise ValueError(f"jax_nvcomm: {what}: {name}: expected [G, N] = [{g}, {n}] or "
+                         f"[G, ceil(K/128), ceil(N/128)] = [{blocks[0]}, {blocks[1]}, "
+                         f"{blocks[2]}], got {list(scale.shape)}")
+    return scale.astype(jnp.float32), mode
+
+
+def _row_groups(gs, m):
+    """The group index of each of m rows (rows past the groups: the last group)."""
+    ends = jnp.cumsum(jnp.maximum(gs, 0))
+    rows = jnp.arange(m, dtype=ends.dtype)
+    return jnp.minimum(jnp.searchsorted(ends, rows, side="right"), gs.shape[0] - 1)
+
+
+def dequantize(rhs, scale, mode, dtype):
+    """float(rhs) * s(g, k, n) (the weights' values the product uses) as `dtype`: mode 0 the
+    plain conversion (exact into bfloat16 / float16 / float32)."""
+    w = rhs.astype(jnp.float32)
+    if mode == _PER_CHANNEL:
+        w = w * scale[:, None, :]
+    elif mode == _PER_BLOCK:
+        g, k, n = rhs.shape
+        s = jnp.repeat(jnp.repeat(scale, SCALE_BLOCK, axis=1)[:, :k], SCALE_BLOCK, axis=2)
+        w = w * s[:, :, :n]
+    return w.astype(dtype)
+
+
+def _lax_w8(lhs, rhs, scale, mode, gs, out_dtype, precision):
+    """XLA's path with the kernel's arithmetic: the weights converted (exact), lax.ragged_dot
+    in float32, the channel scale per row after it (mode 1) or the weights dequantised to
+    float32 first (mode 2, lhs widened: every product exact in float32)."""
+    if mode == _PER_BLOCK:
+        return lax.ragged_dot(lhs.astype(jnp.float32), dequantize(rhs, scale, mode,
+                                                                  jnp.float32), gs,
+                              precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32).astype(out_dtype)
+    y = lax.ragged_dot(lhs, rhs.astype(lhs.dtype), gs, precision=precision,
+                       preferred_element_type=jnp.float32)
+    if mode == _PER_CHANNEL:
+        y = y * scale[_row_groups(gs, lhs.shape[0])]
+    return y.astype(out_dtype)
+
+
+def _jvp_lax(fn, primals, tangents):
+    """jax.jvp of `fn` (XLA's path) in the differentiable primals only (integer weights have
+    float0 tangents: no derivative, as jax's rules for integer inputs)."""
+    idx = [i for i, p in enumerate(primals) if jnp.issubdtype(p.dtype, jnp.inexact)]
+
+    def f(*diff):
+        args = list(primals)
+        for i, d in zip(idx, diff):
+            args[i] = d
+        return fn(*args)
+
+    return jax.jvp(f, tuple(primals[i] for i in idx),
+                   tuple(_instantiate(tangents[i], primals[i]) for i in idx))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def _kernel_w8(lhs, rhs, scale, gs, mode, out_dtype, precision, platforms):
+    return _on_platforms("ragged_dot_w8", out_dtype, platforms,
+                         lambda a, b, c, d: _lax_w8(a, b, c, mode, d, out_dtype, precision),
+                         lhs, rhs, scale, gs, scale_mode=mode)
+
+
+@_kernel_w8.defjvp
+def _kernel_w8_jvp(mode, out_dtype, precision, platforms, primals, tangents):
+    lhs, rhs, scale, gs = primals
+    out = _kernel_w8(lhs, rhs, scale, gs, mode, out_dtype, precision, platforms)
+    _, t = _jvp_lax(lambda a, b, c: _lax_w8(a, b, c, mode, gs, out_dtype, precision),
+                    (lhs, rhs, scale), tangents[:3])
+    return out, t
+
+
+def _ragged_dot_w8(lhs, rhs, scale, mode, gs, preferred_element_type, precision, strategy,
+                   warn):
+    """`ragged_dot` with 8-bit rhs past its checks (scale float32 of `mode`, gs int32)."""
+    if scale is None:
+        scale, mode = jnp.ones((1,), jnp.float32), _NO_SCALE
+    out_dtype = _out_dtype(lhs.dtype, preferred_element_type)
+    platforms = _kernel_platforms(strategy, lhs, rhs, out_dtype)
+    if warn:
+        _warn_fallback(strategy, lhs, rhs, out_dtype)
+    if not platforms:
+        return _lax_w8(lhs, rhs, scale, mode, gs, out_dtype, precision)
+    return _kernel_w8(lhs, rhs, scale, gs, mode, out_dtype, precision, platforms)
+
+
+def _swiglu_w8_reference(lhs, w_gate, w_up, gate_scale, up_scale, mode, gs, out_dtype):
+    a = _lax_w8(lhs, w_gate, gate_scale, mode, gs, jnp.float32, None)
+    b = _lax_w8(lhs, w_up, up_scale, mode, gs, jnp.float32, None)
+    return (jax.nn.silu(a) * b).astype(out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
+def _swiglu_w8_kernel(lhs, w_gate, w_up, gate_scale, up_scale, gs, mode, out_dtype, platforms):
+    return _on_platforms(
+        "ragged_dot_swiglu_w8", out_dtype, platforms,
+        lambda a, b, c, d, e, f: _swiglu_w8_reference(a, b, c, d, e, mode, f, out_dtype),
+        lhs, w_gate, w_up, gate_scale, up_scale, gs, scale_mode=mode)
+
+
+@_swiglu_w8_kernel.defjvp
+def _swiglu_w8_kernel_jvp(mode, out_dtype, platforms, primals, tangents):
+    lhs, w_gate, w_up, gate_scale, up_scale, gs = primals
+    out = _swiglu_w8_kernel(*primals, mode, out_dtype, platforms)
+    _, t = _jvp_lax(lambda a, b, c, d, e: _swiglu_w8_reference(a, b, c, d, e, mode, gs,
+                                                               out_dtype),
+                    primals[:5], tangents[:5])
+    return out, t
+
+
+def _swiglu_w8(lhs, w_gate, w_up, gate_scale, up_scale, gs, preferred_element_type, strategy):
+    """`ragged_dot_swiglu` with 8-bit weights past the shape checks (gs int32)."""
+    what = "ragged_dot_swiglu"
+    if (gate_scale is None) != (up_scale is None):
+        raise ValueError(f"jax_nvcomm: {what}: gate_scale, up_scale: expected both or neither, "
+                         f"got gate_scale {'None' if gate_scale is None else 'an array'} and "
+                         f"up_scale {'None' if up_scale is None else 'an array'}")
+    gsc, mode = check_scale(gate_scale, w_gate.shape, what, "gate_scale")
+    usc, umode = check_scale(up_scale, w_up.shape, what, "up_scale")
+    if umode != mode:
+        raise ValueError(f"jax_nvcomm: {what}: up_scale: expected gate_scale's shape "
+                         f"{list(gsc.shape)}, got {list(usc.shape)}")
+    out_dtype = _out_dtype(lhs.dtype, preferred_element_type)
+    platforms = _kernel_platforms(strategy, lhs, w_gate, out_dtype)
+    _warn_fallback(strategy, lhs, w_gate, out_dtype)
+    if not platforms:
+        return _swiglu_w8_reference(lhs, w_gate, w_up, gsc, usc, mode, gs, out_dtype)
+    return _swiglu_w8_kernel(lhs, w_gate, w_up, gsc, usc, gs, mode, out_dtype, platforms)

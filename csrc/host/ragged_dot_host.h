@@ -24,5 +24,22 @@ struct RaggedDotHostArgs {
 // "" on success, else the reason (nothing written).
 std::string ragged_dot(const RaggedDotHostArgs& a);
 
+// 8-bit weights (ragged_dot_w8 / ragged_dot_swiglu_w8): lhs of dtype bf16 or f16, rhs (and
+// rhs2) int8 or float8_e4m3fn, each weight widened exactly to float32 and multiplied by its
+// float32 scale s(g, k, n) (one float32 product) before the same row loop as above:
+// scale_mode 0 none (s = 1), 1 per output channel (scale [g, n]), 2 per 128 x 128 block
+// (scale [g, ceil(k / 128), ceil(n / 128)]). out is lhs's dtype or float32.
+enum WeightDType : int { kW8E4M3 = 3, kW8Int8 = 4 };
+
+struct RaggedDotW8HostArgs {
+  RaggedDotHostArgs base;               // dtype: lhs's (kBF16 / kF16)
+  int w_dtype = kW8Int8;                // kW8Int8 or kW8E4M3, rhs and rhs2 alike
+  int scale_mode = 0;                   // 0, 1, 2
+  const float* scale = nullptr;         // mode 1 / 2: rhs's scale (mode 0: unused)
+  const float* scale2 = nullptr;        // swiglu: w_up's scale
+};
+
+std::string ragged_dot_w8(const RaggedDotW8HostArgs& a);
+
 }  // namespace host
 }  // namespace nvc

@@ -12,8 +12,9 @@ checkpoint / custom_jvp / custom_vjp nesting):
   - `all_gather` -> `all_gather`; `reduce_scatter` (lax.psum_scatter) along dim 0 ->
     `reduce_scatter_v` with equal segments; `ragged_all_to_all` -> `ragged_all_to_all`;
   - `lax.ragged_dot` in its MoE form (lhs [M, K] rows by group, rhs [G, K, N]) -> `ragged_dot`
-    where `select_ragged_dot_strategy` picks the kernel (inside shard_map bodies, and outside
-    them in a program of one device; a local op, not a collective: `explain` does not list it).
+    where `select_ragged_dot_strategy` picks the kernel, and its 8-bit-weight forms (int8 rhs,
+    a dequantised weight feeding only the product) -> the 8-bit-weight call (`jit/ragged_dot.py`
+    says which forms; a local op: each replaced one is a Site with op "ragged_dot").
 Everything else, and every collective our ops cannot serve (integers, sizes XLA does better by
 the strategy table, messages over the buffers, axis_index_groups, ...), is bound as it was;
 each decision is a `Site` (op, source line, shape, dtype, axes, what it became and why) that
@@ -37,6 +38,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from . import norm as _norm
+from . import ragged_dot as _rdot
 from .eqn import like as _like
 from .eqn import site_of, source_of
 
@@ -98,7 +100,7 @@ def _warn(site: Site) -> None:
 def reset_warnings() -> None:
     """Forget which call sites warned (tests)."""
     _warned.clear()
-    _rd_warned.clear()
+    _rdot.reset_warnings()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ def has_collectives(jaxpr) -> bool:
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
     found = any(e.primitive.name in SERVED or e.primitive.name in UNSERVED or
-                _moe_ragged_dot(e) or
+                _rdot.is_moe_form(e) or
                 any(has_collectives(j) for _, _, j in sub_jaxprs(e.params))
                 for e in jaxpr.eqns)
     if len(_has_cache) > 4096:
@@ -449,8 +451,13 @@ def evaluate(jaxpr, consts, args, ctx):
             site.fixable = True
             _record(ctx, site)
             outs = _bind(eqn, [read(v) for v in eqn.invars])
-        elif _moe_ragged_dot(eqn):
-            outs = _ragged_dot(eqn, [read(v) for v in eqn.invars], ctx)
+        elif _rdot.is_moe_form(eqn):
+            done = _rdot.rewrite(eqn, jaxpr, read, ctx.mesh is not None)
+            if done is None:
+                outs = _bind(eqn, [read(v) for v in eqn.invars])
+            else:
+                outs, row = done
+                _record(ctx, Site(**row))
         elif name == "shard_map" and has_collectives(eqn.params["jaxpr"]):
             outs = _shard_map(eqn, [read(v) for v in eqn.invars], ctx)
         elif name in _CALLS and ctx.mesh is not None and \
@@ -730,57 +737,3 @@ def _ragged(eqn, invals, comm, site):
         return None
     site.became = "ragged_all_to_all"
     return ragged.ragged_all_to_all(operand, output, io, ss, oo, rs, comm)
-
-
-# ---------------------------------------------------------------------------------------------
-# lax.ragged_dot (a local op)
-
-RAGGED_DOT = "ragged_dot_general"
-
-
-def _moe_ragged_dot(eqn) -> bool:
-    """Whether `eqn` is lax.ragged_dot's MoE form: lhs [M, K] ragged along M, rhs [G, K, N]
-    grouped along G, contracting K, no batch dimension, no group offset (the form
-    `nvc.ragged_dot` takes; the transposes a gradient adds have other dimension numbers)."""
-    if eqn.primitive.name != RAGGED_DOT or eqn.params.get("group_offset") is not None:
-        return False
-    dn = eqn.params.get("ragged_dot_dimension_numbers")
-    if dn is None or len(eqn.invars) != 3:
-        return False
-    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
-    return (tuple(lc) == (1,) and tuple(rc) == (1,) and not tuple(lb) and not tuple(rb) and
-            tuple(dn.lhs_ragged_dimensions) == (0,) and tuple(dn.rhs_group_dimensions) == (0,)
-            and eqn.invars[0].aval.ndim == 2 and eqn.invars[1].aval.ndim == 3)
-
-
-_rd_warned: set = set()
-
-
-def _ragged_dot(eqn, invals, ctx):
-    """lax.ragged_dot -> nvc.ragged_dot (strategy "auto": the kernel on the platforms its rule
-    picks, lax's elsewhere), inside a shard_map body or in a program of one device; outside
-    shard_map on several devices lax's stays (our op is per device: XLA would gather its
-    operands). A fallback the caller can fix warns once at the program's own line."""
-    from .. import _warn as warn
-    from ..ragged_dot import _ragged_dot as nvc_ragged_dot
-    from ..ragged_dot import fallback
-    lhs, rhs, gs = invals
-    if ctx.mesh is None and jax.device_count() > 1:
-        return _bind(eqn, invals)
-    pet = eqn.params.get("preferred_element_type")
-    out_aval = eqn.outvars[0].aval
-    f = fallback("auto", lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_aval.dtype)
-    if f is not None and f[1] and not warn.quiet():
-        file, line = site_of(eqn) or ("<unknown>", 0)
-        key = (file, line, f[0])
-        if key not in _rd_warned:
-            _rd_warned.add(key)
-            warnings.warn_explicit(f"jax_nvcomm.jit: {f[0]} (JAX_NVCOMM_QUIET=1 silences "
-                                   "this)", warn.XlaPathWarning, file, line)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager):
-        out = nvc_ragged_dot(lhs, rhs, gs.astype(jnp.int32), pet, eqn.params.get("precision"),
-                             "auto", False)
-    return [_like(out, out_aval)]
-

@@ -1,0 +1,115 @@
+"""nvc.moe_layer with 8-bit experts (int8 / float8_e4m3fn weights, with per-channel, per-block
+or no scales) on 8 CPU devices (host backend): the layer's products are the 8-bit-weight custom
+calls and the output equals a float64 numpy reference of the dequantised weights within bf16
+rounding; bad scale arguments are refused by name."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_nvcomm as nvc
+from conftest import make_mesh
+from helpers import np_moe_layer_reference
+
+
+def f64(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+def quantised(rng, kind, shape, mode):
+    """(8-bit weights, scale or None, the float64 weights they stand for)."""
+    E, K, N = shape
+    if kind == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        unit = 1.0 / (127 * np.sqrt(K))
+    else:
+        w = jnp.asarray(rng.standard_normal(shape) * 16, jnp.float8_e4m3fn)
+        unit = 1.0 / (16 * np.sqrt(K))
+    sshape = {0: None, 1: (E, N), 2: (E, -(-K // 128), -(-N // 128))}[mode]
+    if sshape is None:
+        return w, None, f64(w)
+    s = jnp.asarray(rng.uniform(0.5, 2.0, sshape) * unit, jnp.float32)
+    if mode == 1:
+        return w, s, f64(w) * f64(s)[:, None, :]
+    full = np.repeat(np.repeat(f64(s), 128, 1), 128, 2)[:, :K, :N]
+    return w, s, f64(w) * full
+
+
+def run(moe, x, ids, w, weights, scales, world):
+    def f(x, ids, w, wg, wu, wd, sg, su, sd):
+        return nvc.moe_layer(x, ids, w, wg, wu, wd, moe, w_gate_scale=sg, w_up_scale=su,
+                             w_down_scale=sd)
+
+    spec = P("x")
+    sspec = tuple(None if s is None else spec for s in scales)
+    fn = jax.jit(jax.shard_map(f, mesh=moe.mesh, in_specs=(spec,) * 6 + sspec,
+                               out_specs=spec))
+    return fn, (x, ids, w, *weights, *scales)
+
+
+@pytest.mark.parametrize("world", [1, 8])
+@pytest.mark.parametrize("kind,mode", [("int8", 1), ("fp8", 2), ("int8", 0)])
+def test_layer_against_float64(rng, world, kind, mode):
+    E, K, T, H, F = 2 * world, 2, 6, 256, 136
+    mesh = make_mesh((world,), ("x",))
+    moe = nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                              dtype=jnp.bfloat16)
+    try:
+        x = jnp.asarray(rng.standard_normal((world * T, H)), jnp.bfloat16)
+        wg, sg, rg = quantised(rng, kind, (E, H, F), mode)
+        wu, su, ru = quantised(rng, kind, (E, H, F), mode)
+        wd, sd, rdn = quantised(rng, kind, (E, F, H), mode)
+        if mode == 0:  # no scales: keep the products ~1
+            x = (x.astype(jnp.float32) / (127 * 16 if kind == "int8" else 64)).astype(
+                jnp.bfloat16)
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(world * T)]
+                       ).astype(np.int32)
+        w = rng.random((world * T, K)).astype(np.float32)
+        fn, args = run(moe, x, ids, w, (wg, wu, wd), (sg, su, sd), world)
+        text = fn.lower(*args).as_text()
+        assert "nvc_ragged_dot_swiglu_w8" in text and "nvc_ragged_dot_w8" in text
+        y = fn(*args)
+        assert y.dtype == jnp.bfloat16 and y.shape == (world * T, H)
+        nt = np.full((world,), T)
+        ref = np_moe_layer_reference(f64(x), ids, w, nt, rg, ru, rdn, world)
+        scale = np.sqrt(np.mean(ref ** 2))
+        np.testing.assert_allclose(f64(y), ref, rtol=3e-2, atol=2e-2 * scale)
+    finally:
+        moe.close()
+
+
+def test_bad_scales(rng):
+    mesh = make_mesh((1,), ("x",))
+    E, K, T, H, F = 2, 2, 4, 128, 64
+    moe = nvc.MoECommunicator(mesh, "x", num_experts=E, top_k=K, max_tokens=T, hidden=H,
+                              dtype=jnp.bfloat16)
+    try:
+        x = jnp.zeros((T, H), jnp.bfloat16)
+        ids = jnp.zeros((T, K), jnp.int32).at[:, 1].set(1)
+        w = jnp.zeros((T, K), jnp.float32)
+        wg = wu = jnp.zeros((E, H, F), jnp.int8)
+        wd = jnp.zeros((E, F, H), jnp.int8)
+
+        def call(_w=(wg, wu, wd), **kw):
+            return jax.jit(jax.shard_map(lambda *a: nvc.moe_layer(*a, moe, **kw), mesh=mesh,
+                                         in_specs=(P("x"),) * 6, out_specs=P("x")))(
+                x, ids, w, *_w)
+
+        with pytest.raises(ValueError, match=re.escape(
+                "moe_layer: w_down_scale: expected [G, N] = [2, 128] or")):
+            call(w_down_scale=jnp.ones((2, 64)))
+        with pytest.raises(ValueError, match="w_gate_scale, w_up_scale: expected both or "
+                                             "neither"):
+            call(w_gate_scale=jnp.ones((2, 64)))
+        with pytest.raises(TypeError, match="w_down must have w_gate's 8-bit dtype int8, got "
+                                            "float8_e4m3fn"):
+            call(_w=(wg, wu, wd.astype(jnp.float8_e4m3fn)))
+        with pytest.raises(TypeError, match="w_gate_scale: expected None for weights of dtype "
+                                            "bfloat16"):
+            call(_w=tuple(a.astype(jnp.bfloat16) for a in (wg, wu, wd)),
+                 w_gate_scale=jnp.ones((2, 64)), w_up_scale=jnp.ones((2, 64)))
+    finally:
+        moe.close()

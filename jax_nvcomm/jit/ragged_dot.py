@@ -13,8 +13,9 @@ shard_map on several devices lax's stays: our op is per device, XLA would gather
     (a scale gathered per row by a routing index is not provably the row's group's scale);
   - dequantise-then-ragged_dot: rhs computed only for the product as `w.astype(dt)` (w int8 or
     float8_e4m3fn, converts between float dtypes allowed) or `w.astype(dt) * s[:, None, :]`
-    (s [G, N], broadcast over K; either operand order) -> the 8-bit-weight call on w with s
-    as its per-channel scale (s as the multiply saw it, converted to float32 exactly). The
+    (s [G, N] broadcast or reshaped to [G, 1, N] or broadcast to [G, K, N]; either operand
+    order; converts around each part) -> the 8-bit-weight call on w with s as its per-channel
+    scale (s as the multiply saw it, converted to float32 exactly). The
     kernel multiplies w * s in float32 instead of rounding it to the multiply's dtype: results
     differ from jax.jit's by that one rounding of the weights.
 Refused (lax's as written): other dimension numbers (the transposes a gradient adds), a
@@ -106,16 +107,17 @@ def _channel_scale(v, defs, uses, g, k, n):
     """The var s [G, N] that `v` broadcasts over K (through float converts), or None."""
     v = _strip_converts(v, defs, uses)
     e = defs.get(v)
-    if e is None or e.primitive.name != "broadcast_in_dim" or uses.get(v, 0) != 1:
+    if e is None or uses.get(v, 0) != 1 or tuple(v.aval.shape) not in ((g, k, n), (g, 1, n)):
         return None
-    s = e.invars[0]
-    if not isinstance(s, core.Var) or tuple(e.params["shape"]) != (g, k, n):
+    name = e.primitive.name
+    if name == "broadcast_in_dim" and tuple(e.params["broadcast_dimensions"]) != (0, 2):
         return None
-    if tuple(s.aval.shape) != (g, n) or tuple(e.params["broadcast_dimensions"]) != (0, 2):
+    if name not in ("broadcast_in_dim", "reshape"):
         return None
-    if jnp.dtype(s.aval.dtype) not in _FLOATS:
+    s = _strip_converts(e.invars[0], defs, uses) if isinstance(e.invars[0], core.Var) else None
+    if s is None or tuple(s.aval.shape) != (g, n) or jnp.dtype(s.aval.dtype) not in _FLOATS:
         return None
-    return s
+    return e.invars[0]
 
 
 def match_dequantised(jaxpr, eqn):

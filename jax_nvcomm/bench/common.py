@@ -508,3 +508,17 @@ def _human(n):
     if n >= 1 << 10:
         return f"{n / (1 << 10):.1f} KiB"
     return f"{n} B"
+
+
+# --------------------------------------------------------------------------- memory bandwidth
+
+def hbm_bytes_per_s(env, override=None):
+    """(bytes/s, text) of the weight-read bounds: --hbm-bytes-per-s when given, else the
+    device's peak (jax_nvcomm/topology/hbm.py: a table by name, else the device's memory clock
+    x bus width x 2); CPU devices have none: the H200's 4.8e12 stands in (their ratios mean
+    nothing)."""
+    from ..topology import hbm
+    bw, src = hbm.peak_bytes_per_s(env.devices[0], override)
+    if bw is None:
+        return 4.8e12, f"{src}: 4.8e12 (an H200's) stands in"
+    return bw, src

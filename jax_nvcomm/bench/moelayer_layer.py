@@ -13,9 +13,13 @@ random routing (top_k distinct experts per token, uniform). Methods:
             row's `dot` says which)
   xla       sort by expert + lax.ragged_all_to_all + three lax.ragged_dot + the way back + unsort
             (the example EP layer of jax_nvcomm.models.moe_ragged with XLA's collectives)
-Every row has the weight-read bound: bytes of the three matrices of every expert that gets at
-least one token (over all ranks, per rank when world > 1: the busiest rank) / 4.8 TB/s (H200
-HBM3e datasheet), and the ratio time / bound (device time where there is one, else loop time).
+Weights: `bench moelayer --weights` (bf16; int8 with per-channel scales; fp8 with 128 x 128
+block scales); with 8-bit weights the layer and composed rows pass the scales, and xla
+dequantises the weights to bf16 inside the jit (XLA's path on the same weights).
+Every row has the weight-read bound: bytes of the three matrices (and their scales) of every
+expert that gets at least one token (over all ranks, per rank when world > 1: the busiest rank)
+/ the GPU's peak memory bandwidth (`--hbm-bytes-per-s`, default the device's: bench moelayer's
+docstring), and the ratio time / bound (device time where there is one, else loop time).
 At the smallest token count of each expert count, one call of each method on the same inputs
 is compared with the layer's output (rel_diff_to_layer; they round differently, so ~1e-2 in
 bf16 is agreement).
@@ -28,7 +32,6 @@ from __future__ import annotations
 from . import common as B
 
 METHODS = ["layer", "layer two-dot", "composed", "xla"]
-HBM_BYTES_PER_S = 4.8e12
 
 
 def add_layer_arguments(s):
@@ -57,15 +60,17 @@ def layer_shapes(a, gpu):
     return hidden, ffn, experts, tokens, a.top_k
 
 
-def weight_bound_us(ids_all, L, H, F, itemsize, world):
-    """Weight-read bound of one call in us: the busiest rank's experts that get a token."""
+def weight_bound_us(ids_all, L, H, F, itemsize, world, bytes_per_s, scale_bytes=0):
+    """Weight-read bound of one call in us: the busiest rank's experts that get a token, each
+    reading its three [H, F] matrices of `itemsize` bytes an element and `scale_bytes` of
+    scales, at `bytes_per_s`. Returns (us, experts counted)."""
     import numpy as np
     E = L * world
     used = np.zeros(E, bool)
     used[np.asarray(ids_all).reshape(-1)] = True
     per_rank = used.reshape(world, L).sum(1)
-    nbytes = int(per_rank.max()) * 3 * H * F * itemsize
-    return nbytes / HBM_BYTES_PER_S * 1e6, int(per_rank.max())
+    nbytes = int(per_rank.max()) * (3 * H * F * itemsize + scale_bytes)
+    return nbytes / bytes_per_s * 1e6, int(per_rank.max())
 
 
 def _dot_name(nvc):
@@ -74,18 +79,22 @@ def _dot_name(nvc):
 
 def _bodies(env, moe, L, K, dtype):
     """{method: body(carry, consts) -> (carry, keep)} for B._measure; carry (x,), consts
-    (ids, w, wg, wu, wd), all per rank."""
+    (ids, w, wg, wu, wd), all per rank; each weight a (weights, scale or None) pair."""
+    import importlib
+
     import jax.numpy as jnp
     from jax import lax
 
     from .. import moe_experts
     from ..models import moe_ragged as mr
+    rd = importlib.import_module("jax_nvcomm.ragged_dot")
     nvc = env.nvc
     dot = getattr(nvc, "ragged_dot", None)
 
     def layer(c, k):
         (x,), (ids, w, wg, wu, wd) = c, k
-        y = nvc.moe_layer(x, ids, w, wg, wu, wd, moe)
+        y = nvc.moe_layer(x, ids, w, wg[0], wu[0], wd[0], moe, w_gate_scale=wg[1],
+                          w_up_scale=wu[1], w_down_scale=wd[1])
         return (B._row0(x, y),), (y,)
 
     def composed(c, k):
@@ -93,8 +102,8 @@ def _bodies(env, moe, L, K, dtype):
         d = nvc.moe_dispatch(x, ids, moe)
         rows = moe.world_size * moe.max_tokens * min(K, L)  # a token reaches <= min(K, L)
         if dot is None:
-            ey = moe_experts.expert_block(d.expert_x, d.expert_counts, wg, wu, wd, x.dtype,
-                                          rows)
+            ey = moe_experts.expert_block(d.expert_x, d.expert_counts, wg[0], wu[0], wd[0],
+                                          x.dtype, rows, (wg[1], wu[1], wd[1]))
         else:
             ey = _expert_block_with(dot, d.expert_x, d.expert_counts, wg, wu, wd, x.dtype,
                                     rows)
@@ -103,9 +112,16 @@ def _bodies(env, moe, L, K, dtype):
 
     coll = mr.collectives("lax", axis_name="x")
 
+    def plain(x, pair):  # XLA's path on 8-bit weights: dequantised in the jit
+        q, s = pair
+        if s is None:
+            return q if q.dtype == x.dtype else q.astype(x.dtype)
+        return rd.dequantize(q, s, 1 if s.ndim == 2 else 2, x.dtype)
+
     def xla(c, k):
         (x,), (ids, w, wg, wu, wd) = c, k
-        y = mr.moe_experts(x, w, ids, wg, wu, wd, axis_name="x", coll=coll)
+        y = mr.moe_experts(x, w, ids, plain(x, wg), plain(x, wu), plain(x, wd),
+                           axis_name="x", coll=coll)
         return (B._row0(x, y),), (y,)
 
     del lax, jnp
@@ -122,7 +138,8 @@ def _bodies(env, moe, L, K, dtype):
 
 def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype, max_rows):
     """moe_experts.expert_block's gathers (into max_rows packed rows) around a given
-    ragged_dot (nvc.ragged_dot), gate, up and down as three calls."""
+    ragged_dot (nvc.ragged_dot), gate, up and down as three calls; each weight a (weights,
+    scale or None) pair."""
     import jax
     import jax.numpy as jnp
     L, R, H = expert_x.shape
@@ -134,9 +151,11 @@ def _expert_block_with(dot, expert_x, counts, wg, wu, wd, out_dtype, max_rows):
     valid = p < ends[-1]
     xs = expert_x.reshape(L * R, H)[jnp.where(valid, e * R + (p - starts[e]), 0)]
     xs = jnp.where(valid[:, None], xs, jnp.zeros((), xs.dtype))
-    f32 = dict(preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(dot(xs, wg, counts, **f32)) * dot(xs, wu, counts, **f32)).astype(wd.dtype)
-    ys = dot(h, wd, counts, **f32).astype(out_dtype)
+    def d(a, pair):
+        kw = {} if pair[1] is None else {"rhs_scale": pair[1]}
+        return dot(a, pair[0], counts, preferred_element_type=jnp.float32, **kw)
+    h = (jax.nn.silu(d(xs, wg)) * d(xs, wu)).astype(xs.dtype)
+    ys = d(h, wd).astype(out_dtype)
     return ys[jnp.clip(starts[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :], 0, M - 1)]
 
 
@@ -151,8 +170,11 @@ def run_layer_rows(env, a):
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
+    from .moelayer import quantise, scale_bytes
     H, F, experts, tokens, K = layer_shapes(a, env.platform == "gpu")
     W = env.world
+    kind = getattr(a, "weights", "bf16")
+    bw, _ = B.hbm_bytes_per_s(env, getattr(a, "hbm_bytes_per_s", None))
     la = argparse.Namespace(**vars(a))
     la.reps, la.unroll, la.steps = a.layer_reps, a.layer_unroll, a.layer_steps
     la.device_time_on = B._device_time_on(env, a)
@@ -170,16 +192,16 @@ def run_layer_rows(env, a):
         # 256 experts would not pass through the host quickly)
         shard = jax.sharding.NamedSharding(mesh, spec)
 
-        def make(key):  # one expert at a time (vmap): no counter past 2^32 elements
-            def n(k, shape, fan):
-                one = lambda kk: (jax.random.normal(kk, shape, jnp.float32)  # noqa: E731
-                                  / np.sqrt(fan)).astype(dtype)
-                return jax.vmap(one)(jax.random.split(k, E))
-            k1, k2, k3 = jax.random.split(key, 3)
-            return n(k1, (H, F), H), n(k2, (H, F), H), n(k3, (F, H), F)
+        def make(k, shape, fan):  # one expert at a time (vmap): no counter past 2^32 elements
+            one = lambda kk: (jax.random.normal(kk, shape, jnp.float32)  # noqa: E731
+                              / np.sqrt(fan)).astype(dtype)
+            return quantise(jax.vmap(one)(jax.random.split(k, E)), kind)
 
-        try:
-            wg, wu, wd = jax.jit(make, out_shardings=(shard,) * 3)(jax.random.key(L))
+        try:  # one matrix per program: the float32 temporaries of one at a time
+            keys = jax.random.split(jax.random.key(L), 3)
+            wg, wu, wd = (jax.jit(make, static_argnums=(1, 2), out_shardings=shard)(kk, sh, fan)
+                          for kk, sh, fan in ((keys[0], (H, F), H), (keys[1], (H, F), H),
+                                              (keys[2], (F, H), F)))
         except Exception as e:  # noqa: BLE001 - too large for this device
             env.log(f"# layer rows: weights for L={L} failed ({type(e).__name__}: "
                     f"{str(e)[:160]}): skipped")
@@ -190,7 +212,9 @@ def run_layer_rows(env, a):
             w = rng.random((W * T, K)).astype(np.float32)
             w /= w.sum(1, keepdims=True)
             x = rng.standard_normal((W * T, H)).astype(np.float32)
-            bound, active = weight_bound_us(ids.reshape(W, T, K), L, H, F, dtype.itemsize, W)
+            bound, active = weight_bound_us(
+                ids.reshape(W, T, K), L, H, F, 2 if kind == "bf16" else 1, W, bw,
+                2 * scale_bytes(kind, H, F) + scale_bytes(kind, F, H))
             args = (B._put(env, mesh, jnp.asarray(x, dtype), spec),
                     B._put(env, mesh, ids, spec), B._put(env, mesh, w, spec), wg, wu, wd)
             moe = None
@@ -209,7 +233,8 @@ def run_layer_rows(env, a):
                 name = f"layer L={L} T={T} {m}"
                 r = B._measure(env, name, mesh, bodies[m], args, (spec,) * 6, 1, la)
                 t = r.get("device_us") or r.get("median_us")
-                r.update(experts=L, tokens=T, method=m, bound_us=round(bound, 3),
+                r.update(experts=L, tokens=T, method=m, bound_us=round(bound, 3), weights=kind,
+                         hbm_bytes_per_s=bw,
                          active_experts=active, world=W, hidden=H, ffn=F, top_k=K,
                          dot=_dot_name(env.nvc) if m == "composed" else None,
                          ratio=round(t / bound, 2) if t else None)
@@ -252,15 +277,18 @@ def _agreement(env, mesh, bodies, args, spec, L, T, methods, have_moe, rows):
                 r["rel_diff_to_layer"] = d
 
 
-def layer_table(env, rows):
+def layer_table(env, rows, bw_text=""):
     """The layer rows as one table: per (experts, tokens) each method's time and its ratio to
     the bound."""
     def ratio(g, m):
         r = g.get(m, {})
         return f"x{r['ratio']:.2f}" if r.get("ratio") else "-"
 
-    env.log("# layer rows: us per call; bound = weight reads of the experts that get tokens "
-            "at 4.8 TB/s; xN = (device time, else loop time) / bound")
+    bw = rows[0]["hbm_bytes_per_s"] if rows else 0
+    kind = rows[0].get("weights", "bf16") if rows else "bf16"
+    env.log(f"# layer rows ({kind} weights): us per call; bound = weight (+ scale) reads of "
+            f"the experts that get tokens at {bw / 1e12:.2f} TB/s ({bw_text}); xN = (device "
+            "time, else loop time) / bound")
     B._pivot(env, rows, [("experts", lambda r: str(r["experts"])),
                          ("tokens", lambda r: str(r["tokens"])),
                          ("bound us", lambda r: f"{r['bound_us']:.1f}")],
@@ -281,7 +309,7 @@ def run_layer(a, env=None):
         shown.device_time_on = B._device_time_on(env, a)
         env.header("moelayer (layer rows)", shown)
     rows = run_layer_rows(env, a)
-    layer_table(env, rows)
+    layer_table(env, rows, B.hbm_bytes_per_s(env, getattr(a, "hbm_bytes_per_s", None))[1])
     B._write_json(env, a.out, "moelayer_layer.json", dict(rows=rows, topology=env.topology()))
     return rows
 
@@ -302,6 +330,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--device-time", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--weights", choices=("bf16", "int8", "fp8"), default="bf16")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=None)
     add_layer_arguments(p)
     return run_layer(p.parse_args(argv))
 

@@ -1,7 +1,9 @@
 """`ragged_dot`: `lax.ragged_dot`'s MoE form (lhs [M, K] rows sorted by group, rhs [G, K, N],
 int32 group_sizes [G]) on our grouped-product kernel where it is faster (decode and small
 prefill: few rows per group), XLA's elsewhere; and the private `ragged_dot_swiglu`, the
-gate and up products with SwiGLU from one pass (the MoE layer's first half).
+gate and up products with SwiGLU from one pass (the MoE layer's first half). Both also take
+8-bit weights (int8 / float8_e4m3fn rhs with 16-bit lhs) with an optional float32 scale per
+output channel or per 128 x 128 block (the section at the end: targets `*_w8`).
 
 A local op: no communicator, no order token; it runs where `lax.ragged_dot` would, inside or
 outside `jax.shard_map` (inside: on each device's shard, every mesh axis manual). CPU devices
@@ -127,8 +129,9 @@ def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element
     shapes, dtypes and platform.
 
     "kernel" when the kernel takes the call (operands of one dtype: bfloat16 or float16, and on
-    CPU devices float32 too; result of that dtype or float32; on CUDA devices K and N multiples
-    of 8; 1 <= G <= 1024; M <= 2^20) and the rows per group are few: M / G <= 64 (decode and
+    CPU devices float32 too; or 8-bit weights, int8 / float8_e4m3fn, with bfloat16 / float16
+    lhs where the build has the 8-bit kernel; result of lhs's dtype or float32; on CUDA
+    devices K and N multiples of 8, 16 for 8-bit weights; 1 <= G <= 1024; M <= 2^20) and the rows per group are few: M / G <= 64 (decode and
     small prefill, where the product is bound by reading the weights of the groups that have
     rows); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
     with its own precision rules). Only static sizes are read: a call whose rows crowd into
@@ -287,12 +290,10 @@ def _call(name, platform, out_dtype, lhs, *operands, **attrs):
     `platform` (CUDA: with its split-K workspace as a second, discarded result)."""
     if platform == "cuda":
         _load_cuda_kernels()
-    gs = operands[-1]
     vma = _vma(lhs, *operands)
     args = [_as_varying(a, vma) for a in (lhs, *operands)]
     m, n, g = lhs.shape[0], operands[0].shape[2], operands[0].shape[0]
     rt = _shard.result_type(lhs, (m, n), out_dtype, vma)
-    del gs
     if platform != "cuda":
         return jax.ffi.ffi_call(_target(name, platform, _shard._GRAPH_CAPTURE), rt,
                                 vmap_method="sequential")(*args, **attrs)

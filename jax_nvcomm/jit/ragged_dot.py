@@ -26,6 +26,7 @@ source line, shapes, dtypes) that the rewrite records, so `explain` lists it.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -210,23 +211,10 @@ def rewrite(eqn, jaxpr, read, in_shard_map):
         "to the kernel")
 
 
-class _user_context:
+@contextlib.contextmanager
+def _user_context(eqn):
     """The user's source line and name stack around the binding of our op."""
-
-    def __init__(self, eqn):
-        self.eqn = eqn
-        self.cms = []
-
-    def __enter__(self):
-        eqn = self.eqn
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        self.cms = [source_info_util.user_context(eqn.source_info.traceback,
-                                                  name_stack=name_stack), eqn.ctx.manager]
-        for c in self.cms:
-            c.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.cms):
-            c.__exit__(*exc)
-        return False
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
+        yield

@@ -2,9 +2,11 @@
 block written as quantized public MoE code writes it (int8 experts with a per-channel scale
 gathered per row and multiplied after `lax.ragged_dot(x, w_int8, sizes)`; FP8 experts
 dequantised before the product) under nvc.jit: its products become the 8-bit-weight custom
-calls, each listed by `nvc.explain`, results equal to jax.jit's within float32 rounding of the
-sums (int8, no change in the arithmetic) or one bf16 rounding of the dequantised weights (the
-kernel keeps w * s in float32); forms that are not matched stay lax's."""
+calls, each listed by `nvc.explain`; one product equals jax.jit's within float32 rounding of
+its sum (int8: the same arithmetic), the whole block within the bf16 roundings that a flipped
+last bit carries through it (most outputs bitwise equal), and the dequantised form within one
+bf16 rounding of the weights (the kernel keeps w * s in float32); forms that are not matched
+stay lax's."""
 import re
 import warnings
 
@@ -118,6 +120,21 @@ def test_int8_then_scale_form(rng):
         assert r["became"] == "ragged_dot_w8 (int8, no scale)"
         assert r["dtype"] == "bfloat16 x int8"
         assert r["source"].startswith("test_jit_ragged_dot_w8.py:")
+
+
+def test_one_int8_product_as_jax_jit(rng):
+    x = jnp.asarray(rng.standard_normal((W * 12, H)), jnp.bfloat16)
+    q = jnp.asarray(rng.integers(-127, 128, (W * 3, H, F)), jnp.int8)
+    sizes = jnp.asarray(np.tile([4, 0, 7], W), jnp.int32)
+    f = jax.shard_map(lambda a, b, c: lax.ragged_dot(a, b, c, preferred_element_type=jnp.float32),
+                      mesh=mesh8(), in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    j = nvc.jit(f)
+    assert ours(j, x, q, sizes) == ["nvc_ragged_dot_w8"]
+    got, want = np.asarray(no_warning(j, x, q, sizes)), np.asarray(jax.jit(f)(x, q, sizes))
+    # both sum exact float32 products in float32: they differ by the order of the sums only
+    mag = np.abs(np.asarray(x, np.float64)).max() * 127 * H
+    assert np.all(np.abs(got.astype(np.float64) - want) <= mag * H * 2.0 ** -24)
+    assert not np.any(got.reshape(W, 12, F)[:, 11:])   # the row past the groups
 
 
 def test_dequantise_then_ragged_dot_form(rng):

@@ -131,9 +131,9 @@ def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element
     "kernel" when the kernel takes the call (operands of one dtype: bfloat16 or float16, and on
     CPU devices float32 too; or 8-bit weights, int8 / float8_e4m3fn, with bfloat16 / float16
     lhs where the build has the 8-bit kernel; result of lhs's dtype or float32; on CUDA
-    devices K and N multiples of 8, 16 for 8-bit weights; 1 <= G <= 1024; M <= 2^20) and the rows per group are few: M / G <= 64 (decode and
-    small prefill, where the product is bound by reading the weights of the groups that have
-    rows); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
+    devices K and N multiples of 8, 16 for 8-bit weights; 1 <= G <= 1024; M <= 2^20) and the
+    rows per group are few: M / G <= 64 (decode and small prefill, where the product is bound
+    by reading the weights of the groups that have rows); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
     with its own precision rules). Only static sizes are read: a call whose rows crowd into
     few groups still takes the kernel (correct, slower: a group past the kernel's row tile
     re-reads its weights).

@@ -24,8 +24,9 @@ once, / the GPU's peak memory bandwidth: a table by device name (H100 SXM 3.35e1
 (cuda-python), printed with the table; --hbm-bytes-per-s overrides it. Each row also records
 each nvc method's result against XLA's on the same inputs (`rel_diff_to_xla`: ||nvc - xla|| /
 ||xla||, bf16 rounding: ~1e-3). Times: `calls` chained calls in one jit (each call's input
-takes one element of the previous output, so they run in order), loop us per call (median over the programs) and, on GPUs, the kernels' device time per call from a
-profiler trace (dN; as the other loop benchmarks). On CPU devices the shapes shrink (hidden 256,
+takes one element of the previous output, so they run in order), loop us per call (median
+over the programs) and, on GPUs, the kernels' device time per call from a profiler trace (dN;
+as the other loop benchmarks). On CPU devices the shapes shrink (hidden 256,
 F 128, experts 8 / 32) and the numbers only show that the benchmark runs. Writes
 OUT/moelayer.json and the table.
 """

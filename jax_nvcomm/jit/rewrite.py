@@ -322,7 +322,11 @@ def _shard_map(eqn, invals, ctx):
         return tuple(evaluate(body, (), args, inner))
 
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    # eqn.ctx holds the abstract mesh the shard_map was traced under: a shard_map over a
+    # second Mesh of the same devices (under `use_abstract_mesh`) is bound under its own
+    # mesh, not the program's outer one
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
         outs = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
                              out_specs=tuple(p["out_specs"]),
                              axis_names=frozenset(p.get("newly_manual_axes", frozenset())),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 
 import jax
 from jax._src import core
@@ -47,24 +49,41 @@ def _normalize_argnums(nums, n):
     return tuple(sorted({i % n if n else i for i in nums if -n <= i < n}))
 
 
-class Jitted:
-    """What `jit` returns: call it like the `jax.jit` function of `fun` (also `.lower`,
-    `.trace`, `.eval_shape`)."""
+class _Program:
+    """The state of `jit(fun, **kw)` that costs a trace to rebuild: the communicators' needs
+    per signature, the jax.jit functions per pool generation, the reverse-mode pair. Shared by
+    every `Jitted` of the same function and jit arguments (`_cache`), so `jit(f, **kw)(x)`
+    written inline at each call traces and compiles once, as `jax.jit(f, **kw)(x)` does.
+
+    It holds the function weakly (the `Jitted` the caller has holds it strongly; a partial or
+    bound method equal to the first is re-bound by each new `Jitted`: `bind`)."""
 
     def __init__(self, fun, jit_kwargs):
-        self._fun = fun
+        self._ref = _weak(fun)
         self._kw = dict(jit_kwargs)
         names = self._kw.get("static_argnames") or ()
         self._static_names = (names,) if isinstance(names, str) else tuple(names)
         self._static_nums = self._kw.get("static_argnums")
         try:
-            self._params = list(inspect.signature(fun).parameters.values())
+            self._sig = inspect.signature(fun)
         except (TypeError, ValueError):
-            self._params = []
+            self._sig = None
+        self._params = [] if self._sig is None else list(self._sig.parameters.values())
         self._needs: dict = {}
         self._jits: dict = {}
         self._vjp = None  # (forward, backward) Jitted for calls under jax.grad
-        functools.update_wrapper(self, fun)
+
+    @property
+    def _fun(self):
+        fun = self._ref()
+        if fun is None:  # pragma: no cover - a Jitted holds it while it runs
+            raise RuntimeError("jax_nvcomm.jit: the function was garbage collected")
+        return fun
+
+    def bind(self, fun) -> None:
+        """Run `fun` (equal to the one this program was made for) from now on."""
+        if self._ref() is not fun:
+            self._ref = _weak(fun)
 
     # -- which arguments are static ------------------------------------------------------------
     def _static_positions(self, n):
@@ -145,9 +164,18 @@ class Jitted:
         if records is None and gen in self._jits:
             return self._jits[gen]
 
-        @functools.wraps(self._fun)
         def run(*args, **kwargs):
             return self._run(records, args, kwargs)
+
+        # the function's names, not the function (functools.wraps would keep it alive through
+        # __wrapped__: the cache holds the program weakly keyed on it)
+        for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+            try:
+                setattr(run, attr, getattr(self._fun, attr))
+            except (AttributeError, TypeError):
+                pass
+        if self._sig is not None:  # jax.jit reads static_argnames / donate_argnames from it
+            run.__signature__ = self._sig
 
         f = jax.jit(run, **self._kw)
         if records is None:
@@ -241,8 +269,126 @@ class Jitted:
         lowered = self._jitted(records).lower(*args, **kwargs)
         return records, lowered
 
+
+class Jitted:
+    """What `jit` returns: call it like the `jax.jit` function of `fun` (also `.lower`,
+    `.trace`, `.eval_shape`). Holds `fun`; what was traced and compiled lives in a `_Program`
+    shared by every Jitted of the same function and jit arguments."""
+
+    def __init__(self, fun, jit_kwargs, program=None):
+        self._fun = fun
+        self._program = _Program(fun, jit_kwargs) if program is None else program
+        functools.update_wrapper(self, fun)
+
+    def _p(self):
+        p = self._program
+        p.bind(self._fun)
+        return p
+
+    def __call__(self, *args, **kwargs):
+        return self._p()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`jax.jit(...).lower`: the rewritten program, lowered (its communicators made)."""
+        return self._p().lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        """`jax.jit(...).trace` of the rewritten program."""
+        return self._p().trace(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        """`jax.eval_shape` of fun (nothing is rewritten or made)."""
+        return jax.eval_shape(self._fun, *args, **kwargs)
+
+    def explain_rows(self, *args, **kwargs):
+        """(the Sites of the rewrite of this call, its lowered program): for `explain`."""
+        return self._p().explain_rows(*args, **kwargs)
+
     def __repr__(self):
         return f"jax_nvcomm.jit({getattr(self._fun, '__name__', self._fun)!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache of programs: jit(f, **kw) written inline at every call finds the program of the
+# first call, as jax.jit(f, **kw) finds its traces (keyed on the function, held weakly)
+
+class _Strong:
+    """A strong reference with weakref.ref's call (for callables that refuse weak ones)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+def _weak(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _Strong(obj)
+
+
+_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # anchor -> {key: _Program}
+_cache_lock = threading.Lock()
+_PER_ANCHOR = 64  # programs kept per anchor, the oldest dropped first
+
+
+def _hashable(v):
+    """v with lists / tuples / dicts / sets made hashable, recursively (TypeError: it cannot
+    be)."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return ("dict",) + tuple(sorted(((k, _hashable(x)) for k, x in v.items()), key=repr))
+    if isinstance(v, (set, frozenset)):
+        return ("set", frozenset(_hashable(x) for x in v))
+    hash(v)
+    return v
+
+
+def _anchor_and_key(fun, jit_kwargs):
+    """(the object the cache entry lives as long as, the key under it), or None: no caching.
+    A function is its own anchor; a functools.partial is anchored on the function it wraps
+    and keyed by its arguments (equal partials share a program); a bound method on the
+    object it is bound to, keyed by the function."""
+    try:
+        kw = _hashable(jit_kwargs)
+        if isinstance(fun, functools.partial):
+            parts = []
+            while isinstance(fun, functools.partial):
+                parts.append((_hashable(fun.args), _hashable(fun.keywords or {})))
+                fun = fun.func
+            anchor, key = _anchor_and_key(fun, {})
+            return anchor, ("partial", key, tuple(parts), kw)
+        if inspect.ismethod(fun):
+            return fun.__self__, ("method", fun.__func__, kw)
+        return fun, ("fun", kw)
+    except TypeError:
+        return None
+
+
+def _program(fun, jit_kwargs):
+    """The cached `_Program` of (fun, jit_kwargs), made at the first request (None: these
+    cannot be cached)."""
+    found = _anchor_and_key(fun, jit_kwargs)
+    if found is None:
+        return None
+    anchor, key = found
+    with _cache_lock:
+        try:
+            per = _cache.get(anchor)
+            if per is None:
+                per = _cache[anchor] = {}
+        except TypeError:  # the anchor refuses weak references (or hashing)
+            return None
+        prog = per.get(key)
+        if prog is None:
+            if len(per) >= _PER_ANCHOR:  # (partials of one function with ever new arguments)
+                per.pop(next(iter(per)))
+            prog = per[key] = _Program(fun, jit_kwargs)
+    return prog
 
 
 def jit(fun=None, **jax_jit_kwargs):
@@ -266,6 +412,12 @@ def jit(fun=None, **jax_jit_kwargs):
     (`JAX_NVCOMM_QUIET=1` silences). Collectives XLA's partitioner inserts outside shard_map
     are out of its reach (`explain` lists them too).
 
+    Written inline, `jit(f, **kw)(x)` at every call, it costs what `jax.jit(f, **kw)(x)` does:
+    what was traced and compiled is cached on the function (held weakly: the cache keeps no
+    function or object alive) and the jit arguments; equal `functools.partial`s of a function
+    share it, a bound method's is kept per object; jit arguments or partial arguments that
+    cannot be hashed are not cached (each such call traces again, still correct).
+
     Communicators are made at the first call with concrete arguments (or `.lower()`), from
     the program's messages, collectively over the job's processes in program order; they are
     reused by later calls and programs, and closed by `close_all()` or at exit. Calling the
@@ -282,5 +434,5 @@ def jit(fun=None, **jax_jit_kwargs):
     """
     if fun is None:
         return functools.partial(jit, **jax_jit_kwargs)
-    return Jitted(fun, jax_jit_kwargs)
+    return Jitted(fun, jax_jit_kwargs, _program(fun, jax_jit_kwargs))
 

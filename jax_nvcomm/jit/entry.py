@@ -18,7 +18,12 @@ import jax
 from jax._src import core
 from jax._src.interpreters import ad
 
+from .. import _registry
 from . import pool as _pool, rewrite as _rewrite
+
+
+_MAX_RETRACES = 8  # traces of a call that may each find communicators missing (one per
+                   # communicator an op of ours asks for by axis name, at most)
 
 
 class _NotPrepared(Exception):
@@ -29,6 +34,22 @@ class _NotPrepared(Exception):
     def __init__(self, needs):
         super().__init__("jax_nvcomm.jit: communicators not prepared")
         self.needs = needs
+
+
+def _op_without_communicator(axes, kind):
+    """An op of ours called with axis_name= inside the program found no communicator: have the
+    pool make one over those axes of the shard_map's mesh, of a default Communicator's size
+    (raises _NotPrepared: made outside the trace, the call traced again). Returns (the op's
+    own error follows) where no mesh is known, the axes are not its, the pool refused, or
+    the op wants a MoECommunicator (made with the layer's sizes: the caller's to make)."""
+    if kind != "tp":
+        return
+    mesh = _pool.concrete_mesh_here()
+    if mesh is None or not all(a in mesh.axis_names for a in axes):
+        return
+    if _pool.refused(mesh, axes) or _pool.lookup(mesh, axes)[0] is not None:
+        return
+    raise _NotPrepared([_rewrite.Need(mesh, tuple(axes), _pool.OP_BYTES, 0)])
 
 
 def _with_dynamic(args, kwargs, dyn_idx, dyn_args, dyn_kwargs):
@@ -119,7 +140,8 @@ class _Program:
             return self._fun(*full, **kw)
 
         g.__name__ = getattr(self._fun, "__name__", "fun")
-        closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
+        with _registry.on_miss(_op_without_communicator):
+            closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
         return closed, jax.tree.structure(shape), dyn
 
     def _signature(self, args, kwargs):
@@ -140,11 +162,19 @@ class _Program:
         except TypeError:
             sig = None
         needs = self._needs.get(sig) if sig is not None else None
-        if needs is None:
-            closed, _, _ = self._trace(args, kwargs)
+        for _ in range(_MAX_RETRACES):
+            if needs is not None:
+                break
+            try:
+                closed, _, _ = self._trace(args, kwargs)
+            except _NotPrepared as e:  # an op of ours called with axis_name=: made, again
+                _pool.ensure(e.needs)
+                continue
             needs = _rewrite.needs(closed.jaxpr)
             if sig is not None:
                 self._needs[sig] = needs
+        if needs is None:  # pragma: no cover - the pool refused to settle: the call says why
+            needs = []
         if not _pool.ready(needs):
             _pool.ensure(needs)
 
@@ -239,7 +269,7 @@ class _Program:
         # trace, and the call runs again on a NEW jax.jit function: one whose trace raised
         # keeps taking jax's Python dispatch path for that signature (measured: 170-230 us
         # per call instead of 5-15), so it is dropped (its other signatures compile again).
-        for _ in range(3):
+        for _ in range(_MAX_RETRACES):
             try:
                 return self._jitted()(*args, **kwargs)
             except _NotPrepared as e:

@@ -160,8 +160,9 @@ def _same_shape(mesh, abstract) -> bool:
 def concrete_mesh_here():
     """The concrete `Mesh` of the shard_map being traced now (its axis names and sizes those
     of the current abstract mesh), or None. Looked for where the trace has it: the innermost
-    shard_map's own mesh argument (on the stack of jax's shard_map tracing), the mesh of
-    `jax.set_mesh`, the meshes of the communicators made already."""
+    shard_map's own mesh argument (on the stack of jax's shard_map tracing), else the mesh of
+    `jax.set_mesh`. (Not a mesh of the same names and sizes from elsewhere: its devices may
+    be in another order.)"""
     import sys
 
     import jax
@@ -186,13 +187,6 @@ def concrete_mesh_here():
     try:
         cands.append(mesh_lib.get_concrete_mesh())
     except Exception:  # pragma: no cover
-        pass
-    with _lock:
-        cands.extend(m for m, _ in _comms)
-    try:
-        from .. import _registry
-        cands.extend(c.mesh for c in _registry.registered())
-    except ImportError:  # pragma: no cover
         pass
     for m in cands:
         if isinstance(m, jax.sharding.Mesh) and not m.empty and _same_shape(m, am):

@@ -371,7 +371,8 @@ def _hashable(v):
     if isinstance(v, (list, tuple)):
         return (type(v).__name__,) + tuple(_hashable(x) for x in v)
     if isinstance(v, dict):
-        return ("dict",) + tuple(sorted(((k, _hashable(x)) for k, x in v.items()), key=repr))
+        return ("dict",) + tuple(sorted(((k, _hashable(x)) for k, x in v.items()),
+                                        key=lambda kv: repr(kv[0])))
     if isinstance(v, (set, frozenset)):
         return ("set", frozenset(_hashable(x) for x in v))
     hash(v)

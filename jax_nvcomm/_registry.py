@@ -28,6 +28,9 @@ _KINDS = ("tp", "moe")
 _lock = threading.RLock()
 _pool: list = []        # register(): outside any communicators() block (nvc.jit's pool)
 _scopes: list = []      # one list per open communicators() block, innermost last
+_on_miss: list = []     # callables (axes, kind) run when find() has no match, innermost last:
+                        # jax_nvcomm.jit's trace has the pool make the communicator (it raises
+                        # and traces again); a hook that returns lets find() raise its error
 
 
 def axes_of(axis_name, what: str = "axis_name") -> tuple[str, ...]:
@@ -155,6 +158,8 @@ def find(axis_name, *, kind: str = "tp", what: str = "find", accept=None):
                        if kind_of(c) == kind})
         near = [c for p in places for c in p if axes_of(c.axis_name) == axes
                 and kind_of(c) == kind]
+    for hook in reversed(list(_on_miss)):
+        hook(axes, kind)
     hint = ""
     if near and mesh_axes is not None and not any(_fits_mesh(c, mesh_axes) for c in near):
         hint = (f"; those for {_show(axes)} are on another mesh than the surrounding "
@@ -168,6 +173,20 @@ def find(axis_name, *, kind: str = "tp", what: str = "find", accept=None):
         + (f"axes that have one: {', '.join(have)}" if have else "none is registered")
         + hint + ". Create them outside jit with `with jax_nvcomm.communicators(mesh):`, run "
         "the program under jax_nvcomm.jit, or pass the communicator itself")
+
+
+@contextlib.contextmanager
+def on_miss(hook):
+    """Within the block, `find()` calls hook(axes, kind) before it raises for want of a match
+    (nvc.jit's trace: the hook raises to have the communicator made)."""
+    with _lock:
+        _on_miss.append(hook)
+    try:
+        yield
+    finally:
+        with _lock:
+            if hook in _on_miss:
+                _on_miss.remove(hook)
 
 
 def _show(axes) -> str:

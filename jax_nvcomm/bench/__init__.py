@@ -11,6 +11,8 @@
              against lax.ragged_dot, each row with its weight-read bound
   step       whole jitted model steps of the example model, jax_nvcomm against XLA, with the
              no-communication bound
+  inline     the per-call cost of jax_nvcomm.jit(f, **kw)(x) written inline (made anew at
+             each call) against the same inline jax.jit
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, moe, moelayer, moelayer_layer, ragged, step, varlen
+from . import allreduce, inline, moe, moelayer, moelayer_layer, ragged, step, varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "moelayer": (moelayer, "an MoE layer's expert compute at decode shapes on one device: "
                            "nvc.ragged_dot vs lax.ragged_dot, each with its weight-read bound"),
     "step": (step, "whole jitted steps of the example model, jax_nvcomm vs XLA's collectives"),
+    "inline": (inline, "per-call time of jax_nvcomm.jit(f, **kw)(x) made anew at every call vs "
+                       "the same inline jax.jit"),
 }
 
 
@@ -51,6 +53,8 @@ def main(argv=None):
     if a.what == "step":
         return step.run_step(a)
     _setup_env()
+    if a.what == "inline":
+        return inline.run_inline(a)
     if a.what == "moelayer":
         rc = moelayer.run_moelayer(a)
         moelayer_layer.run_layer(a)

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 
 import jax
 from jax._src import core
 from jax._src.interpreters import ad
 
+from .. import _registry
 from . import pool as _pool, rewrite as _rewrite
+
+
+_MAX_RETRACES = 8  # traces of a call that may each find communicators missing (one per
+                   # communicator an op of ours asks for by axis name, at most)
 
 
 class _NotPrepared(Exception):
@@ -27,6 +34,22 @@ class _NotPrepared(Exception):
     def __init__(self, needs):
         super().__init__("jax_nvcomm.jit: communicators not prepared")
         self.needs = needs
+
+
+def _op_without_communicator(axes, kind):
+    """An op of ours called with axis_name= inside the program found no communicator: have the
+    pool make one over those axes of the shard_map's mesh, of a default Communicator's size
+    (raises _NotPrepared: made outside the trace, the call traced again). Returns (the op's
+    own error follows) where no mesh is known, the axes are not its, the pool refused, or
+    the op wants a MoECommunicator (made with the layer's sizes: the caller's to make)."""
+    if kind != "tp":
+        return
+    mesh = _pool.concrete_mesh_here()
+    if mesh is None or not all(a in mesh.axis_names for a in axes):
+        return
+    if _pool.refused(mesh, axes) or _pool.lookup(mesh, axes)[0] is not None:
+        return
+    raise _NotPrepared([_rewrite.Need(mesh, tuple(axes), _pool.OP_BYTES, 0)])
 
 
 def _with_dynamic(args, kwargs, dyn_idx, dyn_args, dyn_kwargs):
@@ -47,24 +70,41 @@ def _normalize_argnums(nums, n):
     return tuple(sorted({i % n if n else i for i in nums if -n <= i < n}))
 
 
-class Jitted:
-    """What `jit` returns: call it like the `jax.jit` function of `fun` (also `.lower`,
-    `.trace`, `.eval_shape`)."""
+class _Program:
+    """The state of `jit(fun, **kw)` that costs a trace to rebuild: the communicators' needs
+    per signature, the jax.jit functions per pool generation, the reverse-mode pair. Shared by
+    every `Jitted` of the same function and jit arguments (`_cache`), so `jit(f, **kw)(x)`
+    written inline at each call traces and compiles once, as `jax.jit(f, **kw)(x)` does.
+
+    It holds the function weakly (the `Jitted` the caller has holds it strongly; a partial or
+    bound method equal to the first is re-bound by each new `Jitted`: `bind`)."""
 
     def __init__(self, fun, jit_kwargs):
-        self._fun = fun
+        self._ref = _weak(fun)
         self._kw = dict(jit_kwargs)
         names = self._kw.get("static_argnames") or ()
         self._static_names = (names,) if isinstance(names, str) else tuple(names)
         self._static_nums = self._kw.get("static_argnums")
         try:
-            self._params = list(inspect.signature(fun).parameters.values())
+            self._sig = inspect.signature(fun)
         except (TypeError, ValueError):
-            self._params = []
+            self._sig = None
+        self._params = [] if self._sig is None else list(self._sig.parameters.values())
         self._needs: dict = {}
         self._jits: dict = {}
         self._vjp = None  # (forward, backward) Jitted for calls under jax.grad
-        functools.update_wrapper(self, fun)
+
+    @property
+    def _fun(self):
+        fun = self._ref()
+        if fun is None:  # pragma: no cover - a Jitted holds it while it runs
+            raise RuntimeError("jax_nvcomm.jit: the function was garbage collected")
+        return fun
+
+    def bind(self, fun) -> None:
+        """Run `fun` (equal to the one this program was made for) from now on."""
+        if self._ref() is not fun:
+            self._ref = _weak(fun)
 
     # -- which arguments are static ------------------------------------------------------------
     def _static_positions(self, n):
@@ -100,7 +140,8 @@ class Jitted:
             return self._fun(*full, **kw)
 
         g.__name__ = getattr(self._fun, "__name__", "fun")
-        closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
+        with _registry.on_miss(_op_without_communicator):
+            closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
         return closed, jax.tree.structure(shape), dyn
 
     def _signature(self, args, kwargs):
@@ -121,11 +162,19 @@ class Jitted:
         except TypeError:
             sig = None
         needs = self._needs.get(sig) if sig is not None else None
-        if needs is None:
-            closed, _, _ = self._trace(args, kwargs)
+        for _ in range(_MAX_RETRACES):
+            if needs is not None:
+                break
+            try:
+                closed, _, _ = self._trace(args, kwargs)
+            except _NotPrepared as e:  # an op of ours called with axis_name=: made, again
+                _pool.ensure(e.needs)
+                continue
             needs = _rewrite.needs(closed.jaxpr)
             if sig is not None:
                 self._needs[sig] = needs
+        if needs is None:  # pragma: no cover - the pool refused to settle: the call says why
+            needs = []
         if not _pool.ready(needs):
             _pool.ensure(needs)
 
@@ -145,9 +194,18 @@ class Jitted:
         if records is None and gen in self._jits:
             return self._jits[gen]
 
-        @functools.wraps(self._fun)
         def run(*args, **kwargs):
             return self._run(records, args, kwargs)
+
+        # the function's names, not the function (functools.wraps would keep it alive through
+        # __wrapped__: the cache holds the program weakly keyed on it)
+        for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+            try:
+                setattr(run, attr, getattr(self._fun, attr))
+            except (AttributeError, TypeError):
+                pass
+        if self._sig is not None:  # jax.jit reads static_argnames / donate_argnames from it
+            run.__signature__ = self._sig
 
         f = jax.jit(run, **self._kw)
         if records is None:
@@ -211,7 +269,7 @@ class Jitted:
         # trace, and the call runs again on a NEW jax.jit function: one whose trace raised
         # keeps taking jax's Python dispatch path for that signature (measured: 170-230 us
         # per call instead of 5-15), so it is dropped (its other signatures compile again).
-        for _ in range(3):
+        for _ in range(_MAX_RETRACES):
             try:
                 return self._jitted()(*args, **kwargs)
             except _NotPrepared as e:
@@ -241,8 +299,127 @@ class Jitted:
         lowered = self._jitted(records).lower(*args, **kwargs)
         return records, lowered
 
+
+class Jitted:
+    """What `jit` returns: call it like the `jax.jit` function of `fun` (also `.lower`,
+    `.trace`, `.eval_shape`). Holds `fun`; what was traced and compiled lives in a `_Program`
+    shared by every Jitted of the same function and jit arguments."""
+
+    def __init__(self, fun, jit_kwargs, program=None):
+        self._fun = fun
+        self._program = _Program(fun, jit_kwargs) if program is None else program
+        functools.update_wrapper(self, fun)
+
+    def _p(self):
+        p = self._program
+        p.bind(self._fun)
+        return p
+
+    def __call__(self, *args, **kwargs):
+        return self._p()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`jax.jit(...).lower`: the rewritten program, lowered (its communicators made)."""
+        return self._p().lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        """`jax.jit(...).trace` of the rewritten program."""
+        return self._p().trace(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        """`jax.eval_shape` of fun (nothing is rewritten or made)."""
+        return jax.eval_shape(self._fun, *args, **kwargs)
+
+    def explain_rows(self, *args, **kwargs):
+        """(the Sites of the rewrite of this call, its lowered program): for `explain`."""
+        return self._p().explain_rows(*args, **kwargs)
+
     def __repr__(self):
         return f"jax_nvcomm.jit({getattr(self._fun, '__name__', self._fun)!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache of programs: jit(f, **kw) written inline at every call finds the program of the
+# first call, as jax.jit(f, **kw) finds its traces (keyed on the function, held weakly)
+
+class _Strong:
+    """A strong reference with weakref.ref's call (for callables that refuse weak ones)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+def _weak(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _Strong(obj)
+
+
+_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # anchor -> {key: _Program}
+_cache_lock = threading.Lock()
+_PER_ANCHOR = 64  # programs kept per anchor, the oldest dropped first
+
+
+def _hashable(v):
+    """v with lists / tuples / dicts / sets made hashable, recursively (TypeError: it cannot
+    be)."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return ("dict",) + tuple(sorted(((k, _hashable(x)) for k, x in v.items()),
+                                        key=lambda kv: repr(kv[0])))
+    if isinstance(v, (set, frozenset)):
+        return ("set", frozenset(_hashable(x) for x in v))
+    hash(v)
+    return v
+
+
+def _anchor_and_key(fun, jit_kwargs):
+    """(the object the cache entry lives as long as, the key under it), or None: no caching.
+    A function is its own anchor; a functools.partial is anchored on the function it wraps
+    and keyed by its arguments (equal partials share a program); a bound method on the
+    object it is bound to, keyed by the function."""
+    try:
+        kw = _hashable(jit_kwargs)
+        if isinstance(fun, functools.partial):
+            parts = []
+            while isinstance(fun, functools.partial):
+                parts.append((_hashable(fun.args), _hashable(fun.keywords or {})))
+                fun = fun.func
+            anchor, key = _anchor_and_key(fun, {})
+            return anchor, ("partial", key, tuple(parts), kw)
+        if inspect.ismethod(fun):
+            return fun.__self__, ("method", fun.__func__, kw)
+        return fun, ("fun", kw)
+    except TypeError:
+        return None
+
+
+def _program(fun, jit_kwargs):
+    """The cached `_Program` of (fun, jit_kwargs), made at the first request (None: these
+    cannot be cached)."""
+    found = _anchor_and_key(fun, jit_kwargs)
+    if found is None:
+        return None
+    anchor, key = found
+    with _cache_lock:
+        try:
+            per = _cache.get(anchor)
+            if per is None:
+                per = _cache[anchor] = {}
+        except TypeError:  # the anchor refuses weak references (or hashing)
+            return None
+        prog = per.get(key)
+        if prog is None:
+            if len(per) >= _PER_ANCHOR:  # (partials of one function with ever new arguments)
+                per.pop(next(iter(per)))
+            prog = per[key] = _Program(fun, jit_kwargs)
+    return prog
 
 
 def jit(fun=None, **jax_jit_kwargs):
@@ -266,6 +443,12 @@ def jit(fun=None, **jax_jit_kwargs):
     (`JAX_NVCOMM_QUIET=1` silences). Collectives XLA's partitioner inserts outside shard_map
     are out of its reach (`explain` lists them too).
 
+    Written inline, `jit(f, **kw)(x)` at every call, it costs what `jax.jit(f, **kw)(x)` does:
+    what was traced and compiled is cached on the function (held weakly: the cache keeps no
+    function or object alive) and the jit arguments; equal `functools.partial`s of a function
+    share it, a bound method's is kept per object; jit arguments or partial arguments that
+    cannot be hashed are not cached (each such call traces again, still correct).
+
     Communicators are made at the first call with concrete arguments (or `.lower()`), from
     the program's messages, collectively over the job's processes in program order; they are
     reused by later calls and programs, and closed by `close_all()` or at exit. Calling the
@@ -282,5 +465,5 @@ def jit(fun=None, **jax_jit_kwargs):
     """
     if fun is None:
         return functools.partial(jit, **jax_jit_kwargs)
-    return Jitted(fun, jax_jit_kwargs)
+    return Jitted(fun, jax_jit_kwargs, _program(fun, jax_jit_kwargs))
 

@@ -28,6 +28,8 @@ _lock = threading.RLock()
 _comms: dict = {}      # (mesh, axes) -> Communicator
 _refused: dict = {}    # (mesh, axes) -> why no communicator could be made
 _MIN_BYTES = 64 << 10
+OP_BYTES = 32 << 20    # max_message_bytes of one made for an op called with axis_name= (a
+                       # default Communicator's: the op's messages are not known before it runs)
 _generation = [0]      # bumped when a communicator is re-made: programs traced before hold
                        # the old one's id and are traced again (`generation`)
 
@@ -149,6 +151,49 @@ def ensure(needs) -> None:
             _register(comm)
 
 
+def _same_shape(mesh, abstract) -> bool:
+    return (tuple(mesh.axis_names) == tuple(abstract.axis_names) and
+            tuple(int(mesh.shape[a]) for a in mesh.axis_names) == tuple(
+                int(s) for s in abstract.axis_sizes))
+
+
+def concrete_mesh_here():
+    """The concrete `Mesh` of the shard_map being traced now (its axis names and sizes those
+    of the current abstract mesh), or None. Looked for where the trace has it: the innermost
+    shard_map's own mesh argument (on the stack of jax's shard_map tracing), else the mesh of
+    `jax.set_mesh`. (Not a mesh of the same names and sizes from elsewhere: its devices may
+    be in another order.)"""
+    import sys
+
+    import jax
+    from jax._src import mesh as mesh_lib
+    try:
+        am = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover
+        return None
+    if am is None or am.empty:
+        return None
+    cands = []
+    frame = sys._getframe(1)
+    while frame is not None:  # jax's shard_map tracing holds its Mesh as a local: `mesh`
+        if frame.f_code.co_name.startswith("_shard_map") and \
+                frame.f_code.co_filename.endswith("shard_map.py"):
+            m = frame.f_locals.get("mesh")
+            if isinstance(m, jax.sharding.Mesh):
+                cands.append(m)
+                break
+        frame = frame.f_back
+    del frame
+    try:
+        cands.append(mesh_lib.get_concrete_mesh())
+    except Exception:  # pragma: no cover
+        pass
+    for m in cands:
+        if isinstance(m, jax.sharding.Mesh) and not m.empty and _same_shape(m, am):
+            return m
+    return None
+
+
 def lookup(mesh, axes):
     """(the pool's communicator for mesh and axes, or None, and why none)."""
     key = (mesh, tuple(axes))
@@ -161,6 +206,13 @@ def lookup(mesh, axes):
     return None, (f"no communicator for axes {tuple(axes)!r} (the program was not prepared: "
                   "call the nvc.jit function with arrays, or nvc.explain, before tracing it "
                   "inside another transformation)")
+
+
+def refused(mesh, axes) -> bool:
+    """Whether making a communicator for (mesh, axes) was refused (its reason: `lookup`)."""
+    key = (mesh, tuple(axes))
+    with _lock:
+        return key in _refused and not _usable(_comms.get(key))
 
 
 def ready(needs) -> bool:

@@ -162,6 +162,11 @@ def comm_axes(mesh, axes) -> tuple:
     return axes
 
 
+def _world(mesh, axes) -> int:
+    """The number of devices a collective over `axes` (axes of `mesh`) spans."""
+    return int(np.prod([int(mesh.shape[a]) for a in axes], dtype=np.int64))
+
+
 def _axes_of(eqn) -> tuple:
     p = eqn.params
     a = p.get("axes", p.get("axis_name"))
@@ -233,8 +238,8 @@ def needs(jaxpr) -> list[Need]:
                 if eqn.params.get("axis_index_groups") is not None:
                     continue
                 axes = comm_axes(mesh, _axes_of(eqn))
-                if not axes:
-                    continue
+                if not axes or (name in PSUMS and _world(mesh, axes) == 1):
+                    continue  # (a psum over axes of size 1 is the identity: XLA's)
                 nb = _message_bytes(eqn, mesh, axes)
                 if nb <= 0:
                     continue
@@ -267,9 +272,11 @@ class Ctx:
     records: list | None
     mesh: object = None
     manual: frozenset = frozenset()
+    ordered: bool = True    # XLA's collectives tied into our calls' order (`_xla`)
 
-    def inside(self, mesh, manual):
-        return dataclasses.replace(self, mesh=mesh, manual=self.manual | frozenset(manual))
+    def inside(self, mesh, manual, ordered=True):
+        return dataclasses.replace(self, mesh=mesh, manual=self.manual | frozenset(manual),
+                                   ordered=ordered)
 
 
 def _bind(eqn, invals, params=None):
@@ -317,14 +324,19 @@ def _rebind_with_rewrite(eqn, invals, ctx):
 def _shard_map(eqn, invals, ctx):
     p = eqn.params
     mesh = concrete_mesh(p["mesh"])
-    inner = ctx.inside(mesh, p.get("newly_manual_axes", frozenset()))
     body = p["jaxpr"]
+    inner = ctx.inside(mesh, p.get("newly_manual_axes", frozenset()),
+                       ordered=mesh is not None and _may_call_ours(body, mesh, ctx.lookup))
 
     def fn(*args):
         return tuple(evaluate(body, (), args, inner))
 
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    # eqn.ctx holds the abstract mesh the shard_map was traced under: a shard_map over a
+    # second Mesh of the same devices (under `use_abstract_mesh`) is bound under its own
+    # mesh, not the program's outer one
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
         outs = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
                              out_specs=tuple(p["out_specs"]),
                              axis_names=frozenset(p.get("newly_manual_axes", frozenset())),
@@ -442,7 +454,7 @@ def evaluate(jaxpr, consts, args, ctx):
             site = _site(eqn, eqn.invars[0].aval, ctx)
             site.reason = f"no jax_nvcomm kernel for {site.op}"
             _record(ctx, site)
-            outs = _ordered(eqn, [read(v) for v in eqn.invars])
+            outs = _xla(eqn, [read(v) for v in eqn.invars], ctx)
         elif name in SERVED:  # no shard_map around it in this program: called inside one
             site = _site(eqn, eqn.invars[0].aval, ctx)
             site.reason = ("nvc.jit was applied inside a shard_map body, where its program has "
@@ -473,6 +485,45 @@ def evaluate(jaxpr, consts, args, ctx):
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _size_one(ctx, axes) -> bool:
+    """Whether `axes` are axes of the current shard_map's mesh that span one device."""
+    return ctx.mesh is not None and bool(comm_axes(ctx.mesh, axes)) and \
+        _world(ctx.mesh, comm_axes(ctx.mesh, axes)) == 1
+
+
+def _xla(eqn, invals, ctx):
+    """Bind an XLA collective that stays: plainly where no call of ours can run beside it (over
+    axes of size 1, or in a body with no call of ours: `_may_call_ours`), so that XLA combines
+    and schedules it as under jax.jit; else tied into our calls' order (`_ordered`)."""
+    if not ctx.ordered or _size_one(ctx, _axes_of(eqn)):
+        return _bind(eqn, invals)
+    return _ordered(eqn, invals)
+
+
+def _may_call_ours(jaxpr, mesh, lookup) -> bool:
+    """Whether a shard_map body over `mesh` may hold a call of ours: a collective the pass may
+    serve (a communicator for its axes exists, more than one device), or an op of ours called
+    directly (an FFI call or one of our primitives), at any depth. Conservative: True where
+    unsure."""
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name.startswith("nvc_") or "ffi" in name or name == "custom_call":
+            return True
+        if name in SERVED and e.params.get("axis_index_groups") is None and (
+                name not in PSUMS or any(jnp.dtype(v.aval.dtype) in _FLOATS
+                                         for v in e.invars)):
+            axes = comm_axes(mesh, _axes_of(e))
+            if axes and _world(mesh, axes) > 1 and lookup(mesh, axes)[0] is not None:
+                return True
+        for _, _, sub in sub_jaxprs(e.params):
+            if _may_call_ours(sub, mesh, lookup):
+                return True
+        if name in _CALLS and _call_jaxpr(e) is not None and \
+                _may_call_ours(_call_jaxpr(e), mesh, lookup):
+            return True
+    return False
 
 
 def _ordered(eqn, invals):
@@ -573,7 +624,7 @@ def _collective(eqn, invals, ctx, note=""):
             out = _all_to_all(eqn, invals, comm, site)
     _record(ctx, site)
     if out is None:
-        return _ordered(eqn, invals)
+        return _xla(eqn, invals, ctx)
     return [_like(out, eqn.outvars[0].aval)]
 
 
@@ -586,6 +637,9 @@ def _psum(eqn, invals, ctx, note=""):
         site = _site(eqn, v.aval, ctx)
         if jnp.dtype(v.aval.dtype) not in _FLOATS:
             site.reason = f"{v.aval.dtype} is not a float type our all_reduce takes"
+        elif _size_one(ctx, site.axes):
+            site.reason = ("over axes of size 1: the identity (XLA's psum, which XLA drops or "
+                           "combines)")
         else:
             comm = _comm_for(eqn, site, ctx)
             if comm is not None:
@@ -607,7 +661,7 @@ def _psum(eqn, invals, ctx, note=""):
     rest = [j for j, o in enumerate(outs) if o is None]
     if rest:
         sub = [invals[j] for j in rest]
-        xla = _bind(eqn, sub) if len(rest) < len(invals) else _ordered(eqn, sub)
+        xla = _bind(eqn, sub) if len(rest) < len(invals) else _xla(eqn, sub, ctx)
         for j, o in zip(rest, xla):
             outs[j] = o
     return outs

@@ -9,8 +9,8 @@ checkpoint / custom_jvp / custom_vjp nesting):
     (pmean is psum + a division: the division stays);
   - psum -> add of a residual -> RMSNorm (`_norm`) -> one `all_reduce_rms_norm` (with a
     per-token FP8 cast after it: `all_reduce_rms_norm_quant`);
-  - `all_gather` -> `all_gather`; `reduce_scatter` (lax.psum_scatter) along dim 0 ->
-    `reduce_scatter_v` with equal segments; `ragged_all_to_all` -> `ragged_all_to_all`;
+  - `all_gather`, `reduce_scatter` (lax.psum_scatter, any dim), `all_to_all`,
+    `ragged_all_to_all` -> our ops (`gather_scatter`: the forms and what it refuses);
   - `lax.ragged_dot` in its MoE form (lhs [M, K] rows by group, rhs [G, K, N]) -> `ragged_dot`
     where `select_ragged_dot_strategy` picks the kernel (inside shard_map bodies, and outside
     them in a program of one device; a local op, not a collective: `explain` does not list it).
@@ -36,6 +36,7 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
+from . import gather_scatter as _gs
 from . import norm as _norm
 from .eqn import like as _like
 from .eqn import site_of, source_of
@@ -50,6 +51,8 @@ _LAX_NAME = {"psum": "psum", "psum_invariant": "psum", "all_gather": "all_gather
 # collectives inside a shard_map body that no op of ours takes: listed by explain, ordered
 # against our calls (`_ordered`)
 UNSERVED = ("ppermute", "pbroadcast", "psum_scatter", "all_gather_invariant", "pgather")
+_GATHER_SCATTER = {"all_gather": _gs.all_gather, "reduce_scatter": _gs.reduce_scatter,
+                   "ragged_all_to_all": _gs.ragged_all_to_all, "all_to_all": _gs.all_to_all}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,14 +559,7 @@ def _collective(eqn, invals, ctx, note=""):
     comm = _comm_for(eqn, site, ctx)
     out = None
     if comm is not None:
-        if name == "all_gather":
-            out = _all_gather(eqn, invals, comm, site)
-        elif name == "reduce_scatter":
-            out = _reduce_scatter(eqn, invals, comm, site)
-        elif name == "ragged_all_to_all":
-            out = _ragged(eqn, invals, comm, site)
-        elif name == "all_to_all":
-            out = _all_to_all(eqn, invals, comm, site)
+        out = _GATHER_SCATTER[name](eqn, invals, comm, site)
     _record(ctx, site)
     if out is None:
         return _ordered(eqn, invals)
@@ -633,103 +629,6 @@ def _fused_decision(eqn, fused, ctx, jaxpr):
     site.fused_with = fused.describe()
     site.reason = str(choice)
     return site, _norm.Fire(fused, comm)
-
-
-def _all_gather(eqn, invals, comm, site):
-    from .. import allgather
-    p = eqn.params
-    (x,) = invals
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    shape = _local(comm, x, tuple(d for d in range(x.ndim)
-                                  if d != p["all_gather_dimension"] or not p["tiled"]))
-    if allgather._too_big(comm, shape, x.dtype):
-        site.reason = (f"the gathered {int(np.prod(shape)) * x.dtype.itemsize * comm.world_size}"
-                       f" bytes exceed the buffers (max_message_bytes={comm.max_message_bytes})")
-        site.fixable = True
-        return None
-    site.became = "all_gather"
-    return allgather.all_gather(x, comm, axis=p["all_gather_dimension"], tiled=p["tiled"])
-
-
-def _reduce_scatter(eqn, invals, comm, site):
-    from .. import varlen
-    p = eqn.params
-    (x,) = invals
-    W = comm.world_size
-    if jnp.dtype(x.dtype) not in _FLOATS:
-        site.reason = f"{x.dtype} is not a float type reduce_scatter_v takes"
-        return None
-    if p["scatter_dimension"] != 0:
-        site.reason = (f"scatter_dimension={p['scatter_dimension']}: our reduce-scatter splits "
-                       "the leading dim only")
-        return None
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    y = x if p["tiled"] else x.reshape((W,) + x.shape[1:]) if x.ndim >= 2 else x.reshape(W, 1)
-    rows = y.shape[0] // W
-    shape = _local(comm, y, tuple(range(1, y.ndim)))
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * y.dtype.itemsize
-    if row_bytes % 16 or row_bytes == 0:
-        site.reason = (f"rows of {row_bytes} bytes: our reduce-scatter moves rows of a multiple "
-                       "of 16 bytes (XLA's is as good there)")
-        return None
-    if int(np.prod(shape, dtype=np.int64)) * y.dtype.itemsize > comm.max_message_bytes:
-        site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
-        site.fixable = True
-        return None
-    offsets = jnp.arange(W + 1, dtype=jnp.int32) * jnp.int32(rows)
-    out = varlen.reduce_scatter_v(y, offsets, comm)
-    site.became = "reduce_scatter_v"
-    if not p["tiled"]:
-        out = out.reshape(eqn.outvars[0].aval.shape)
-    return out
-
-
-def _all_to_all(eqn, invals, comm, site):
-    """lax.all_to_all with split_axis == concat_axis == 0 as a ragged_all_to_all of equal
-    slices (a copy: bitwise); other axes stay XLA's (they would need transposes)."""
-    from .. import ragged
-    p = eqn.params
-    (x,) = invals
-    W = comm.world_size
-    if p["split_axis"] != 0 or p["concat_axis"] != 0:
-        site.reason = (f"split_axis={p['split_axis']}, concat_axis={p['concat_axis']}: taken "
-                       "for 0, 0 only")
-        return None
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    y = x if x.ndim >= 2 else x.reshape(-1, 1)  # chunks along dim 0 (tiled or not: W rows)
-    if y.ndim < 1 or y.shape[0] % W or y.dtype.itemsize == 0:
-        site.reason = f"rows {y.shape} not a multiple of the group of {W}"
-        return None
-    m = y.shape[0] // W
-    row = int(np.prod(y.shape[1:], dtype=np.int64)) * y.dtype.itemsize
-    if ragged.chunk_bytes(comm, y.shape[0], row, 1) < 0:  # any size: one round or chunked
-        site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
-        site.fixable = True
-        return None
-    me = lax.axis_index(comm.axis_name).astype(jnp.int32)
-    i = jnp.arange(W, dtype=jnp.int32)
-    sizes = jnp.full((W,), m, jnp.int32)
-    out = ragged.ragged_all_to_all(y, jnp.zeros_like(y), i * m, sizes, jnp.full((W,), m,
-                                                                             jnp.int32) * me,
-                                   sizes, comm)
-    site.became = "ragged_all_to_all (equal slices)"
-    return out.reshape(eqn.outvars[0].aval.shape)
-
-
-def _ragged(eqn, invals, comm, site):
-    from .. import ragged
-    operand, output, io, ss, oo, rs = invals
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    site.became = "ragged_all_to_all"
-    return ragged.ragged_all_to_all(operand, output, io, ss, oo, rs, comm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,9 +37,10 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from . import gather_scatter as _gs
+from .axes import mesh_label
 from . import norm as _norm
 from .eqn import like as _like
-from .eqn import site_of, source_of
+from .eqn import site_of, source_of, stack_of
 
 PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -70,11 +71,15 @@ class Site:
     fused_with: str = ""    # e.g. "add (model.py:12) + rms_norm (norm.py:30)"
     reason: str = ""
     fixable: bool = False   # a reason the user can act on (warned once per call site)
+    mesh: str = ""          # the shard_map's own mesh, with its axis names and sizes
+    stack: tuple = ()       # every user frame of the call, innermost first ("file:line (fn)")
     where: tuple | None = dataclasses.field(default=None, repr=False)  # (file, line)
+    mesh_obj: object = dataclasses.field(default=None, repr=False)  # for explain's HLO rows
 
     def row(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d.pop("where")
+        d.pop("mesh_obj")
         return d
 
 
@@ -523,7 +528,8 @@ def _record(ctx, site):
 def _site(eqn, aval, ctx):
     return Site(op=_LAX_NAME.get(eqn.primitive.name, eqn.primitive.name), source=source_of(eqn),
                 shape=tuple(aval.shape), dtype=str(aval.dtype), axes=_axes_of(eqn),
-                where=site_of(eqn))
+                mesh=mesh_label(ctx.mesh), stack=stack_of(eqn), where=site_of(eqn),
+                mesh_obj=ctx.mesh)
 
 
 def _comm_for(eqn, site, ctx):

@@ -1,11 +1,13 @@
 """`jax_nvcomm.explain(fun, *args, **kwargs)`: every collective of a program and what
 `jax_nvcomm.jit` made of it.
 
-Two sources: the rewrite's own decisions (one `_rewrite.Site` per collective inside a
-shard_map: source line, op, shape, dtype, axes, our kernel and strategy or XLA, and why), and
-the compiled program's HLO, for the collectives XLA's SPMD partitioner inserts for sharded
-arrays outside any shard_map (pjit-style code): those are out of nvc.jit's reach, and the row
-says how to bring them in.
+Two sources: the rewrite's own decisions (one `rewrite.Site` per collective inside a
+shard_map and per replaced op: source line, op, shape, dtype, axes and their mesh, our kernel
+and strategy or XLA, and why), and the compiled program's HLO, for the collectives XLA's SPMD
+partitioner inserts for sharded arrays outside any shard_map (pjit-style code): those are out
+of nvc.jit's reach, and the row says how to bring them in. Their axes are read back from the
+replica groups (`axes`), their line from the stack frame chain (`userline`, the same rule as
+the Sites': the user's line, past the model's thin helpers).
 """
 from __future__ import annotations
 

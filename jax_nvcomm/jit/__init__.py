@@ -6,7 +6,10 @@ One module per job (each states at its top what it matches and what it refuses):
   rewrite.py  the jaxpr walk: re-binds every equation, our ops in place of XLA's collectives
   norm.py     the psum -> add -> RMSNorm pattern (the fused all-reduce)
   pool.py     the communicators the pass makes (one per mesh and axes), made outside traces
+  gather_scatter.py  all_gather / psum_scatter (any dim) / all_to_all / ragged_all_to_all
   explain.py  `explain`: one row per collective and per replaced op, and why
+  axes.py     the model's axis names and mesh of a row (XLA's replica groups read back)
+  userline.py the user's line of a row: jax, jax_nvcomm and thin helpers skipped
   eqn.py      small helpers on jaxpr equations (source lines, avals)
 
 `jax_nvcomm.jit` (the attribute of the package) is the function; the modules are reached as

@@ -1,29 +1,45 @@
-"""Small facts about jaxpr equations the rewrite needs: the user's source line of an equation,
-and a replacement value typed like the one it replaces (weak type)."""
+"""Small facts about jaxpr equations the rewrite needs: the user's source line of an equation
+(the rule is `userline`'s), and a replacement value typed like the one it replaces (weak
+type)."""
 from __future__ import annotations
 
-import os
+import functools
 
 import jax
-from jax._src import source_info_util
+
+from . import userline
+
+
+def user_frame(eqn):
+    """(the frame a row names, every user frame innermost first) of the call that made
+    `eqn`: jax's and jax_nvcomm's frames and thin helpers skipped (`userline`)."""
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return None, ()
+    return _chosen(tb)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chosen(tb):
+    return userline.choose(userline.frames_of_traceback(tb))
 
 
 def source_of(eqn) -> str:
-    """file:line of the user frame that made `eqn` (jax's own frames skipped), or "?"."""
-    tb = eqn.source_info.traceback
-    if tb is None:
-        return "?"
-    frame = source_info_util.user_frame(tb)
-    if frame is None:
-        return "?"
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
+    """file:line of the user's line that made `eqn` (`userline`), or "?"."""
+    frame, _ = user_frame(eqn)
+    return "?" if frame is None else frame.short()
 
 
 def site_of(eqn) -> tuple[str, int] | None:
-    """(file name, line) of the user frame that made `eqn`, or None."""
-    tb = eqn.source_info.traceback
-    frame = None if tb is None else source_info_util.user_frame(tb)
-    return None if frame is None else (frame.file_name, frame.start_line)
+    """(file name, line) of the user's line that made `eqn`, or None."""
+    frame, _ = user_frame(eqn)
+    return None if frame is None else (frame.file, frame.line)
+
+
+def stack_of(eqn) -> tuple[str, ...]:
+    """Every user frame of the call that made `eqn`, innermost first, as
+    "file:line (function)"."""
+    return tuple(f.long() for f in user_frame(eqn)[1])
 
 
 def like(y, aval):

@@ -9,8 +9,8 @@ checkpoint / custom_jvp / custom_vjp nesting):
     (pmean is psum + a division: the division stays);
   - psum -> add of a residual -> RMSNorm (`_norm`) -> one `all_reduce_rms_norm` (with a
     per-token FP8 cast after it: `all_reduce_rms_norm_quant`);
-  - `all_gather` -> `all_gather`; `reduce_scatter` (lax.psum_scatter) along dim 0 ->
-    `reduce_scatter_v` with equal segments; `ragged_all_to_all` -> `ragged_all_to_all`;
+  - `all_gather`, `reduce_scatter` (lax.psum_scatter, any dim), `all_to_all`,
+    `ragged_all_to_all` -> our ops (`gather_scatter`: the forms and what it refuses);
   - `lax.ragged_dot` in its MoE form (lhs [M, K] rows by group, rhs [G, K, N]) -> `ragged_dot`
     where `select_ragged_dot_strategy` picks the kernel, and its 8-bit-weight forms (int8 rhs,
     a dequantised weight feeding only the product) -> the 8-bit-weight call (`jit/ragged_dot.py`
@@ -37,10 +37,12 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
+from . import gather_scatter as _gs
+from .axes import mesh_label
 from . import norm as _norm
 from . import ragged_dot as _rdot
 from .eqn import like as _like
-from .eqn import site_of, source_of
+from .eqn import site_of, source_of, stack_of
 
 PSUMS = ("psum", "psum_invariant")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -52,6 +54,8 @@ _LAX_NAME = {"psum": "psum", "psum_invariant": "psum", "all_gather": "all_gather
 # collectives inside a shard_map body that no op of ours takes: listed by explain, ordered
 # against our calls (`_ordered`)
 UNSERVED = ("ppermute", "pbroadcast", "psum_scatter", "all_gather_invariant", "pgather")
+_GATHER_SCATTER = {"all_gather": _gs.all_gather, "reduce_scatter": _gs.reduce_scatter,
+                   "ragged_all_to_all": _gs.ragged_all_to_all, "all_to_all": _gs.all_to_all}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,11 +73,15 @@ class Site:
     fused_with: str = ""    # e.g. "add (model.py:12) + rms_norm (norm.py:30)"
     reason: str = ""
     fixable: bool = False   # a reason the user can act on (warned once per call site)
+    mesh: str = ""          # the shard_map's own mesh, with its axis names and sizes
+    stack: tuple = ()       # every user frame of the call, innermost first ("file:line (fn)")
     where: tuple | None = dataclasses.field(default=None, repr=False)  # (file, line)
+    mesh_obj: object = dataclasses.field(default=None, repr=False)  # for explain's HLO rows
 
     def row(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d.pop("where")
+        d.pop("mesh_obj")
         return d
 
 
@@ -469,6 +477,9 @@ def evaluate(jaxpr, consts, args, ctx):
                 outs = _bind(eqn, [read(v) for v in eqn.invars])
             else:
                 outs, row = done
+                row.setdefault("mesh", mesh_label(ctx.mesh))
+                row.setdefault("stack", stack_of(eqn))
+                row.setdefault("mesh_obj", ctx.mesh)
                 _record(ctx, Site(**row))
         elif name == "shard_map" and has_collectives(eqn.params["jaxpr"]):
             outs = _shard_map(eqn, [read(v) for v in eqn.invars], ctx)
@@ -578,7 +589,8 @@ def _record(ctx, site):
 def _site(eqn, aval, ctx):
     return Site(op=_LAX_NAME.get(eqn.primitive.name, eqn.primitive.name), source=source_of(eqn),
                 shape=tuple(aval.shape), dtype=str(aval.dtype), axes=_axes_of(eqn),
-                where=site_of(eqn))
+                mesh=mesh_label(ctx.mesh), stack=stack_of(eqn), where=site_of(eqn),
+                mesh_obj=ctx.mesh)
 
 
 def _comm_for(eqn, site, ctx):
@@ -614,14 +626,7 @@ def _collective(eqn, invals, ctx, note=""):
     comm = _comm_for(eqn, site, ctx)
     out = None
     if comm is not None:
-        if name == "all_gather":
-            out = _all_gather(eqn, invals, comm, site)
-        elif name == "reduce_scatter":
-            out = _reduce_scatter(eqn, invals, comm, site)
-        elif name == "ragged_all_to_all":
-            out = _ragged(eqn, invals, comm, site)
-        elif name == "all_to_all":
-            out = _all_to_all(eqn, invals, comm, site)
+        out = _GATHER_SCATTER[name](eqn, invals, comm, site)
     _record(ctx, site)
     if out is None:
         return _xla(eqn, invals, ctx)
@@ -696,98 +701,3 @@ def _fused_decision(eqn, fused, ctx, jaxpr):
     return site, _norm.Fire(fused, comm)
 
 
-def _all_gather(eqn, invals, comm, site):
-    from .. import allgather
-    p = eqn.params
-    (x,) = invals
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    shape = _local(comm, x, tuple(d for d in range(x.ndim)
-                                  if d != p["all_gather_dimension"] or not p["tiled"]))
-    if allgather._too_big(comm, shape, x.dtype):
-        site.reason = (f"the gathered {int(np.prod(shape)) * x.dtype.itemsize * comm.world_size}"
-                       f" bytes exceed the buffers (max_message_bytes={comm.max_message_bytes})")
-        site.fixable = True
-        return None
-    site.became = "all_gather"
-    return allgather.all_gather(x, comm, axis=p["all_gather_dimension"], tiled=p["tiled"])
-
-
-def _reduce_scatter(eqn, invals, comm, site):
-    from .. import varlen
-    p = eqn.params
-    (x,) = invals
-    W = comm.world_size
-    if jnp.dtype(x.dtype) not in _FLOATS:
-        site.reason = f"{x.dtype} is not a float type reduce_scatter_v takes"
-        return None
-    if p["scatter_dimension"] != 0:
-        site.reason = (f"scatter_dimension={p['scatter_dimension']}: our reduce-scatter splits "
-                       "the leading dim only")
-        return None
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    y = x if p["tiled"] else x.reshape((W,) + x.shape[1:]) if x.ndim >= 2 else x.reshape(W, 1)
-    rows = y.shape[0] // W
-    shape = _local(comm, y, tuple(range(1, y.ndim)))
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * y.dtype.itemsize
-    if row_bytes % 16 or row_bytes == 0:
-        site.reason = (f"rows of {row_bytes} bytes: our reduce-scatter moves rows of a multiple "
-                       "of 16 bytes (XLA's is as good there)")
-        return None
-    if int(np.prod(shape, dtype=np.int64)) * y.dtype.itemsize > comm.max_message_bytes:
-        site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
-        site.fixable = True
-        return None
-    offsets = jnp.arange(W + 1, dtype=jnp.int32) * jnp.int32(rows)
-    out = varlen.reduce_scatter_v(y, offsets, comm)
-    site.became = "reduce_scatter_v"
-    if not p["tiled"]:
-        out = out.reshape(eqn.outvars[0].aval.shape)
-    return out
-
-
-def _all_to_all(eqn, invals, comm, site):
-    """lax.all_to_all with split_axis == concat_axis == 0 as a ragged_all_to_all of equal
-    slices (a copy: bitwise); other axes stay XLA's (they would need transposes)."""
-    from .. import ragged
-    p = eqn.params
-    (x,) = invals
-    W = comm.world_size
-    if p["split_axis"] != 0 or p["concat_axis"] != 0:
-        site.reason = (f"split_axis={p['split_axis']}, concat_axis={p['concat_axis']}: taken "
-                       "for 0, 0 only")
-        return None
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    y = x if x.ndim >= 2 else x.reshape(-1, 1)  # chunks along dim 0 (tiled or not: W rows)
-    if y.ndim < 1 or y.shape[0] % W or y.dtype.itemsize == 0:
-        site.reason = f"rows {y.shape} not a multiple of the group of {W}"
-        return None
-    m = y.shape[0] // W
-    row = int(np.prod(y.shape[1:], dtype=np.int64)) * y.dtype.itemsize
-    if ragged.chunk_bytes(comm, y.shape[0], row, 1) < 0:  # any size: one round or chunked
-        site.reason = f"over the buffers (max_message_bytes={comm.max_message_bytes})"
-        site.fixable = True
-        return None
-    me = lax.axis_index(comm.axis_name).astype(jnp.int32)
-    i = jnp.arange(W, dtype=jnp.int32)
-    sizes = jnp.full((W,), m, jnp.int32)
-    out = ragged.ragged_all_to_all(y, jnp.zeros_like(y), i * m, sizes, jnp.full((W,), m,
-                                                                             jnp.int32) * me,
-                                   sizes, comm)
-    site.became = "ragged_all_to_all (equal slices)"
-    return out.reshape(eqn.outvars[0].aval.shape)
-
-
-def _ragged(eqn, invals, comm, site):
-    from .. import ragged
-    operand, output, io, ss, oo, rs = invals
-    if comm.xla_fallback:
-        site.reason = f"the communicator runs XLA's collectives: {comm.transport_reason}"
-        return None
-    site.became = "ragged_all_to_all"
-    return ragged.ragged_all_to_all(operand, output, io, ss, oo, rs, comm)

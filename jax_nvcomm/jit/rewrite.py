@@ -426,7 +426,7 @@ def evaluate(jaxpr, consts, args, ctx):
         name = eqn.primitive.name
         if name in SERVED and ctx.mesh is not None:
             fused = fusions.get(i)
-            if fused is not None and name in PSUMS:
+            if isinstance(fused, _norm.Fused) and name in PSUMS:
                 site, fire = _fused_decision(eqn, fused, ctx, jaxpr)
                 if fire is not None:
                     _record(ctx, site)
@@ -435,7 +435,8 @@ def evaluate(jaxpr, consts, args, ctx):
                         lazy[v] = fire
                     continue
             note = fused.note if fused is not None else ""
-            outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note)
+            outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note,
+                               isinstance(fused, _norm.Miss))
         elif name in UNSERVED and ctx.mesh is not None:
             site = _site(eqn, eqn.invars[0].aval, ctx)
             site.reason = f"no jax_nvcomm kernel for {site.op}"
@@ -548,10 +549,10 @@ def _local(comm, x, dims):
     return _shard.local_shape(comm, x, dims)
 
 
-def _collective(eqn, invals, ctx, note=""):
+def _collective(eqn, invals, ctx, note="", fixable=False):
     name = eqn.primitive.name
     if name in PSUMS:
-        return _psum(eqn, invals, ctx, note)
+        return _psum(eqn, invals, ctx, note, fixable)
     site = _site(eqn, eqn.invars[0].aval, ctx)
     comm = _comm_for(eqn, site, ctx)
     out = None
@@ -570,7 +571,7 @@ def _collective(eqn, invals, ctx, note=""):
     return [_like(out, eqn.outvars[0].aval)]
 
 
-def _psum(eqn, invals, ctx, note=""):
+def _psum(eqn, invals, ctx, note="", fixable=False):
     """psum of several operands: each float one on our all_reduce where it is served."""
     from .. import strategy as _strategy
     from ..allreduce import all_reduce
@@ -596,6 +597,7 @@ def _psum(eqn, invals, ctx, note=""):
                     site.reason = str(choice)
         if note:
             site.reason += f"; not fused with the add + RMSNorm after it: {note}"
+            site.fixable = site.fixable or fixable
         _record(ctx, site)
     rest = [j for j, o in enumerate(outs) if o is None]
     if rest:

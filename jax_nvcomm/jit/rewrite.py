@@ -36,6 +36,7 @@ from jax._src import core, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
+from . import exit_fusion as _exit
 from . import norm as _norm
 from .eqn import like as _like
 from .eqn import site_of, source_of
@@ -420,6 +421,7 @@ def evaluate(jaxpr, consts, args, ctx):
     fusions = {}
     if ctx.mesh is not None:
         fusions = _norm.plan(jaxpr)
+    exits = _exit.plan(jaxpr)  # a psum ending a shard_map body + add + norm after it
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
             continue
@@ -452,6 +454,11 @@ def evaluate(jaxpr, consts, args, ctx):
             outs = _bind(eqn, [read(v) for v in eqn.invars])
         elif _moe_ragged_dot(eqn):
             outs = _ragged_dot(eqn, [read(v) for v in eqn.invars], ctx)
+        elif name == "shard_map" and i in exits:
+            fire = _exit.Fire(exits[i], eqn, ctx, _exit_hooks())
+            skip.update(exits[i].skip)
+            lazy.update(dict.fromkeys(fire.binds, fire))
+            continue
         elif name == "shard_map" and has_collectives(eqn.params["jaxpr"]):
             outs = _shard_map(eqn, [read(v) for v in eqn.invars], ctx)
         elif name in _CALLS and ctx.mesh is not None and \
@@ -467,6 +474,11 @@ def evaluate(jaxpr, consts, args, ctx):
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _exit_hooks():
+    return _exit.Hooks(evaluate=evaluate, decide=_fused_decision, collective=_collective,
+                       record=_record, bind=_bind, concrete_mesh=concrete_mesh)
 
 
 def _ordered(eqn, invals):

@@ -361,3 +361,33 @@ def test_exit_with_convert_before_the_add_stays_plain(rng):
         assert targets(j.lower(x, res, w).as_text()) == {"nvc_all_reduce": 1}
         np.testing.assert_array_equal(np.asarray(j(x, res, w)),
                                       np.asarray(jax.jit(f)(x, res, w)))
+
+
+def test_exit_near_miss_names_the_step(rng, monkeypatch):
+    """A norm after the exit that does not match: the shard_map runs as it was (bitwise jax.jit's
+    result), its psum's row names the step, warned once."""
+    monkeypatch.setattr(_warn, "quiet", lambda: False)
+    rewrite.reset_warnings()
+    mesh = _mesh(("z", "y"), (2, 4), False)
+
+    def f(x, res, w):
+        out = jax.shard_map(lambda v: lax.psum(v, ("z", "y")), mesh=mesh, in_specs=P(),
+                            out_specs=P())(x)
+        h = out.reshape(2, 2, 64) + res
+        return h * lax.rsqrt(jnp.sum(h * h, -1, keepdims=True) / 32 + EPS) * w, h
+
+    x = data(rng, (4, 64), jnp.float32)
+    res, w = data(rng, (2, 2, 64), jnp.float32), data(rng, (64,), jnp.float32)
+    step = "the mean of squares: the sum of squares is not divided by the hidden size 64"
+    with jax.set_mesh(mesh), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (row,) = nvc.explain(f, x, res, w).rows
+        j = nvc.jit(f)
+        got, want = j(x, res, w), jax.jit(f)(x, res, w)
+        assert targets(j.lower(x, res, w).as_text()) == {"nvc_all_reduce": 1}
+    assert f"not fused with the add + RMSNorm after it: {step} at test_jit_norm_forms.py:" in \
+        row["reason"], row["reason"]
+    assert row["became"].startswith("all_reduce (") and row["fixable"]
+    assert len([c for c in caught if step in str(c.message)]) == 1
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -18,8 +18,10 @@ with out_specs[j]; outside, the same reshapes / slices / reshards as before are 
 both. So what leaves has the shardings jax.jit gives: the same out_spec, then the same ops.
 Padded rows are normed too and sliced away (a norm is per row).
 
-Refused (the shard_map and the ops after it stay as they were; `explain` shows the psum as a
-plain all_reduce):
+Where the norm after the exit is norm-like but does not match (a `norm.Miss`), the shard_map
+runs as it was and its psum's `explain` reason names the step, warned once per site, as in a
+body. Refused (the shard_map and the ops after it stay as they were; `explain` shows the psum
+as a plain all_reduce):
   - a float convert between the output and the add (the sum would be rounded in another type
     than XLA's);
   - a psum output the body also reads, an out_spec sharded on the psum's axes (the output is
@@ -51,7 +53,7 @@ class Exit:
     j: int
     psum: object
     pre: tuple
-    fused: _norm.Fused
+    fused: object        # a norm.Fused, or a norm.Miss (the psum stays, with its note)
     skip: frozenset
 
 
@@ -60,7 +62,7 @@ class Hooks:
     """What the exit region needs from the rewrite (passed in: no import circle)."""
     evaluate: object     # evaluate(jaxpr, consts, args, ctx) -> outs
     decide: object       # _fused_decision(eqn, fused, ctx, jaxpr) -> (Site, Fire | None)
-    collective: object   # _collective(eqn, invals, ctx, note) -> outs
+    collective: object   # _collective(eqn, invals, ctx, note, fixable) -> outs
     record: object       # _record(ctx, site)
     bind: object         # _bind(eqn, invals) -> outs
     concrete_mesh: object
@@ -82,6 +84,7 @@ def _exit_of(m, jaxpr, k):
     body = sm.params["jaxpr"]
     prod = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
     read_in_body = {v for e in body.eqns for v in e.invars if isinstance(v, core.Var)}
+    miss = None
     for j, bo in enumerate(body.outvars):
         if not isinstance(bo, core.Var) or bo not in prod or bo in read_in_body or \
                 sum(1 for o in body.outvars if o is bo) != 1:
@@ -102,7 +105,10 @@ def _exit_of(m, jaxpr, k):
                any(s != 1 for s in E[i].params["strides"]) for i in pre):
             continue
         f = m.match_sum(t)
-        if not isinstance(f, _norm.Fused):
+        if isinstance(f, _norm.Miss):  # the body as it was; its psum's Site names the step
+            miss = miss or Exit(k, j, p, (), f, frozenset({k}))
+            continue
+        if f is None:
             continue
         skip = frozenset(f.skip | set(pre) | {k})
         outs = [v for i, v in enumerate(sm.outvars) if i != j] + [f.r, f.n]
@@ -111,7 +117,7 @@ def _exit_of(m, jaxpr, k):
         if any(m.prod.get(v, -1) >= first for v in (f.res, f.w) if v is not None):
             continue
         return Exit(k, j, p, tuple(E[i] for i in pre), f, skip)
-    return None
+    return miss
 
 
 def plan(jaxpr) -> dict:
@@ -175,14 +181,55 @@ class Fire:
 
     def __init__(self, ex: Exit, eqn, ctx, hooks: Hooks):
         self.ex, self.eqn, self.ctx, self.hooks = ex, eqn, ctx, hooks
-        self.binds = tuple(v for i, v in enumerate(eqn.outvars) if i != ex.j) + \
-            (ex.fused.r, ex.fused.n)
+        if isinstance(ex.fused, _norm.Miss):
+            self.binds = tuple(eqn.outvars)
+        else:
+            self.binds = tuple(v for i, v in enumerate(eqn.outvars) if i != ex.j) + \
+                (ex.fused.r, ex.fused.n)
+
+    def _partial_body(self):
+        """The body without its psum, returning the psum's operand in its place."""
+        body, p = self.eqn.params["jaxpr"], self.ex.psum
+        outvars = list(body.outvars)
+        outvars[self.ex.j] = p.invars[0]
+        return body.replace(eqns=[e for e in body.eqns if e is not p], outvars=outvars)
+
+    def _bind(self, region, invals, in_specs, out_specs):
+        eqn, prm = self.eqn, self.eqn.params
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+            return list(jax.shard_map(region, mesh=prm["mesh"], in_specs=in_specs,
+                                      out_specs=out_specs,
+                                      axis_names=frozenset(prm.get("newly_manual_axes",
+                                                                   frozenset())),
+                                      check_vma=prm["check_vma"])(*invals))
+
+    def _noted(self, read, env):
+        """The shard_map as it was, its psum's Site saying which step of the norm after the
+        exit did not match."""
+        ex, eqn, ctx, h = self.ex, self.eqn, self.ctx, self.hooks
+        prm = eqn.params
+        partial = self._partial_body()
+        inner = ctx.inside(h.concrete_mesh(prm["mesh"]),
+                           prm.get("newly_manual_axes", frozenset()))
+
+        def region(*args):
+            outs = list(h.evaluate(partial, (), args, inner))
+            outs[ex.j] = h.collective(ex.psum, [outs[ex.j]], inner, ex.fused.note, True)[0]
+            return tuple(outs)
+
+        outs = self._bind(region, [read(v) for v in eqn.invars], tuple(prm["in_specs"]),
+                          tuple(prm["out_specs"]))
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
 
     def fire(self, read, env, lazy):
         ex, eqn, ctx, h = self.ex, self.eqn, self.ctx, self.hooks
         f, p, j = ex.fused, ex.psum, ex.j
         for v in self.binds:
             lazy.pop(v, None)
+        if isinstance(f, _norm.Miss):
+            return self._noted(read, env)
         prm = eqn.params
         invals = [read(v) for v in eqn.invars]
         spec = prm["out_specs"][j]
@@ -193,10 +240,7 @@ class Fire:
         if f.w is not None:
             extra.append(_fit(jnp.reshape(read(f.w), (H,)), prm["mesh"], P()))
             in_specs += (P(),)
-        body = prm["jaxpr"]
-        outvars = list(body.outvars)
-        outvars[j] = p.invars[0]
-        partial = body.replace(eqns=[e for e in body.eqns if e is not p], outvars=outvars)
+        partial = self._partial_body()
         inner = ctx.inside(h.concrete_mesh(prm["mesh"]),
                            prm.get("newly_manual_axes", frozenset()))
         n_in = len(invals)
@@ -228,14 +272,7 @@ class Fire:
 
         out_specs = tuple(prm["out_specs"])
         out_specs = out_specs[:j] + (spec,) + out_specs[j + 1:] + (spec,)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-            outs = jax.shard_map(region, mesh=prm["mesh"], in_specs=in_specs,
-                                 out_specs=out_specs,
-                                 axis_names=frozenset(prm.get("newly_manual_axes",
-                                                              frozenset())),
-                                 check_vma=prm["check_vma"])(*invals, *extra)
-        outs = list(outs)
+        outs = self._bind(region, invals + extra, in_specs, out_specs)
         r, n = outs[j], outs[-1]
         for e in ex.pre:  # what the program did to the sum, done to both
             r = h.bind(e, [r])[0]

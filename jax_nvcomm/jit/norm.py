@@ -1,18 +1,28 @@
 """Finding psum -> add of a residual -> RMSNorm in a jaxpr, in the forms model code writes, for
-`_rewrite` to put one `all_reduce_rms_norm` there.
+`rewrite` to put one `all_reduce_rms_norm` there.
 
-Matched (x the psum's operand, r = psum(x) + residual, any leading dims, hidden H last):
-    v   = r, or r converted (to float32, say): the norm's input, once or several times
+Matched (x the psum's operand, s = psum(x), any leading dims, hidden H last):
+    t   = s, or s through reshapes / slices of the leading dims / sharding constraints
+          (`sum_transparent`: applied to x before the fused call); r = t + residual
+    v   = r, or r converted, `r - 0`, `r - zeros` (a literal zero mean): the norm's input
     sq  = v * v | square(v) | integer_pow(v, 2) | v ** 2
-    ms  = sum(sq, last axis) then / H or * (1/H), converts and keepdims broadcasts anywhere
-    inv = rsqrt(ms + eps) | 1 / sqrt(ms + eps);   n = v * inv | v / sqrt(ms + eps)
-    out = n, converted or not, times the weight (a [H] array, converted and broadcast, not
-          computed from r) or no weight, converted or not.
-The new residual r may be used later; the norm's intermediates may not be (they are dropped).
+    ms  = sum(sq, last axis) then / H or * (1/H) (jnp.mean is that), converts and keepdims
+          broadcasts anywhere
+    inv = rsqrt(ms + eps) | sqrt(ms + eps) (to divide by) | (ms + eps) ** -0.5
+    out = any product / quotient of v, inv and at most one weight, with casts and broadcasts
+          anywhere: v * inv * w, w * v / sqrt(..) (the weight first), v * (inv * w) (folded
+          into the rsqrt), w * (v * (1 / sqrt(..))), no weight. The weight is an array of H
+          elements not computed from r ([H] or [1, .., H], converted or broadcast), e.g.
+          Gemma's `1 + w`: the kernel is handed it as it is.
+The new residual r may be used later; intermediates of the norm used elsewhere are computed
+again from it; a factor applied to `out` later is applied to the fused call's result.
 What it becomes: normed, r = all_reduce_rms_norm(x, residual, weight, eps) (x [..., H], any
-H up to the kernel's widest, a float32 weight as it is); `out` is normed in out's dtype. The kernel computes the norm in
-float32 and rounds once, so a norm written in another precision or with the weight applied
-after a cast matches to within that rounding.
+H up to the kernel's widest, a float32 weight as it is); `out` is normed in out's dtype. The
+kernel computes the norm in float32 and rounds once, so a norm written in another precision
+or with the weight applied after a cast matches to within that rounding.
+Where r goes through a mean of squares into an rsqrt / sqrt and the rest does not match, the
+result is a `Miss` naming the step (`explain` prints it; warned once per site). A LayerNorm
+(r - mean(r)) squares no view of r: not norm-like, no note.
 """
 from __future__ import annotations
 
@@ -408,9 +418,9 @@ class _Matcher:
                        tuple(e.params.get("axes", ())) == (nd - 1,), _VIEW)
         if i is None:
             u = user_of(v)
-            return Miss(f"the mean of squares: {u.primitive.name}"
-                        f"{' over axes ' + str(tuple(u.params['axes'])) if 'axes' in u.params else ''}"
-                        f" where a sum over the last axis ({nd - 1}) was expected", u)
+            over = f" over axes {tuple(u.params['axes'])}" if "axes" in u.params else ""
+            return Miss(f"the mean of squares: {u.primitive.name}{over} where a sum over the "
+                        f"last axis ({nd - 1}) was expected", u)
         chain.append(i)
 
         def scale(e):

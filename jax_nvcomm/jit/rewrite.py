@@ -7,8 +7,9 @@ What is replaced (inside a shard_map body, at any depth of pjit / scan / cond / 
 checkpoint / custom_jvp / custom_vjp nesting):
   - `psum` / `psum_invariant` of floats over one axis or a tuple of axes -> `all_reduce`
     (pmean is psum + a division: the division stays);
-  - psum -> add of a residual -> RMSNorm (`_norm`) -> one `all_reduce_rms_norm` (with a
-    per-token FP8 cast after it: `all_reduce_rms_norm_quant`);
+  - psum -> add of a residual -> RMSNorm (`norm`) -> one `all_reduce_rms_norm` (with a
+    per-token FP8 cast after it: `all_reduce_rms_norm_quant`); also where the psum ends a
+    shard_map body and the add and the norm come after it, outside (`exit_fusion`);
   - `all_gather` -> `all_gather`; `reduce_scatter` (lax.psum_scatter) along dim 0 ->
     `reduce_scatter_v` with equal segments; `ragged_all_to_all` -> `ragged_all_to_all`;
   - `lax.ragged_dot` in its MoE form (lhs [M, K] rows by group, rhs [G, K, N]) -> `ragged_dot`

@@ -240,21 +240,32 @@ def _mesh(names, shape, explicit):
                          devices=jax.devices()[:int(np.prod(shape))])
 
 
-def jle_model(mesh, B, S, H):
+def jle_model(mesh, B, S, H, inner_reshape=False):
     """jax-llm-examples' style: a MoE-ish shard_map over ("z", "y") ending in the psum, out
-    replicated; outside: reshape, + residual, `gamma * x / sqrt(...)`."""
+    replicated; outside: reshape, + residual, `gamma * x / sqrt(...)`. inner_reshape: as its
+    `_expert_fn` does, the body reshapes the sum to [B, S, H] itself, and outside come
+    `[..., :H]` and a sharding constraint (reshard under Explicit axes)."""
 
     def moe(x, w1, w2):
         def body(x, w1, w2):
             out = jnp.einsum("tf,fh->th", jax.nn.silu(jnp.einsum("th,hf->tf", x, w1)), w2)
-            return lax.psum(out, ("z", "y"))
+            out = lax.psum(out, ("z", "y"))
+            return out.reshape(B, S, H) if inner_reshape else out
         return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, ("z", "y")),
                                                          P(("z", "y"), None)),
-                             out_specs=P())(x, w1, w2)
+                             out_specs=P(), check_vma=not inner_reshape)(x, w1, w2)
+
+    def constrain(a):
+        if mesh.axis_types[0] == AxisType.Explicit:
+            return jax.sharding.reshard(a, P())
+        return lax.with_sharding_constraint(a, NamedSharding(mesh, P()))
 
     def layer(x, res, w1, w2, gamma):
-        out = moe(x.reshape(B * S, H), w1, w2).reshape(B, S, H)
-        h = res + out
+        if inner_reshape:
+            out = constrain(moe(x.reshape(B * S, H), w1, w2)[..., :H])
+        else:
+            out = moe(x.reshape(B * S, H), w1, w2).reshape(B, S, H)
+        h = res + out.astype(res.dtype)
         rms = jnp.sqrt(jnp.mean(jnp.astype(h, jnp.float32) ** 2, axis=-1, keepdims=True) +
                        EPS)
         return jnp.astype(gamma * h / rms, h.dtype), h
@@ -308,13 +319,14 @@ def _check_exit(f, args, dtype, grad_argnums=None):
             np.testing.assert_allclose(f64(a), f64(b), rtol=tol, atol=tol * scale)
 
 
+@pytest.mark.parametrize("inner_reshape", [False, True])
 @pytest.mark.parametrize("explicit", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("B, S", [(1, 1), (4, 2), (1, 128)])   # decode and prefill
-def test_exit_jax_llm_examples_style(rng, explicit, dtype, B, S):
+def test_exit_jax_llm_examples_style(rng, explicit, dtype, B, S, inner_reshape):
     mesh = _mesh(("z", "y"), (2, 4), explicit)
     H, F = 64, 16 * 8
-    f = jle_model(mesh, B, S, H)
+    f = jle_model(mesh, B, S, H, inner_reshape)
     x, res = data(rng, (B, S, H), dtype), data(rng, (B, S, H), dtype)
     w1 = jax.device_put(data(rng, (H, F), dtype, 0.2), NamedSharding(mesh, P(None, ("z", "y"))))
     w2 = jax.device_put(data(rng, (F, H), dtype, 0.2), NamedSharding(mesh, P(("z", "y"), None)))
@@ -361,6 +373,26 @@ def test_exit_with_convert_before_the_add_stays_plain(rng):
         assert targets(j.lower(x, res, w).as_text()) == {"nvc_all_reduce": 1}
         np.testing.assert_array_equal(np.asarray(j(x, res, w)),
                                       np.asarray(jax.jit(f)(x, res, w)))
+
+
+def test_exit_with_the_hidden_dim_sharded_stays_plain(rng):
+    """An out_spec sharding the hidden dim (the body holds part of each row; the norm outside
+    is over all of it): refused, the results jax.jit's."""
+    mesh = _mesh(("z", "y"), (2, 4), False)
+
+    def f(x, res, w):
+        out = jax.shard_map(lambda v: lax.psum(v, "z"), mesh=mesh, in_specs=P(None, "y"),
+                            out_specs=P(None, "y"))(x)
+        h = out + res
+        return h * lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + EPS) * w, h
+
+    x, res = data(rng, (4, 64), jnp.float32), data(rng, (4, 64), jnp.float32)
+    w = data(rng, (64,), jnp.float32)
+    with jax.set_mesh(mesh):
+        j = nvc.jit(f)
+        assert "nvc_all_reduce_rms" not in targets(j.lower(x, res, w).as_text())
+        for a, b in zip(j(x, res, w), jax.jit(f)(x, res, w)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_exit_near_miss_names_the_step(rng, monkeypatch):

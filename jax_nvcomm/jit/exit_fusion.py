@@ -2,8 +2,9 @@
 RMSNorm after the shard_map, outside it, become one `all_reduce_rms_norm` in the body.
 
 Matched (in the jaxpr that holds the shard_map; `norm` names the forms of the norm):
-    body:    ... s = psum(x, axes); s is the body's output j (and nothing else in the body
-             reads it); out_specs[j] shards on none of `axes` (s is replicated over them);
+    body:    ... s = psum(x, axes), maybe reshaped / sliced (`norm.sum_transparent`), is the
+             body's output j (nothing else in the body reads them); out_specs[j] shards on
+             none of `axes` (s is replicated over them) and not on the hidden (last) dim;
     outside: o = the shard_map's output j, then ops that commute with the sum and keep the
              hidden dim last and whole (`norm.sum_transparent`: reshapes / squeezes of the
              leading dims, slices of them with stride 1, `reshard`, sharding constraints),
@@ -11,7 +12,8 @@ Matched (in the jaxpr that holds the shard_map; `norm` names the forms of the no
 How the region is cut: ONE new shard_map replaces the old one. It takes the old inputs, the
 residual (taken back to o's shape: the reshapes undone, the slices padded with zeros; in_spec
 out_specs[j], so it lines up elementwise with o) and the [H] weight (in_spec P()); its body is
-the old body without the psum, then psum -> add -> norm, which the body's rewrite makes one
+the old body without the psum (its reshapes / slices applied to each rank's part), then
+psum -> add -> norm, which the body's rewrite makes one
 `all_reduce_rms_norm` (or, where that op is refused, the psum, the add and a float32 RMSNorm).
 It returns the old outputs with o replaced by the new residual, and the normed value, both
 with out_specs[j]; outside, the same reshapes / slices / reshards as before are applied to
@@ -25,7 +27,8 @@ as a plain all_reduce):
   - a float convert between the output and the add (the sum would be rounded in another type
     than XLA's);
   - a psum output the body also reads, an out_spec sharded on the psum's axes (the output is
-    not the sum), a psum of several operands or over axis_index_groups;
+    not the sum) or on the hidden dim (the norm outside is over all of it, the body holds a
+    part), a psum of several operands or over axis_index_groups;
   - a residual or weight computed after the shard_map's outputs are first read (the new
     region runs where the old one did, once both exist);
   - an FP8 quantisation after the norm (matched inside bodies only).
@@ -83,13 +86,29 @@ def _exit_of(m, jaxpr, k):
     sm = E[k]
     body = sm.params["jaxpr"]
     prod = {v: i for i, e in enumerate(body.eqns) for v in e.outvars}
-    read_in_body = {v for e in body.eqns for v in e.invars if isinstance(v, core.Var)}
+    readers: dict = {}
+    for e in body.eqns:
+        for v in e.invars:
+            if isinstance(v, core.Var):
+                readers[v] = readers.get(v, 0) + 1
     miss = None
     for j, bo in enumerate(body.outvars):
-        if not isinstance(bo, core.Var) or bo not in prod or bo in read_in_body or \
-                sum(1 for o in body.outvars if o is bo) != 1:
+        if not isinstance(bo, core.Var) or bo not in prod or bo in readers or \
+                sum(1 for o in body.outvars if o is bo) != 1 or bo.aval.ndim < 1:
             continue
-        p = body.eqns[prod[bo]]
+        # the psum, maybe behind reshapes / slices in the body (each read once)
+        v = bo
+        while body.eqns[prod[v]].primitive.name not in _norm.PSUMS:
+            e = body.eqns[prod[v]]
+            if not _norm.sum_transparent(e, v.aval.shape[-1]) or \
+                    not isinstance(e.invars[0], core.Var) or e.invars[0] not in prod or \
+                    readers.get(e.invars[0]) != 1:
+                break
+            v = e.invars[0]
+        p = body.eqns[prod[v]]
+        spec = tuple(sm.params["out_specs"][j])
+        if len(spec) >= bo.aval.ndim and spec[bo.aval.ndim - 1] is not None:
+            continue  # the hidden dim sharded: the norm outside is over all of it
         axes = p.params.get("axes", ())
         axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
         if p.primitive.name not in _norm.PSUMS or len(p.invars) != 1 or \
@@ -188,11 +207,15 @@ class Fire:
                 (ex.fused.r, ex.fused.n)
 
     def _partial_body(self):
-        """The body without its psum, returning the psum's operand in its place."""
+        """The body without its psum: what read the sum (the output, or reshapes / slices
+        before it) reads the psum's operand, each rank's part."""
         body, p = self.eqn.params["jaxpr"], self.ex.psum
-        outvars = list(body.outvars)
-        outvars[self.ex.j] = p.invars[0]
-        return body.replace(eqns=[e for e in body.eqns if e is not p], outvars=outvars)
+        s, x = p.outvars[0], p.invars[0]
+        eqns = [e if s not in e.invars else
+                e.replace(invars=[x if a is s else a for a in e.invars])
+                for e in body.eqns if e is not p]
+        outvars = [x if o is s else o for o in body.outvars]
+        return body.replace(eqns=eqns, outvars=outvars)
 
     def _bind(self, region, invals, in_specs, out_specs):
         eqn, prm = self.eqn, self.eqn.params

@@ -153,6 +153,35 @@ def test_reshape_and_slice_between_psum_and_add(rng):
         close(a, b, jnp.float32)
 
 
+def upcast_add_norm(x, residual, weight):
+    """sglang-jax's rmsnorm with a residual: the add of both upcast to float32, the norm on
+    that float32 sum, the new residual rounded back."""
+    dt = x.dtype
+    h = jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)
+    new_res = h.astype(dt)
+    ms = jnp.mean(lax.square(h), axis=-1, keepdims=True)
+    y = jnp.asarray(h * lax.rsqrt(ms + EPS), jnp.float32)
+    return (y * jnp.asarray(weight, jnp.float32)).astype(dt), new_res
+
+
+def test_add_of_upcasts_in_body(rng):
+    mesh = mesh_of((8,), ("tp",))
+
+    def body(x, res, w):
+        return upcast_add_norm(lax.psum(x, "tp"), res, w)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(), P()),
+                      out_specs=(P(), P()))
+    x, res = data(rng, (5, 8 * 64), jnp.bfloat16), data(rng, (5, 64), jnp.bfloat16)
+    w = data(rng, (64,), jnp.bfloat16)
+    j = nvc.jit(f)
+    text = j.lower(x, res, w).as_text()
+    assert targets(text) == {"nvc_all_reduce_rms": 1} and xla_collectives(text) == []
+    for a, b in zip(j(x, res, w), jax.jit(f)(x, res, w)):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        close(a, b, jnp.bfloat16)
+
+
 # --------------------------------------------------------------------------- near misses
 @pytest.mark.parametrize("miss, step", [
     ("extra_factor", "the normalised value: a constant factor 2.0"),
@@ -334,6 +363,30 @@ def test_exit_jax_llm_examples_style(rng, explicit, dtype, B, S, inner_reshape):
     with jax.set_mesh(mesh):
         _check_exit(f, (x, res, w1, w2, gamma), dtype,
                     grad_argnums=(0, 1, 4) if (B, S) == (4, 2) else None)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_exit_sglang_jax_upcast_add(rng, explicit):
+    """sglang-jax's decoder layer: the EPMoE's psum leaves the shard_map; the next layer's
+    RMSNorm takes (hidden, residual) and adds them upcast to float32."""
+    mesh = _mesh(("data", "expert"), (2, 4), explicit)
+    T, H, F = 8, 64, 32
+
+    def f(x, residual, w1, w2, weight):
+        def body(x, w1, w2):
+            return lax.psum(jnp.tanh(x @ w1[0]) @ w2[0], "expert")
+        hidden = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("expert"), P("expert")),
+                               out_specs=P("data"))(x, w1, w2)
+        return upcast_add_norm(hidden, residual, weight)
+
+    dt = jnp.bfloat16
+    sh = NamedSharding(mesh, P("data"))
+    x, residual = (jax.device_put(data(rng, (T, H), dt), sh) for _ in range(2))
+    w1 = jax.device_put(data(rng, (4, H, F), dt, 0.2), NamedSharding(mesh, P("expert")))
+    w2 = jax.device_put(data(rng, (4, F, H), dt, 0.2), NamedSharding(mesh, P("expert")))
+    weight = data(rng, (H,), dt)
+    with jax.set_mesh(mesh):
+        _check_exit(f, (x, residual, w1, w2, weight), dt)
 
 
 @pytest.mark.parametrize("explicit", [True, False])

@@ -25,7 +25,7 @@ runs as it was and its psum's `explain` reason names the step, warned once per s
 body. Refused (the shard_map and the ops after it stay as they were; `explain` shows the psum
 as a plain all_reduce):
   - a float convert between the output and the add (the sum would be rounded in another type
-    than XLA's);
+    than XLA's), unless the add is of both upcast, `f32(out) + f32(residual)` (`norm`);
   - a psum output the body also reads, an out_spec sharded on the psum's axes (the output is
     not the sum) or on the hidden dim (the norm outside is over all of it, the body holds a
     part), a psum of several operands or over axis_index_groups;
@@ -267,14 +267,14 @@ class Fire:
         inner = ctx.inside(h.concrete_mesh(prm["mesh"]),
                            prm.get("newly_manual_axes", frozenset()))
         n_in = len(invals)
-        n_dtype = f.n.aval.dtype
+        n_dtype, r_dtype = f.n.aval.dtype, f.r.aval.dtype
 
         def region(*args):
             outs = list(h.evaluate(partial, (), args[:n_in], inner))
             x, res_l = outs[j], args[n_in]
             w_l = args[n_in + 1] if f.w is not None else None
             X, R = _V(x.shape, x.dtype), _V(res_l.shape, res_l.dtype)
-            Rn, N = _V(x.shape, x.dtype), _V(x.shape, n_dtype)
+            Rn, N = _V(x.shape, r_dtype), _V(x.shape, n_dtype)
             W = _V(w_l.shape, w_l.dtype) if w_l is not None else None
             local = _norm.Fused(x=X, res=R, r=Rn, n=N, w=W, eps=f.eps, skip=frozenset(),
                                 where=dict(f.where))
@@ -288,7 +288,7 @@ class Fire:
                 r_l, n_l = env_l[Rn], env_l[N]
             else:
                 (s,) = h.collective(p, [x], inner, local.note)
-                r_l = s + res_l
+                r_l = s.astype(r_dtype) + res_l.astype(r_dtype)
                 n_l = _rms(r_l, w_l, f.eps, n_dtype)
             outs[j] = r_l
             return tuple(outs) + (n_l,)

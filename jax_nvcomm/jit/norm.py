@@ -3,7 +3,9 @@
 
 Matched (x the psum's operand, s = psum(x), any leading dims, hidden H last):
     t   = s, or s through reshapes / slices of the leading dims / sharding constraints
-          (`sum_transparent`: applied to x before the fused call); r = t + residual
+          (`sum_transparent`: applied to x before the fused call); r = t + residual, or
+          r = f32(t) + f32(residual) (both upcast alike: the kernel's r, rounded to x's
+          type, is handed on upcast; the norm is the kernel's, on its float32 sum)
     v   = r, or r converted, `r - 0`, `r - zeros` (a literal zero mean): the norm's input
     sq  = v * v | square(v) | integer_pow(v, 2) | v ** 2
     ms  = sum(sq, last axis) then / H or * (1/H) (jnp.mean is that), converts and keepdims
@@ -86,6 +88,12 @@ _ROOTS = ("rsqrt", "sqrt", "pow")
 _PRODUCT = ("mul", "div", "sub", "add") + _SHAPE
 _MOVES = ("reshape", "squeeze", "expand_dims", "slice", "sharding_constraint", "reshard",
           "copy", "copy_p")
+
+
+def _wider(a, b) -> bool:
+    """Whether float dtype a holds every value of float dtype b, and is another type."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    return a != b and a in _FLOATS and b in _FLOATS and a.itemsize > b.itemsize
 
 
 def sum_transparent(e, hidden) -> bool:
@@ -354,13 +362,31 @@ class _Matcher:
         or None."""
         E = self.eqns
         a_i = self.single(s)
+        ups = []  # the add of both upcast: f32(s) + f32(residual) (sglang-jax's rmsnorm)
+        if a_i is not None and E[a_i].primitive.name == "convert_element_type" and \
+                _wider(E[a_i].outvars[0].aval.dtype, s.aval.dtype):
+            ups.append(a_i)
+            s_up = E[a_i].outvars[0]
+            a_i = self.single(s_up)
+        else:
+            s_up = s
         if a_i is None or E[a_i].primitive.name not in ("add", "add_any"):
             return None
         add = E[a_i]
-        res = add.invars[1] if add.invars[0] is s else add.invars[0]
+        res = add.invars[1] if add.invars[0] is s_up else add.invars[0]
         r = add.outvars[0]
+        if ups:  # the residual upcast alike: the kernel takes it as it was
+            j = self.prod.get(res) if isinstance(res, core.Var) else None
+            if j is None or E[j].primitive.name != "convert_element_type" or \
+                    E[j].invars[0].aval.dtype != s.aval.dtype or \
+                    not isinstance(E[j].invars[0], core.Var):
+                return None
+            if self.single(res) == a_i:
+                ups.append(j)
+            res = E[j].invars[0]
         if not isinstance(res, core.Var) or res is s or res.aval.shape != s.aval.shape or \
-                res.aval.dtype != s.aval.dtype or r.aval.dtype != s.aval.dtype or \
+                res.aval.dtype != s.aval.dtype or \
+                (r.aval.dtype != s.aval.dtype and not ups) or \
                 jnp.dtype(r.aval.dtype) not in _FLOATS or r.aval.ndim < 1:
             return None
         H = int(r.aval.shape[-1])
@@ -506,7 +532,7 @@ class _Matcher:
                 j = self.prod.get(a) if isinstance(a, core.Var) else None
                 if j in chain_set:
                     todo.append(j)
-        skip = (chain_set - keep) | {a_i}
+        skip = (chain_set - keep) | {a_i} | set(ups)
         for i in reversed(view_eqns):  # views feeding only what is dropped (later ones first)
             o = E[i].outvars[0]
             if o not in self.outs and all(u in skip for u in self.users.get(o, [])):
@@ -682,12 +708,12 @@ class Fire:
         if f.q is not None:
             from ..allreduce_quant import all_reduce_rms_norm_quant
             q, scale, r_out = all_reduce_rms_norm_quant(x, res, w, self.comm, eps=f.eps)
-            env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
+            env[f.r] = _like(r_out.reshape(f.r.aval.shape).astype(f.r.aval.dtype), f.r.aval)
             env[f.q] = q.reshape(f.q.aval.shape)
             env[f.scale] = _like(scale.reshape(f.scale.aval.shape).astype(f.scale.aval.dtype),
                                  f.scale.aval)
             return
         normed, r_out = all_reduce_rms_norm(x, res, w, self.comm, eps=f.eps)
-        env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
+        env[f.r] = _like(r_out.reshape(f.r.aval.shape).astype(f.r.aval.dtype), f.r.aval)
         env[f.n] = _like(normed.reshape(f.n.aval.shape).astype(f.n.aval.dtype), f.n.aval)
 

@@ -232,18 +232,6 @@ class _Matcher:
             return None
         return u[0]
 
-    def through(self, v, names, chain):
-        """Follow v's single users of the given primitives; returns the last var."""
-        while True:
-            i = self.single(v)
-            if i is None or self.eqns[i].primitive.name not in names:
-                return v
-            e = self.eqns[i]
-            if len(e.invars) != 1:
-                return v
-            chain.append(i)
-            v = e.outvars[0]
-
     def depends(self, v, target, seen=None):
         """Whether var v is computed from target."""
         seen = set() if seen is None else seen

@@ -67,6 +67,9 @@ def norm_form(form, x, w):
     if form == "gamma_x_over_sqrt":  # jax-llm-examples' rms_norm: the weight before the /
         rms = jnp.sqrt(jnp.mean(jnp.astype(x, jnp.float32) ** 2, axis=-1, keepdims=True) + EPS)
         return jnp.astype(w * x / rms, dt)
+    if form == "one_times_x_over_sqrt":  # the same without a weight: `1 * x / rms`
+        rms = jnp.sqrt(jnp.mean(jnp.astype(x, jnp.float32) ** 2, axis=-1, keepdims=True) + EPS)
+        return jnp.astype(1 * x / rms, dt)
     if form == "weight_in_rsqrt":  # Flax nnx.RMSNorm: mul = rsqrt(var + eps) * scale; y * mul
         xf = jnp.asarray(x, jnp.float32)
         var = jnp.mean(lax.square(xf), axis=-1)
@@ -101,7 +104,7 @@ def norm_form(form, x, w):
     raise AssertionError(form)
 
 
-FORMS = ["gamma_x_over_sqrt", "weight_in_rsqrt", "minus_zero", "x_over_sqrt",
+FORMS = ["gamma_x_over_sqrt", "one_times_x_over_sqrt", "weight_in_rsqrt", "minus_zero", "x_over_sqrt",
          "x_times_one_over_sqrt", "gemma_one_plus_w", "pow_half", "upcast_after_weight",
          "no_weight_no_cast"]
 

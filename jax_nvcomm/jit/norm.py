@@ -1,18 +1,30 @@
 """Finding psum -> add of a residual -> RMSNorm in a jaxpr, in the forms model code writes, for
-`_rewrite` to put one `all_reduce_rms_norm` there.
+`rewrite` to put one `all_reduce_rms_norm` there.
 
-Matched (x the psum's operand, r = psum(x) + residual, any leading dims, hidden H last):
-    v   = r, or r converted (to float32, say): the norm's input, once or several times
+Matched (x the psum's operand, s = psum(x), any leading dims, hidden H last):
+    t   = s, or s through reshapes / slices of the leading dims / sharding constraints
+          (`sum_transparent`: applied to x before the fused call); r = t + residual, or
+          r = f32(t) + f32(residual) (both upcast alike: the kernel's r, rounded to x's
+          type, is handed on upcast; the norm is the kernel's, on its float32 sum)
+    v   = r, or r converted, `r - 0`, `r - zeros` (a literal zero mean): the norm's input
     sq  = v * v | square(v) | integer_pow(v, 2) | v ** 2
-    ms  = sum(sq, last axis) then / H or * (1/H), converts and keepdims broadcasts anywhere
-    inv = rsqrt(ms + eps) | 1 / sqrt(ms + eps);   n = v * inv | v / sqrt(ms + eps)
-    out = n, converted or not, times the weight (a [H] array, converted and broadcast, not
-          computed from r) or no weight, converted or not.
-The new residual r may be used later; the norm's intermediates may not be (they are dropped).
+    ms  = sum(sq, last axis) then / H or * (1/H) (jnp.mean is that), converts and keepdims
+          broadcasts anywhere
+    inv = rsqrt(ms + eps) | sqrt(ms + eps) (to divide by) | (ms + eps) ** -0.5
+    out = any product / quotient of v, inv and at most one weight, with casts and broadcasts
+          anywhere: v * inv * w, w * v / sqrt(..) (the weight first), v * (inv * w) (folded
+          into the rsqrt), w * (v * (1 / sqrt(..))), no weight. The weight is an array of H
+          elements not computed from r ([H] or [1, .., H], converted or broadcast), e.g.
+          Gemma's `1 + w`: the kernel is handed it as it is.
+The new residual r may be used later; intermediates of the norm used elsewhere are computed
+again from it; a factor applied to `out` later is applied to the fused call's result.
 What it becomes: normed, r = all_reduce_rms_norm(x, residual, weight, eps) (x [..., H], any
-H up to the kernel's widest, a float32 weight as it is); `out` is normed in out's dtype. The kernel computes the norm in
-float32 and rounds once, so a norm written in another precision or with the weight applied
-after a cast matches to within that rounding.
+H up to the kernel's widest, a float32 weight as it is); `out` is normed in out's dtype. The
+kernel computes the norm in float32 and rounds once, so a norm written in another precision
+or with the weight applied after a cast matches to within that rounding.
+Where r goes through a mean of squares into an rsqrt / sqrt and the rest does not match, the
+result is a `Miss` naming the step (`explain` prints it; warned once per site). A LayerNorm
+(r - mean(r)) squares no view of r: not norm-like, no note.
 """
 from __future__ import annotations
 
@@ -45,12 +57,145 @@ class Fused:
     note: str = ""       # why it was not fused, when it was not
     q: object = None     # a per-token FP8 quantisation of n matched after it (`match_quant`):
     scale: object = None  # its float8 output and its float32 scale var
+    pre: tuple = ()      # eqns between the psum and the add (`sum_transparent`): applied to x
 
     def describe(self) -> str:
         w = "" if self.w is not None else ", no weight"
         q = f" + fp8 quantisation ({self.where['quant']})" if self.q is not None else ""
         return (f"add ({self.where['add']}) + rms_norm ({self.where['norm']}, eps={self.eps:g}"
                 f"{w}){q}")
+
+
+class Miss:
+    """A psum -> add whose norm-like tail did not match: which step, where (`note`, for the
+    psum's Site: "not fused with the add + RMSNorm after it: <note>"). A fallback the user can
+    fix (they can write the norm in a form above): warned once per site."""
+    fixable = True
+
+    def __init__(self, step, eqn):
+        self.step = step
+        self.note = f"{step} at {source_of(eqn)}"
+
+
+class _No(Exception):
+    def __init__(self, step, eqn=None):
+        super().__init__(step)
+        self.step, self.eqn = step, eqn
+
+
+_ROOTS = ("rsqrt", "sqrt", "pow")
+# what the normalised value may go through: products, quotients, casts, broadcasts, `- 0`
+_PRODUCT = ("mul", "div", "sub", "add") + _SHAPE
+_MOVES = ("reshape", "squeeze", "expand_dims", "slice", "sharding_constraint", "reshard",
+          "copy", "copy_p")
+
+
+def _wider(a, b) -> bool:
+    """Whether float dtype a holds every value of float dtype b, and is another type."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    return a != b and a in _FLOATS and b in _FLOATS and a.itemsize > b.itemsize
+
+
+def sum_transparent(e, hidden) -> bool:
+    """Whether eqn e, applied to a sum over ranks, equals the sum of it applied to each
+    rank's part, keeping the hidden dim last and whole: a reshape / squeeze / expand_dims of
+    the leading dims, a slice of them, a sharding constraint or reshard (not a convert: the
+    sum would be rounded in another type than XLA's)."""
+    n = e.primitive.name
+    if len(e.invars) != 1 or len(e.outvars) != 1 or hidden is None:
+        return False
+    a, b = e.invars[0].aval, e.outvars[0].aval
+    if b.ndim < 1 or b.shape[-1] != hidden:
+        return False
+    if n not in _MOVES:  # a convert is not: the sum would be rounded otherwise than XLA's
+        return False
+    if a.dtype != b.dtype:
+        return False
+    if n == "reshape":
+        return e.params.get("dimensions") is None and \
+            int(np.prod(a.shape[:-1], dtype=np.int64)) == int(np.prod(b.shape[:-1],
+                                                                      dtype=np.int64))
+    if n == "slice":
+        st = e.params.get("strides")
+        return e.params["start_indices"][-1] == 0 and e.params["limit_indices"][-1] == hidden \
+            and (st is None or st[-1] == 1)
+    return True
+
+
+@dataclasses.dataclass
+class _Factors:
+    """A product of the sum's view (x), the rsqrt (inv), [H] weights, as powers."""
+    x: int = 0
+    inv: int = 0
+    w: tuple = ()           # ((root var, power), ...)
+    eqns: frozenset = frozenset()
+
+    def __add__(self, o):
+        return _Factors(self.x + o.x, self.inv + o.inv, self.w + o.w, self.eqns | o.eqns)
+
+    def __neg__(self):
+        return _Factors(-self.x, -self.inv, tuple((v, -p) for v, p in self.w), self.eqns)
+
+    def partial(self):
+        return self.x in (0, 1) and self.inv in (0, 1) and len(self.w) <= 1 and \
+            all(p == 1 for _, p in self.w) and (self.x or self.inv)
+
+    def complete(self):
+        return self.partial() and self.x == 1 and self.inv == 1
+
+    def weight(self):
+        return self.w[0][0] if self.w else None
+
+
+class _Decompose:
+    """v as a product of the sum's views, the rsqrt and a weight (`_Factors`), or `_No`
+    naming the step that is something else."""
+
+    def __init__(self, m, r, views, d, sign, hidden):
+        self.m, self.r, self.views, self.d, self.sign, self.H = m, r, views, d, sign, hidden
+        self.memo = {}
+
+    def __call__(self, v, depth=0):
+        if isinstance(v, core.Var) and v in self.memo:
+            return self.memo[v]
+        f = self._of(v, depth)
+        if isinstance(v, core.Var):
+            self.memo[v] = f
+        return f
+
+    def _of(self, v, depth):
+        m, H = self.m, self.H
+        if depth > 24:
+            raise _No("the normalised value: too many steps")
+        if isinstance(v, core.Literal):
+            c = _lit(v)
+            if c == 1.0:
+                return _Factors()
+            raise _No(f"the normalised value: a constant factor {c}")
+        if v in self.views:
+            return _Factors(x=1)
+        if v is self.d:
+            return _Factors(inv=self.sign)
+        i = m.prod.get(v)
+        if not m.depends(v, self.r):  # a weight
+            root = m.weight_root(v, H)
+            if root is None:
+                raise _No(f"the weight: a factor {v.aval.str_short()} that is not a [{H}] "
+                          "vector", i)
+            return _Factors(w=((root, 1),))
+        e = m.eqns[i]
+        n, ins = e.primitive.name, e.invars
+        here = _Factors(eqns=frozenset({i}))
+        if n in _SHAPE and len(ins) == 1:
+            return self(ins[0], depth + 1) + here
+        if n == "mul":
+            return self(ins[0], depth + 1) + self(ins[1], depth + 1) + here
+        if n == "div":
+            return self(ins[0], depth + 1) + -self(ins[1], depth + 1) + here
+        if n == "sub" and m.is_zero(ins[1]):
+            return self(ins[0], depth + 1) + here
+        raise _No(f"the normalised value: {n} where x * rsqrt(ms + eps) (times a weight) was "
+                  "expected", i)
 
 
 def _maps(jaxpr):
@@ -87,18 +232,6 @@ class _Matcher:
             return None
         return u[0]
 
-    def through(self, v, names, chain):
-        """Follow v's single users of the given primitives; returns the last var."""
-        while True:
-            i = self.single(v)
-            if i is None or self.eqns[i].primitive.name not in names:
-                return v
-            e = self.eqns[i]
-            if len(e.invars) != 1:
-                return v
-            chain.append(i)
-            v = e.outvars[0]
-
     def depends(self, v, target, seen=None):
         """Whether var v is computed from target."""
         seen = set() if seen is None else seen
@@ -116,53 +249,143 @@ class _Matcher:
         return False
 
     def weight_root(self, v, hidden):
-        """v traced back through converts / broadcasts / reshapes to a [hidden] var."""
+        """v traced back through converts / broadcasts / reshapes to the earliest var of
+        `hidden` elements, hidden last ([hidden] or [1, ..., hidden]), or None."""
+        root = None
         while True:
-            if isinstance(v, core.Var) and tuple(v.aval.shape) == (hidden,):
-                return v
-            i = self.prod.get(v) if isinstance(v, core.Var) else None
-            if i is None or self.eqns[i].primitive.name not in _SHAPE:
-                return None
-            if int(np.prod(v.aval.shape)) != hidden:
-                return None
+            if not isinstance(v, core.Var):
+                return root
+            if v.aval.ndim >= 1 and v.aval.shape[-1] == hidden and \
+                    int(np.prod(v.aval.shape)) == hidden:
+                root = v
+            elif root is not None or int(np.prod(v.aval.shape)) != hidden and \
+                    v.aval.shape[-1:] != (hidden,):
+                return root
+            i = self.prod.get(v)
+            if i is None or self.eqns[i].primitive.name not in _SHAPE or \
+                    len(self.eqns[i].invars) != 1:
+                return root
             v = self.eqns[i].invars[0]
 
     def match(self, k):
-        """A `Fused` for the psum at eqn k, or None."""
-        E = self.eqns
-        psum = E[k]
+        """A `Fused` for the psum at eqn k, a `Miss` (a norm-like tail that did not match), or
+        None."""
+        psum = self.eqns[k]
         if psum.primitive.name not in PSUMS or len(psum.invars) != 1:
             return None
         x, s = psum.invars[0], psum.outvars[0]
         if not isinstance(x, core.Var) or jnp.dtype(x.aval.dtype) not in _FLOATS or \
                 x.aval.ndim < 1:
             return None
+        t, pre = self.pre_ops(s)
+        f = self.match_sum(t, quant=True)
+        if isinstance(f, Fused):
+            f.x, f.pre = x, tuple(self.eqns[i] for i in pre)
+            f.skip = frozenset(f.skip | {k} | set(pre))
+        return f
+
+    def pre_ops(self, s):
+        """(t, eqn indices): s followed through single-user ops that commute with a sum over
+        ranks and keep the hidden dim last and whole (`sum_transparent`); t is the last
+        var."""
+        chain = []
+        H = s.aval.shape[-1] if s.aval.ndim else None
+        while True:
+            i = self.single(s)
+            if i is None or not sum_transparent(self.eqns[i], H):
+                return s, chain
+            chain.append(i)
+            s = self.eqns[i].outvars[0]
+
+    def views_of(self, r):
+        """r and what computes the same values from it (float converts, `- 0`, `+ 0`), and
+        the eqns making them."""
+        views, eqns, todo = {r}, [], [r]
+        while todo:
+            v = todo.pop()
+            for i in self.users.get(v, []):
+                e = self.eqns[i]
+                n, ins = e.primitive.name, e.invars
+                same = (n in _VIEW and len(ins) == 1 and
+                        jnp.dtype(e.outvars[0].aval.dtype) in _FLOATS) or \
+                    (n == "sub" and ins[0] is v and self.is_zero(ins[1])) or \
+                    (n in ("add", "add_any") and any(o is v for o in ins) and
+                     any(self.is_zero(o) for o in ins if o is not v))
+                if same and e.outvars[0].aval.shape == r.aval.shape and \
+                        e.outvars[0] not in views:
+                    views.add(e.outvars[0])
+                    eqns.append(i)
+                    todo.append(e.outvars[0])
+        return views, eqns
+
+    def is_zero(self, v, depth=0):
+        """Whether v is a literal 0 (broadcast, reshaped or converted: `jnp.zeros_like`)."""
+        if isinstance(v, core.Literal):
+            return _lit(v) == 0.0
+        i = self.prod.get(v)
+        if i is None or depth > 6:
+            return False
+        e = self.eqns[i]
+        return e.primitive.name in _SHAPE and len(e.invars) == 1 and \
+            self.is_zero(e.invars[0], depth + 1)
+
+    def reaches(self, v, names, limit=64):
+        """Whether an eqn of one of `names` is computed from v (within `limit` eqns)."""
+        seen, todo = set(), [v]
+        while todo and len(seen) < limit:
+            a = todo.pop()
+            for i in self.users.get(a, []):
+                if i in seen:
+                    continue
+                seen.add(i)
+                if self.eqns[i].primitive.name in names:
+                    return True
+                todo.extend(self.eqns[i].outvars)
+        return False
+
+    def match_sum(self, s, quant=False):
+        """From s, the sum over ranks (or what `pre_ops` made of it): add of a residual ->
+        RMSNorm. A `Fused` (x and pre left to the caller), a `Miss` naming the step that did
+        not match when the add's result goes through a mean of squares into an rsqrt / sqrt,
+        or None."""
+        E = self.eqns
         a_i = self.single(s)
+        ups = []  # the add of both upcast: f32(s) + f32(residual) (sglang-jax's rmsnorm)
+        if a_i is not None and E[a_i].primitive.name == "convert_element_type" and \
+                _wider(E[a_i].outvars[0].aval.dtype, s.aval.dtype):
+            ups.append(a_i)
+            s_up = E[a_i].outvars[0]
+            a_i = self.single(s_up)
+        else:
+            s_up = s
         if a_i is None or E[a_i].primitive.name not in ("add", "add_any"):
             return None
         add = E[a_i]
-        res = add.invars[1] if add.invars[0] is s else add.invars[0]
+        res = add.invars[1] if add.invars[0] is s_up else add.invars[0]
         r = add.outvars[0]
+        if ups:  # the residual upcast alike: the kernel takes it as it was
+            j = self.prod.get(res) if isinstance(res, core.Var) else None
+            if j is None or E[j].primitive.name != "convert_element_type" or \
+                    E[j].invars[0].aval.dtype != s.aval.dtype or \
+                    not isinstance(E[j].invars[0], core.Var):
+                return None
+            if self.single(res) == a_i:
+                ups.append(j)
+            res = E[j].invars[0]
         if not isinstance(res, core.Var) or res is s or res.aval.shape != s.aval.shape or \
-                res.aval.dtype != s.aval.dtype or r.aval.dtype != s.aval.dtype:
+                res.aval.dtype != s.aval.dtype or \
+                (r.aval.dtype != s.aval.dtype and not ups) or \
+                jnp.dtype(r.aval.dtype) not in _FLOATS or r.aval.ndim < 1:
             return None
         H = int(r.aval.shape[-1])
         nd = r.aval.ndim
         chain = []
-        # the norm's input: r or converts of r
-        views = {r}
-        view_eqns = []
-        for i in self.users.get(r, []):
-            e = E[i]
-            if e.primitive.name in _VIEW and len(e.invars) == 1:
-                views.add(e.outvars[0])
-                view_eqns.append(i)
+        views, view_eqns = self.views_of(r)
 
         def is_view(v):
             return isinstance(v, core.Var) and v in views
 
-        # sq
-        sq = None
+        sqs = []
         for vv in views:
             for i in self.users.get(vv, []):
                 e = E[i]
@@ -173,11 +396,13 @@ class _Matcher:
                         (n == "square" and is_view(ins[0])) or \
                         (n == "integer_pow" and is_view(ins[0]) and e.params.get("y") == 2) or \
                         (n == "pow" and is_view(ins[0]) and _lit(ins[1]) == 2.0):
-                    if sq is not None and sq != i:
-                        return None
-                    sq = i
-        if sq is None:
+                    if self.reaches(e.outvars[0], _ROOTS) and i not in sqs:
+                        sqs.append(i)
+        if not sqs:  # nothing norm-like: no mean of squares of the sum into an rsqrt / sqrt
             return None
+        if len(sqs) > 1:
+            return Miss("the sum is squared more than once", E[sqs[1]])
+        sq = sqs[0]
         chain.append(sq)
 
         def find(v, pred):
@@ -186,130 +411,99 @@ class _Matcher:
             return c[0] if len(c) == 1 else None
 
         def advance(v, pred, transparent):
-            """Follow users of the transparent primitives until one that pred accepts."""
+            """Follow users of the transparent primitives until one that pred accepts; returns
+            (eqn index or None, the last var reached)."""
             for _ in range(8):
                 i = find(v, pred)
                 if i is not None:
-                    return i
+                    return i, v
                 i = find(v, lambda e: e.primitive.name in transparent and len(e.invars) == 1)
                 if i is None:
-                    return None
+                    return None, v
                 chain.append(i)
                 v = E[i].outvars[0]
-            return None
+            return None, v
 
-        def mul_of_view(inv):
-            def pred(e):
-                if e.primitive.name != "mul":
-                    return False
-                a, b = e.invars
-                return (b is inv and is_view(a)) or (a is inv and is_view(b))
-            return pred
+        def user_of(v):
+            u = self.users.get(v, [])
+            return E[u[0]] if u else E[sq]
 
-        i = advance(E[sq].outvars[0], lambda e: e.primitive.name == "reduce_sum" and
-                    tuple(e.params.get("axes", ())) == (nd - 1,), _VIEW)
+        i, v = advance(E[sq].outvars[0], lambda e: e.primitive.name == "reduce_sum" and
+                       tuple(e.params.get("axes", ())) == (nd - 1,), _VIEW)
         if i is None:
-            return None
+            u = user_of(v)
+            over = f" over axes {tuple(u.params['axes'])}" if "axes" in u.params else ""
+            return Miss(f"the mean of squares: {u.primitive.name}{over} where a sum over the "
+                        f"last axis ({nd - 1}) was expected", u)
         chain.append(i)
 
         def scale(e):
             n, ins = e.primitive.name, e.invars
             if n == "div":
-                return _lit(ins[1]) is not None and abs(_lit(ins[1]) - H) <= 1e-6 * H
+                return ins[0] is not ins[1] and _lit(ins[1]) is not None and \
+                    abs(_lit(ins[1]) - H) <= 1e-6 * H
             return n == "mul" and any(_lit(o) is not None and abs(_lit(o) * H - 1) <= 1e-5
                                       for o in ins)
-        i = advance(E[i].outvars[0], scale, _SHAPE)
+        i, v = advance(E[i].outvars[0], scale, _SHAPE)
         if i is None:
-            return None
+            return Miss(f"the mean of squares: the sum of squares is not divided by the hidden "
+                        f"size {H}", user_of(v))
         chain.append(i)
-        i = advance(E[i].outvars[0], lambda e: e.primitive.name == "add" and any(
+        i, v = advance(E[i].outvars[0], lambda e: e.primitive.name == "add" and any(
             _lit(o) is not None for o in e.invars), _SHAPE)
         if i is None:
-            return None
+            return Miss("eps: no constant is added to the mean of squares", user_of(v))
         chain.append(i)
         eps = next(_lit(o) for o in E[i].invars if _lit(o) is not None)
         if not eps >= 0:
-            return None
-        i = advance(E[i].outvars[0], lambda e: e.primitive.name in ("rsqrt", "sqrt"), _SHAPE)
+            return Miss(f"eps: {eps:g} is negative", E[i])
+        i, v = advance(E[i].outvars[0], lambda e: e.primitive.name in ("rsqrt", "sqrt") or (
+            e.primitive.name == "pow" and _lit(e.invars[1]) == -0.5), _SHAPE)
         if i is None:
-            return None
+            u = user_of(v)
+            return Miss(f"rsqrt: the mean of squares + eps goes to {u.primitive.name}, not "
+                        "rsqrt, sqrt or ** -0.5", u)
         chain.append(i)
-        e = E[i]
-        def follow(var, make_pred):
-            """The eqn using `var` that make_pred(var) accepts, looked for through up to 8
-            single-input shape ops (broadcasts, reshapes; each put on the chain); None if none."""
-            for _ in range(8):
-                j = find(var, make_pred(var))
-                if j is not None:
-                    return j
-                t = find(var, lambda q: q.primitive.name in _SHAPE and len(q.invars) == 1)
-                if t is None:
-                    return None
-                chain.append(t)
-                var = E[t].outvars[0]
-            return None
-
-        def div_by(d):
-            return lambda q: q.primitive.name == "div" and q.invars[1] is d
-
-        if e.primitive.name == "rsqrt":  # rsqrt, broadcast: the mul by the input
-            j = follow(e.outvars[0], mul_of_view)
-            if j is None:
-                return None
-        else:  # sqrt, then x / sd, or 1 / sd and the mul by the input
-            j = follow(e.outvars[0], div_by)
-            if j is None:
-                return None
-            num = E[j].invars[0]
-            if not is_view(num):
-                if _lit(num) != 1.0:
-                    return None
-                chain.append(j)
-                j = follow(E[j].outvars[0], mul_of_view)
-                if j is None:
-                    return None
-        chain.append(j)
-        norm_eqn = j
-        v = E[j].outvars[0]
-        w = None
-
-        def weight_mul(e):
-            if e.primitive.name != "mul":
-                return False
-            a, b = e.invars
-            other = b if a in wset else a
-            root = self.weight_root(other, H)
-            return root is not None and not self.depends(root, r)
-
-        # the weight: after converts of the normalised value (a unique mul by a [H] array)
-        wset = {v}
-        probe, k_chain = v, []
-        i = None
-        for _ in range(4):
-            i = find(probe, lambda e: e.primitive.name == "mul" and
-                     (e.invars[0] is probe or e.invars[1] is probe) and weight_mul(e))
-            if i is not None:
+        d = E[i].outvars[0]
+        sign = -1 if E[i].primitive.name == "sqrt" else 1
+        dec = _Decompose(self, r, views, d, sign, H)
+        # the normalised value: from d forwards through products, quotients, casts and
+        # broadcasts while the value stays x * inv (* w); `out` is the last complete one
+        cur, path, best, why = d, [], None, None
+        for _ in range(16):
+            good, why_here = [], None
+            for j in sorted(set(self.users.get(cur, []))):
+                e = E[j]
+                if e.primitive.name not in _PRODUCT or len(e.outvars) != 1:
+                    continue
+                try:
+                    f = dec(e.outvars[0])
+                except _No as no:
+                    why_here = why_here or no
+                    continue
+                if f.partial():
+                    good.append((j, f))
+            if len(good) != 1:
+                why = why_here if why is None and best is None else why
                 break
-            t = find(probe, lambda e: e.primitive.name in _VIEW)
-            if t is None or len(self.users.get(probe, [])) != 1:
-                break
-            k_chain.append(t)
-            probe = E[t].outvars[0]
-            wset = {probe}
-        if i is not None:
-            chain.extend(k_chain)
-            e = E[i]
-            other = e.invars[1] if e.invars[0] is probe else e.invars[0]
-            w = self.weight_root(other, H)
-            chain.append(i)
-            norm_eqn = i
-            v = self.through(e.outvars[0], _VIEW, chain)
-        else:
-            v = self.through(v, _VIEW, chain)
-        out = v
+            j, f = good[0]
+            path.append(j)
+            cur = E[j].outvars[0]
+            if f.complete():
+                best = (cur, f, j)
+        if best is None:
+            if why is not None:
+                return Miss(why.step, E[why.eqn] if why.eqn is not None else E[i])
+            u = user_of(cur)
+            return Miss(f"the normalised value: {u.primitive.name} where x * rsqrt(ms + eps) "
+                        "(times a weight) was expected", u)
+        out, f, norm_eqn = best
+        w = f.weight()
+        chain.extend(sorted(f.eqns))
         if jnp.dtype(out.aval.dtype) not in _FLOATS or tuple(out.aval.shape) != \
                 tuple(r.aval.shape):
-            return None
+            return Miss(f"the normalised value: shape {tuple(out.aval.shape)} is not the sum's "
+                        f"{tuple(r.aval.shape)}", E[norm_eqn])
         chain_set = set(chain)
         # intermediates that feed something besides the chain (a gradient's residuals: the
         # rsqrt, the upcast input) keep the eqns that compute them, from the new residual;
@@ -326,8 +520,8 @@ class _Matcher:
                 j = self.prod.get(a) if isinstance(a, core.Var) else None
                 if j in chain_set:
                     todo.append(j)
-        skip = (chain_set - keep) | {k, a_i}
-        for i in view_eqns:
+        skip = (chain_set - keep) | {a_i} | set(ups)
+        for i in reversed(view_eqns):  # views feeding only what is dropped (later ones first)
             o = E[i].outvars[0]
             if o not in self.outs and all(u in skip for u in self.users.get(o, [])):
                 skip.add(i)
@@ -336,13 +530,14 @@ class _Matcher:
         readers = [u for vv in (r, out) for u in self.users.get(vv, []) if u not in skip]
         first = min(readers, default=len(E))
         if w is not None and self.prod.get(w, -1) >= first:
-            return None
-        fused = Fused(x=x, res=res, r=r, n=out, w=w, eps=float(eps), skip=frozenset(skip),
+            return Miss("the weight is computed after the sum is first read", E[norm_eqn])
+        fused = Fused(x=None, res=res, r=r, n=out, w=w, eps=float(eps), skip=frozenset(skip),
                       where={"add": source_of(add), "norm": source_of(E[norm_eqn])})
-        quant = self.match_quant(out, H, nd, skip)
-        if quant is not None:
-            fused.q, fused.scale, qskip, fused.where["quant"] = quant
-            fused.skip = frozenset(skip | qskip)
+        if quant:
+            q = self.match_quant(out, H, nd, skip)
+            if q is not None:
+                fused.q, fused.scale, qskip, fused.where["quant"] = q
+                fused.skip = frozenset(skip | qskip)
         return fused
 
     def match_quant(self, n, H, nd, skip):
@@ -443,8 +638,9 @@ class _Matcher:
 
 
 def plan(jaxpr) -> dict:
-    """{eqn index of a psum: Fused} for every psum -> add -> RMSNorm in `jaxpr` (its top
-    level: the pattern is matched within one body; jitted helpers are inlined before)."""
+    """{eqn index of a psum: Fused or Miss} for every psum -> add -> RMSNorm in `jaxpr` (its
+    top level: the pattern is matched within one body; jitted helpers are inlined before),
+    and every psum -> add -> norm-like tail that did not match (a `Miss`)."""
     if not any(e.primitive.name in PSUMS for e in jaxpr.eqns):
         return {}
     m = _Matcher(jaxpr)
@@ -455,6 +651,11 @@ def plan(jaxpr) -> dict:
             if f is not None:
                 found[k] = f
     return found
+
+
+def matcher(jaxpr):
+    """A matcher of `jaxpr`'s eqns (`exit_fusion` starts it at a shard_map's output)."""
+    return _Matcher(jaxpr)
 
 
 def refuse(fused: Fused) -> str:
@@ -483,22 +684,24 @@ class Fire:
         for v in self.binds:
             lazy.pop(v, None)
         x, res = read(f.x), read(f.res)
+        for e in f.pre:  # what was applied to the sum, applied to each rank's part
+            x = e.primitive.bind(x, **e.params)
         H = x.shape[-1]
         if f.w is None:
             w = jnp.ones((H,), x.dtype)
         else:  # a float32 weight with 16-bit x goes in as it is (the kernel reads it so)
-            w = read(f.w)
+            w = read(f.w).reshape(H)
             if w.dtype != x.dtype and w.dtype != jnp.float32:
                 w = w.astype(jnp.float32)
         if f.q is not None:
             from ..allreduce_quant import all_reduce_rms_norm_quant
             q, scale, r_out = all_reduce_rms_norm_quant(x, res, w, self.comm, eps=f.eps)
-            env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
+            env[f.r] = _like(r_out.reshape(f.r.aval.shape).astype(f.r.aval.dtype), f.r.aval)
             env[f.q] = q.reshape(f.q.aval.shape)
             env[f.scale] = _like(scale.reshape(f.scale.aval.shape).astype(f.scale.aval.dtype),
                                  f.scale.aval)
             return
         normed, r_out = all_reduce_rms_norm(x, res, w, self.comm, eps=f.eps)
-        env[f.r] = _like(r_out.reshape(f.r.aval.shape), f.r.aval)
+        env[f.r] = _like(r_out.reshape(f.r.aval.shape).astype(f.r.aval.dtype), f.r.aval)
         env[f.n] = _like(normed.reshape(f.n.aval.shape).astype(f.n.aval.dtype), f.n.aval)
 

@@ -7,8 +7,9 @@ What is replaced (inside a shard_map body, at any depth of pjit / scan / cond / 
 checkpoint / custom_jvp / custom_vjp nesting):
   - `psum` / `psum_invariant` of floats over one axis or a tuple of axes -> `all_reduce`
     (pmean is psum + a division: the division stays);
-  - psum -> add of a residual -> RMSNorm (`_norm`) -> one `all_reduce_rms_norm` (with a
-    per-token FP8 cast after it: `all_reduce_rms_norm_quant`);
+  - psum -> add of a residual -> RMSNorm (`norm`) -> one `all_reduce_rms_norm` (with a
+    per-token FP8 cast after it: `all_reduce_rms_norm_quant`); also where the psum ends a
+    shard_map body and the add and the norm come after it, outside (`exit_fusion`);
   - `all_gather`, `reduce_scatter` (lax.psum_scatter, any dim), `all_to_all`,
     `ragged_all_to_all` -> our ops (`gather_scatter`: the forms and what it refuses);
   - `lax.ragged_dot` in its MoE form (lhs [M, K] rows by group, rhs [G, K, N]) -> `ragged_dot`
@@ -39,6 +40,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from . import gather_scatter as _gs
 from .axes import mesh_label
+from . import exit_fusion as _exit
 from . import norm as _norm
 from . import ragged_dot as _rdot
 from .eqn import like as _like
@@ -442,13 +444,14 @@ def evaluate(jaxpr, consts, args, ctx):
     fusions = {}
     if ctx.mesh is not None:
         fusions = _norm.plan(jaxpr)
+    exits = _exit.plan(jaxpr)  # a psum ending a shard_map body + add + norm after it
     for i, eqn in enumerate(jaxpr.eqns):
         if i in skip:
             continue
         name = eqn.primitive.name
         if name in SERVED and ctx.mesh is not None:
             fused = fusions.get(i)
-            if fused is not None and name in PSUMS:
+            if isinstance(fused, _norm.Fused) and name in PSUMS:
                 site, fire = _fused_decision(eqn, fused, ctx, jaxpr)
                 if fire is not None:
                     _record(ctx, site)
@@ -457,7 +460,8 @@ def evaluate(jaxpr, consts, args, ctx):
                         lazy[v] = fire
                     continue
             note = fused.note if fused is not None else ""
-            outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note)
+            outs = _collective(eqn, [read(v) for v in eqn.invars], ctx, note,
+                               isinstance(fused, _norm.Miss))
         elif name in UNSERVED and ctx.mesh is not None:
             site = _site(eqn, eqn.invars[0].aval, ctx)
             site.reason = f"no jax_nvcomm kernel for {site.op}"
@@ -481,6 +485,11 @@ def evaluate(jaxpr, consts, args, ctx):
                 row.setdefault("stack", stack_of(eqn))
                 row.setdefault("mesh_obj", ctx.mesh)
                 _record(ctx, Site(**row))
+        elif name == "shard_map" and i in exits:
+            fire = _exit.Fire(exits[i], eqn, ctx, _exit_hooks())
+            skip.update(exits[i].skip)
+            lazy.update(dict.fromkeys(fire.binds, fire))
+            continue
         elif name == "shard_map" and has_collectives(eqn.params["jaxpr"]):
             outs = _shard_map(eqn, [read(v) for v in eqn.invars], ctx)
         elif name in _CALLS and ctx.mesh is not None and \
@@ -535,6 +544,9 @@ def _may_call_ours(jaxpr, mesh, lookup) -> bool:
                 _may_call_ours(_call_jaxpr(e), mesh, lookup):
             return True
     return False
+def _exit_hooks():
+    return _exit.Hooks(evaluate=evaluate, decide=_fused_decision, collective=_collective,
+                       record=_record, bind=_bind, concrete_mesh=concrete_mesh)
 
 
 def _ordered(eqn, invals):
@@ -618,10 +630,10 @@ def _local(comm, x, dims):
     return _shard.local_shape(comm, x, dims)
 
 
-def _collective(eqn, invals, ctx, note=""):
+def _collective(eqn, invals, ctx, note="", fixable=False):
     name = eqn.primitive.name
     if name in PSUMS:
-        return _psum(eqn, invals, ctx, note)
+        return _psum(eqn, invals, ctx, note, fixable)
     site = _site(eqn, eqn.invars[0].aval, ctx)
     comm = _comm_for(eqn, site, ctx)
     out = None
@@ -633,7 +645,7 @@ def _collective(eqn, invals, ctx, note=""):
     return [_like(out, eqn.outvars[0].aval)]
 
 
-def _psum(eqn, invals, ctx, note=""):
+def _psum(eqn, invals, ctx, note="", fixable=False):
     """psum of several operands: each float one on our all_reduce where it is served."""
     from .. import strategy as _strategy
     from ..allreduce import all_reduce
@@ -662,6 +674,7 @@ def _psum(eqn, invals, ctx, note=""):
                     site.reason = str(choice)
         if note:
             site.reason += f"; not fused with the add + RMSNorm after it: {note}"
+            site.fixable = site.fixable or fixable
         _record(ctx, site)
     rest = [j for j, o in enumerate(outs) if o is None]
     if rest:

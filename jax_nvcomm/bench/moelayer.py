@@ -9,8 +9,8 @@ Shapes (the defaults; --hidden, --ffn, --experts, --tokens change them): hidden 
   down      [M, F] x [E, F, hidden]
   block     the expert block: gate and up, silu(gate) * up, down (3 products)
 Methods:
-  nvc       nvc.ragged_dot(strategy="kernel"): our kernel (csrc/kernels/ragged_dot.cuh)
-  nvc swiglu  block only: the private ragged_dot_swiglu (gate and up in one pass) + down
+  nvc       nvc.ragged_dot(strategy="kernel"): the package's GPU kernel
+  nvc swiglu  block only: gate and up in one pass with silu(gate) * up fused in, then down
   xla       lax.ragged_dot (XLA's GEMM over every group)
 bound: the bytes of the weights of the experts that receive rows (each read once) / 4.8 TB/s,
 the HBM datasheet bandwidth of an H200 (--bandwidth). Each row also records each nvc method's
@@ -18,7 +18,7 @@ result against lax's on the same inputs (`rel_diff_to_xla`: ||nvc - xla|| / ||xl
 rounding: ~1e-3). Times: `calls` chained calls in one jit (each call's input takes one element
 of the previous output, so they run in order), loop us
 per call (median over the programs) and, on GPUs, the kernels' device time per call from a
-profiler trace (dN; as the other loop benchmarks). On CPU devices the shapes shrink (hidden 256,
+profiler trace (the table's dN columns, as in the other loop benchmarks). On CPU devices the shapes shrink (hidden 256,
 F 128, experts 8 / 32) and the numbers only show that the benchmark runs. Writes
 OUT/moelayer.json and the table.
 """
@@ -48,11 +48,14 @@ def add_arguments(s):
     s.add_argument("--reps", type=int, default=None,
                    help="timed programs per row (default 10 on GPUs, 5 with --quick, 2 on CPU)")
     s.add_argument("--bandwidth", type=float, default=4.8e12,
-                   help="bytes/s of the bound (default 4.8e12: H200 HBM3e datasheet)")
+                   help="memory bandwidth (bytes/s) of the weight-read bound (default 4.8e12: "
+                        "the HBM3e datasheet figure of an H200)")
     s.add_argument("--device-time", choices=("auto", "on", "off"), default="auto",
-                   help="device time per call from a profiler trace (auto: on for GPUs)")
+                   help="device time per call from a profiler trace (default auto: on for "
+                        "GPUs, off on CPU devices)")
     s.add_argument("--ops", nargs="+", default=["gate", "down", "block"],
-                   choices=("gate", "down", "block"), help="which ops (default all)")
+                   choices=("gate", "down", "block"), help="which ops (default all three; "
+                   "the list above says what each is)")
 
 
 def routing_sizes(rng, tokens, experts, top_k):

@@ -1476,7 +1476,8 @@ def arg_parser(prog=None) -> argparse.ArgumentParser:
                         "reduce_scatter_v, whose CPU prefill alone takes about as long as the "
                         "two others; ep-ragged, DP attention + the dropless EP layer of "
                         "examples/moe_ragged.py on ragged_all_to_all)")
-    r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
+    r.add_argument("--phases", default=",".join(PHASES), help="which phases to run, a comma list of decode and prefill "
+                   "(default: both)")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
     r.add_argument("--warmup", type=int, default=2,
                    help="untimed steps before the timed ones (default: 2)")

@@ -268,8 +268,8 @@ std::vector<FailureSummary> summarize_failures(int64_t comm_id) {
   return out;
 }
 
-std::string describe_failure(const RankContext& me, const std::string& fallback) {
-  FailureSummary s = summarize_failure(me, 1.0);
+std::string describe_failure(const RankContext& me, const std::string& fallback, double wait_s) {
+  FailureSummary s = summarize_failure(me, wait_s);
   if (s.text.empty()) return fallback;
   // this rank found the cause: its protocol's own text may say more than the record (the
   // values, on the host backend)

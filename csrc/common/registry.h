@@ -130,9 +130,9 @@ struct FailureSummary {
 FailureSummary summarize_failure(const RankContext& me, double wait_s);
 // One summary per group of comm_id with a failed rank in this process (no waiting).
 std::vector<FailureSummary> summarize_failures(int64_t comm_id);
-// summarize_failure(me, 1 s).text, or fallback when `me` has no record; where `me` itself found
-// the cause, fallback (its protocol's own text) as the first line.
-std::string describe_failure(const RankContext& me, const std::string& fallback);
+// summarize_failure(me, wait_s).text, or fallback when `me` has no record; where `me` itself
+// found the cause, fallback (its protocol's own text) as the first line.
+std::string describe_failure(const RankContext& me, const std::string& fallback, double wait_s);
 
 // Print comm_id's error records on stderr unless they were handed out before (take_unreported).
 void report_unread(int64_t comm_id);

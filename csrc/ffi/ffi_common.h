@@ -31,7 +31,8 @@ inline ffi::Error from_text(const std::string& err) {
 // describe_failure words it (registry.h): the record of the rank that found the cause first,
 // whichever rank's error XLA raises.
 inline ffi::Error from_text(const RankContext& ctx, const std::string& err) {
-  return err.empty() ? ffi::Error::Success() : precondition(describe_failure(ctx, err));
+  // the failing call itself: its peers here end the call about now, wait for them (bounded)
+  return err.empty() ? ffi::Error::Success() : precondition(describe_failure(ctx, err, 1.0));
 }
 
 // dtype code used by the protocols (0 f32, 1 bf16, 2 f16, 3 f8e4m3), -1 if unsupported.
@@ -101,7 +102,8 @@ inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankCont
   if (e != nullptr && *reinterpret_cast<volatile uint32_t*>(&e->code) != kErrNone) {
     report_unread(comm_id);  // the failed call's result may never be read: say it once here
     // the root cause's record, this note on its line, then the "seen by" line
-    std::string text = describe_failure(**out, describe_error(*e));
+    // a later call: the records were written long ago, no waiting
+    std::string text = describe_failure(**out, describe_error(*e), 0.0);
     const size_t eol = std::min(text.find('\n'), text.size());
     text.insert(eol, " (communicator is unusable after this error: close it and create a new "
                      "one; results of that call and of any CUDA-graph replay since are "

@@ -67,9 +67,9 @@ def _seen(exc) -> None:
     if found is None:
         return
     summaries, mod = found
-    # XLA may raise the first rank's error while other ranks still end the call: give them a
-    # moment (bounded) so that `records` holds all of them
-    deadline = time.monotonic() + 1.0
+    # XLA may raise the first rank's error while other ranks still end the call (its handler
+    # waited for them, up to 1 s): a last short wait so that `records` holds all of them
+    deadline = time.monotonic() + 0.1
     while any(len(f[2]) + 1 < f[4] for f in summaries) and time.monotonic() < deadline:
         time.sleep(0.01)
         summaries = _failures(comm_id)[0]

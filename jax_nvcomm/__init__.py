@@ -21,7 +21,8 @@ from .ragged_dot import ragged_dot, select_ragged_dot_strategy
 from .strategy import select_strategy
 from .varlen import all_gather_v, reduce_scatter_v
 
-CUDA_BUILT = _ffi.CUDA_BUILT
+CUDA_BUILT = _ffi.CUDA_BUILT  # the CUDA part is compiled in and loaded (not: a GPU is here)
+cuda_available = _ffi.cuda_available  # usable here: CUDA_BUILT and a CUDA device that jax sees
 
 __all__ = [
     "Communicator", "CommunicatorError", "MoECommunicator", "all_gather", "all_reduce",
@@ -30,7 +31,7 @@ __all__ = [
     "select_strategy", "moe_dispatch", "moe_combine", "moe_layer", "Dispatched", "MoEHandle",
     "moe_dispatch_send", "moe_dispatch_recv", "moe_combine_send", "moe_combine_recv",
     "moe_overlap", "DispatchSent", "CombineSent",
-    "distributed_initialize", "CUDA_BUILT", "all_gather_v", "reduce_scatter_v",
+    "distributed_initialize", "CUDA_BUILT", "cuda_available", "all_gather_v", "reduce_scatter_v",
     "ragged_all_to_all", "communicators", "close_all",
     "register", "unregister", "ragged_dot", "select_ragged_dot_strategy", "jit", "explain",
     "Explanation",

@@ -16,18 +16,44 @@ import jax
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _missing_extension_message() -> str:
-    """Why `_host` did not import, and what to do: a checkout's source folder (no compiled
-    modules) that shadows an install, or no install at all."""
+def _installed_copy() -> str | None:
+    """The folder of an installed jax_nvcomm with compiled modules that this source folder
+    shadows (it comes first on sys.path), or None."""
     root = os.path.dirname(_HERE)
     others = [p for p in sys.path if p and os.path.abspath(p) != root]
     spec = importlib.machinery.PathFinder.find_spec("jax_nvcomm", others)
     installed = os.path.dirname(spec.origin) if spec is not None and spec.origin else None
     if installed and glob.glob(os.path.join(installed, "_host*.so")):
+        return installed
+    return None
+
+
+def _same_sources(installed: str) -> bool:
+    """Whether every Python file of the installed copy equals this folder's (the wheel was built
+    from this checkout as it is): then the install's compiled modules fit these sources."""
+    def files(d):
+        return sorted(os.path.relpath(p, d) for p in glob.glob(os.path.join(d, "**", "*.py"),
+                                                                recursive=True))
+    names = files(installed)
+    if not names or names != files(_HERE):
+        return False
+    for n in names:
+        with open(os.path.join(installed, n), "rb") as a, open(os.path.join(_HERE, n), "rb") as b:
+            if a.read() != b.read():
+                return False
+    return True
+
+
+def _missing_extension_message() -> str:
+    """Why `_host` did not import, and what to do: a checkout's source folder (no compiled
+    modules) that shadows an install of other sources, or no install at all."""
+    installed = _installed_copy()
+    if installed:
         return (f"jax_nvcomm: Python imported the source folder {_HERE} (it comes first on "
                 f"sys.path: the current directory or the script's), which holds no compiled "
-                f"modules, instead of the install in {installed}. Install the checkout "
-                "editable (pip install -e . in the checkout's root), or run from another folder")
+                f"modules, instead of the install in {installed}, whose sources differ. Run "
+                "from another folder, or install the checkout editable (bash "
+                "scripts/dev.sh install, or pip install -e . in the checkout's root)")
     return (f"jax_nvcomm: the compiled extension _host is missing from {_HERE}: the package is "
             "not installed. Install the wheel, or build from the checkout's root: "
             "pip install -e .  (or bash scripts/dev.sh install)")
@@ -36,7 +62,13 @@ def _missing_extension_message() -> str:
 try:
     from . import _host
 except ImportError as _e:
-    raise ImportError(_missing_extension_message()) from _e
+    # A checkout's root as the current folder, the wheel built from it installed: the package
+    # is the same, so it is served from the install (its compiled modules beside its sources).
+    _inst = _installed_copy()
+    if _inst is None or not _same_sources(_inst):
+        raise ImportError(_missing_extension_message()) from _e
+    sys.modules[__package__].__path__[:] = [_inst]
+    from . import _host
 
 
 def _wheel_runtimes(major: str, roots) -> list[str]:
@@ -103,6 +135,18 @@ for _name, _capsule in HOST_TARGETS.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 for _name, _capsule in CUDA_TARGETS.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA backend is usable here: the CUDA module is loaded (`CUDA_BUILT`: it was
+    compiled in and its runtime found) and jax sees a CUDA device (its CUDA plugin installed, a
+    GPU present, JAX_PLATFORMS not restricted to cpu)."""
+    if _cuda is None:
+        return False
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:  # no CUDA backend in this jax (plugin missing, no GPU, JAX_PLATFORMS)
+        return False
 
 
 def require_cuda() -> None:

@@ -61,7 +61,7 @@ def check_send(comm, what):
     pending = [] if calls is None else calls.pending
     limit = comm.split_in_flight
     if len(pending) >= limit:
-        bounded = (f" (its slots are bounded by max_buffer_bytes={comm.max_buffer_bytes}: one "
+        bounded = (f" (its buffer is bounded by max_buffer_bytes={comm.max_buffer_bytes}: one "
                    f"send at a time)" if limit != comm.max_in_flight else "")
         raise ValueError(
             f"jax_nvcomm: {what}: {len(pending)} split sends of this communicator are already "

@@ -169,7 +169,7 @@ def find(axis_name, *, kind: str = "tp", what: str = "find", accept=None):
                 + "; ".join(repr(c) for c in near))
     noun = "Communicator" if kind == "tp" else "MoECommunicator"
     raise ValueError(
-        f"jax_nvcomm: {what}: no {noun} (kind={kind!r}) for axis_name {_show(axes)}; "
+        f"jax_nvcomm: {what}: no {noun} for axis_name {_show(axes)}; "
         + (f"axes that have one: {', '.join(have)}" if have else "none is registered")
         + hint + ". Create them outside jit with `with jax_nvcomm.communicators(mesh):`, run "
         "the program under jax_nvcomm.jit, or pass the communicator itself")

@@ -25,18 +25,23 @@ class CommunicatorError(RuntimeError):
     (dead, stalled past `timeout_s`, or calling another collective), ranks that disagree on the
     op or its sizes, bad data (an expert id, a row count, a slice) found on the device.
 
-    Raised by `check()`. The message holds one line per failed rank of this process, each
-    naming the op, the call number (`#n`: that rank's n-th call of this protocol), the rank
-    and the peer; `records` is the list of those lines. The communicator is unusable
+    Raised by `check()`. The message starts with the record of the rank that found the cause
+    (the one whose input was bad, or that first gave up on a peer), then names the other ranks
+    of this process that saw the failure ("seen by ranks ..."); each record names the op, the
+    call number (`#n`: that rank's n-th call of this protocol), the rank and the peer.
+    `records` holds every failed rank's record of this process, the root cause's first (the
+    same list that an XLA runtime error of a failed call carries as `e.records`). The
+    communicator is unusable
     afterwards: every later call is refused with the same text (an XLA runtime error at the
     call), and its results since the failure are unspecified. `close()` it (bounded, also
     after a dead peer) and create a new one.
     """
 
-    def __init__(self, records: list[str]):
+    def __init__(self, records: list[str], summary: str | None = None):
         self.records = list(records)
-        super().__init__("\n".join(self.records) + "\n(jax_nvcomm: the communicator is unusable "
-                         "after this error: close() it and create a new one)")
+        super().__init__((summary or "\n".join(self.records)) + "\n(jax_nvcomm: the "
+                         "communicator is unusable after this error: close() it and create a "
+                         "new one)")
 
 
 def _check_not_traced(what):
@@ -124,6 +129,7 @@ class _Base:
     _xla_fallback = False
     _transport_reason = "not set up"
     _final_errors: list = []  # the records close() found (errors() after close)
+    _final_failures = None    # _report._failures() as close() found it (check() after close)
     _topology = ((), {})
     _tuning = None
     # CUDA: may XLA record this communicator's calls into its command buffers (CUDA graphs)?
@@ -183,6 +189,7 @@ class _Base:
                                      alloc=alloc, multicast=mc_req)
         self._closed = False
         _report._open.add(self)
+        _report.watch()
 
     def _setup_topology(self, prefix, requested, what) -> bool:
         """Gather every rank's host and device facts and decide the transport (topology/).
@@ -318,8 +325,13 @@ class _Base:
             communicator had when it was closed).
         """
         errs = self.errors()
-        if errs:
+        if not errs:
+            return
+        found = self._final_failures if self._closed else _report._failures(self._id)
+        if found is None:
             raise CommunicatorError(errs)
+        raise CommunicatorError([r for _, recs, *_ in found[0] for r in recs],
+                                "\n".join(text for text, *_ in found[0]))
 
     def host_calls(self) -> dict[int, int]:
         """How many times the FFI handler ran per local slot (debug: CUDA-graph replays do not
@@ -346,6 +358,7 @@ class _Base:
         if self._closed:
             return
         self._final_errors = self._records()
+        self._final_failures = _report._failures(self._id) if self._final_errors else None
         self._closed = True
         for hook in getattr(self, "_close_hooks", ()):
             hook()  # e.g. nvc.jit's pool: programs holding this communicator trace again

@@ -413,7 +413,7 @@ def run(n: int, argv, share_gpu: bool = False, timeout: float | None = None,
     """
     n = int(n)
     if n < 1:
-        raise ValueError("n must be >= 1")
+        raise ValueError(f"n must be >= 1, got {n}")
     argv = [str(a) for a in argv]
     if not argv:
         raise ValueError("argv is empty: give a script (or -m module) to run")
@@ -555,14 +555,14 @@ def _parse(args: list[str]):
     except ValueError:
         raise _LaunchError(f"-n expects an integer, got {n!r}") from None
     if n < 1:
-        raise _LaunchError("-n must be >= 1")
+        raise _LaunchError(f"-n must be >= 1, got {n}")
     if timeout is not None:
         try:
             timeout = float(timeout)
         except ValueError:
             raise _LaunchError(f"--timeout expects seconds, got {timeout!r}") from None
         if timeout <= 0:
-            raise _LaunchError("--timeout must be > 0")
+            raise _LaunchError(f"--timeout must be > 0, got {timeout:g}")
     if not prog:
         raise _LaunchError("no script (or -m module) given")
     return n, share_gpu, timeout, prog

@@ -202,8 +202,8 @@ def moe_layout(world, num_experts, top_k, max_tokens, hidden, dtype, scale_cols,
             return full
         smallest = full["ctrl_bytes"] + 2 * full["min_slot_bytes"]
         if max_buffer_bytes < smallest:
-            raise ValueError(f"max_buffer_bytes must be >= {smallest} (two slots of one "
-                             f"token's rows), got {max_buffer_bytes}")
+            raise ValueError(f"max_buffer_bytes must be >= {smallest} (room for one "
+                             f"token's rows in each half of the buffer), got {max_buffer_bytes}")
         slot = (max_buffer_bytes - full["ctrl_bytes"]) // 2 // 256 * 256
         return _ffi._host.moe_layout(*args, slot)
     except ValueError as e:

@@ -20,9 +20,6 @@ use); --baseline xla-best takes the fastest of XLA's fast-path flags instead.
 Writes the file (default: this machine's cache file, named under --out), a summary
 table and a PNG of the measurements beside the file. Ranks sharing a GPU are no timing basis:
 it refuses to run there. On CPU devices it runs (--quick for tests) and marks the file as CPU.
-
-`--adopt FILE --into jax_nvcomm/tuning_builtin.json [--worlds 1]` copies a tuning file's rows
-(of those world sizes) into the built-in table, replacing rows of the same world, op, dtype.
 """
 from __future__ import annotations
 
@@ -339,7 +336,7 @@ def _parser():
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="largest message, e.g. 1MiB (default 64 MiB; --quick 1 MiB; CPU 16 KiB)")
     p.add_argument("--baseline", choices=("xla", "xla-best"), default="xla",
-                   help="xla: XLA under this process's flags (what strategy 'xla' runs in "
+                   help="default xla: XLA under this process's flags (what strategy 'xla' runs in "
                         "jobs with the same XLA_FLAGS); xla-best: the fastest of XLA's "
                         "fast-path flags per point (more compilations)")
     p.add_argument("--reps", type=int, default=None,
@@ -349,10 +346,11 @@ def _parser():
                    help="calls unrolled in one loop step (default 10; CPU: 2)")
     p.add_argument("--steps", type=int, default=None,
                    help="loop steps per program (default 5; CPU: 2)")
-    p.add_argument("--adopt", metavar="FILE", default=None,
-                   help="copy FILE's rows (of --worlds) into --into instead of measuring")
-    p.add_argument("--into", default=None, help="with --adopt: the table to update "
-                   "(e.g. jax_nvcomm/tuning_builtin.json of a source checkout)")
+    # maintainers (docs/tuning.md, "The built-in table"): copy a tuning file's rows (of
+    # --worlds) into a table, e.g. jax_nvcomm/tuning_builtin.json of a source checkout, replacing
+    # rows of the same world, op and dtype; not shown in --help
+    p.add_argument("--adopt", metavar="FILE", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--into", default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -131,13 +131,6 @@
 #                                      all-reduce kernels: the all-reduce harness rebuilt, its
 #                                      --wtail cases (W 1-8, virtual ranks on GPU 0), then --quick
 #                                      in the time left (no package build; ~150 s)
-#   bash scripts/gpu_check.sh wform    the fused all-reduce kernels' weight form as a template
-#                                      parameter: main 33dd3d5's kernels (scripts/wform_old.patch)
-#                                      against this tree's, built side by side: --bench-local (row
-#                                      kernel, one-block epilogue) and --bench --ranks 2, old then
-#                                      new; then the harness's --wtail (W 1-8 virtual ranks on
-#                                      GPU 0). wform2: --quick, then the A/B new then old (no
-#                                      package build; ~140 s each)
 #   bash scripts/gpu_check.sh opforms  the ops' new forms on the package (built if needed): axis_name=,
 #                                      tuple-axes communicator, fused [B, S, H] / odd widths /
 #                                      float32 weights (both kernels), ragged groups / int16 sizes /
@@ -199,54 +192,6 @@ build_rdot_harness() {  # the ragged_dot harness (cases, production table, sweep
     $NV -o build/rdot_h $B/*.o"
 }
 
-apply_diff() {  # apply_diff PATCH ROOT: a unified diff (git diff output) applied under ROOT, exact hunks
-  $PY - "$1" "$2" <<'PYEOF'
-import os, re, sys
-# Applies a unified diff (git diff output, leading text ignored) under root: exact hunks.
-lines = open(sys.argv[1]).read().split("\n")
-root, i, n_files = sys.argv[2], 0, 0
-while i < len(lines):
-    if not (lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ")):
-        i += 1
-        continue
-    a, b = lines[i][4:], lines[i + 1][4:]
-    i += 2
-    hunks = []
-    while i < len(lines) and lines[i].startswith("@@"):
-        start = int(re.match(r"@@ -(\d+)", lines[i]).group(1))
-        i += 1
-        old, new = [], []
-        while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\\"):
-            l = lines[i]
-            i += 1
-            if l[0] in " -":
-                old.append(l[1:])
-            if l[0] in " +":
-                new.append(l[1:])
-        hunks.append((start, old, new))
-    path = os.path.join(root, (b if b != "/dev/null" else a)[2:])
-    if b == "/dev/null":
-        os.remove(path)
-    else:
-        text = [] if a == "/dev/null" else open(path).read().split("\n")
-        shift = 0
-        for start, old, new in hunks:
-            at = max(start - 1 + shift, 0) if old else len(text) - 1 if text else 0
-            cands = [k for k in range(len(text) - len(old) + 1) if text[k:k + len(old)] == old]
-            assert old == [] or cands, f"{path}: hunk at {start} not found"
-            if old:
-                at = min(cands, key=lambda k: abs(k - at))
-            text[at:at + len(old)] = new
-            shift += len(new) - len(old)
-        if a == "/dev/null":
-            text = new + [""]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(path, "w").write("\n".join(text))
-    n_files += 1
-print(f"patched {n_files} files under {root}")
-PYEOF
-}
-
 ensure_built() {
   if [ "${NVC_BUILD_BG:-0}" = 1 ]; then
     build_pkg " (background)" &  # timing only: the steps use the importable jax_nvcomm
@@ -276,7 +221,7 @@ done
 NG=$(nvidia-smi -L | wc -l)
 BUILD=0; for m in "${MODES[@]}"; do [ "$m" = shared ] && BUILD=1; done
 say "GPUs: $NG; jax $($PY -c 'import jax; print(jax.__version__)'); modes ${MODES[*]}; $(date -u)"
-case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wform | wform2 | wheel | rdot | rdotsweep | moelayerk | moeboundk | moefast) ;; *) ensure_built ;; esac  # no package build
+case "${MODES[*]}" in raggedk | mend | mcemu | raggedbig | opforms1 | wheel | rdot | rdotsweep | moelayerk | moeboundk | moefast) ;; *) ensure_built ;; esac  # no package build
 
 run_part() {
 case "$1" in
@@ -978,83 +923,6 @@ opforms)  # the ops' new argument forms (tests/mp/opforms_mp.py) on the built pa
   step opf_sh2 150 bash -c "$L -n 2 --share-gpu --timeout 140 tests/mp/opforms_mp.py > $d/sh2.log 2>&1; rc=\$?; cat $d/sh2.log; exit \$rc"
   { echo "--- opforms (world 1 | 2 processes sharing GPU 0)"; grep -hE "ok$|PASS|Error|error|FAIL" "$d/w1.log" "$d/sh2.log" | grep -v "^\[rank 1\]" | tail -16; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-wform | wform2)  # the weight form (x's dtype / float32) of the fused all-reduce kernels as a template
-  # parameter (csrc/kernels/rmsnorm.cuh kWf32; the float32-weight kernels in
-  # csrc/cuda/allreduce_wf32.cu): (1) the all-reduce harness from this tree, --wtail and --quick
-  # (float64 references, one-shot == two-shot bitwise, the float32-weight / padded-width cases,
-  # FP8, graphs; W = 1, 2, 4, 8 virtual ranks on GPU 0); (2) A/B: main 33dd3d5's kernels (this tree's
-  # csrc with scripts/wform_old.patch applied: the runtime weight-form switches) against this
-  # tree's, the same harness linked to each, alternated twice on the same GPU: --bench-local
-  # (world 1: row kernel, then the one-block epilogue, JAX_NVCOMM_AR_LOCAL_ROWS=0) and
-  # --bench --ranks 2 (one-shot fused / FP8); us per call, CUDA graphs. Table last. wform2: the
-  # second half of the same check (the first took ~140 s): --quick, then one A/B round in the
-  # other order (new, then old).
-  local t0=$SECONDS d="$OUT/$1" old=/tmp/wform_old
-  mkdir -p build "$d"
-  local NV="nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 128,177"
-  rm -rf "$old" build/wf_*; mkdir -p "$old"; cp -r csrc "$old/"
-  apply_diff scripts/wform_old.patch "$old" > "$d/patch.log" 2>&1 || { say "wform: old tree: patch failed"; cat "$d/patch.log"; }
-  cat "$d/patch.log"
-  # four units side by side: the harness, this tree's two all-reduce units, the old one
-  step wf_build 150 bash -c "$NV -I csrc -c -o build/wf_h.o tests/cuda_harness/allreduce_harness.cu &
-    $NV -I csrc -c -o build/wf_new.o csrc/cuda/allreduce.cu & $NV -I csrc -c -o build/wf_neww.o csrc/cuda/allreduce_wf32.cu &
-    $NV -I $old/csrc -c -o build/wf_old.o $old/csrc/cuda/allreduce.cu & wait
-    $NV -o build/wf_new build/wf_h.o build/wf_new.o build/wf_neww.o && $NV -o build/wf_old build/wf_h.o build/wf_old.o"
-  wf_ab() {  # wf_ab ROUND ORDER: the builds in ORDER (each: row kernel, one-block epilogue, 2 ranks)
-    local b
-    for b in $2; do
-      [ -x build/wf_$b ] || continue
-      timeout 40 build/wf_$b --bench-local > "$d/local_${b}_$1.log" 2>&1
-      JAX_NVCOMM_AR_LOCAL_ROWS=0 timeout 40 build/wf_$b --bench-local > "$d/block_${b}_$1.log" 2>&1
-      timeout 40 build/wf_$b --bench --ranks 2 > "$d/bench_${b}_$1.log" 2>&1
-    done
-    say "wform: A/B round $1 done at $((SECONDS - t0)) s"
-  }
-  # correctness as opforms1: --wtail (every float32-weight / padded-width kernel, W 1-8) after
-  # the first A/B round (wform), --quick (every other case kind) before the second (wform2)
-  if [ "$1" = wform ]; then
-    wf_ab 1 "old new"
-    step wf_wtail 60 bash -c "build/wf_new --wtail > $d/wtail.log 2>&1; rc=\$?; cat $d/wtail.log; exit \$rc"
-  else
-    step wf_quick 60 bash -c "build/wf_new --quick > $d/quick.log 2>&1; rc=\$?; cat $d/quick.log; exit \$rc"
-    wf_ab 2 "new old"
-  fi
-  { echo "--- $1 (weight form as a template parameter: harness cases, A/B old = main 33dd3d5, new = this tree)"
-    grep -hE "FAIL|float32 weight|host validation|RESULT" "$d/wtail.log" 2>/dev/null | tail -6
-    [ -f "$d/quick.log" ] && grep -E "FAIL|bitwise|RESULT" "$d/quick.log" | tail -8
-    $PY - "$d" <<'PYEOF'
-import glob, os, re, sys
-d = sys.argv[1]
-def cells(kind, build):
-    """{(row, shape): [us per round]} of one build's logs of one kind."""
-    out = {}
-    for path in sorted(glob.glob(os.path.join(d, f"{kind}_{build}_*.log"))):
-        for l in open(path):
-            m = re.match(r"\s*(\d+x\d+)\s*\|\s*[\d.]+\s+[\d.]+\s*\|\s*([\d.]+)\s+[\d.]+\s+\d+%\s*\|\s*([\d.]+)", l)
-            if m and kind != "bench":
-                name = "W1 row kernel" if kind == "local" else "W1 one-block (ROWS=0)"
-                out.setdefault((name + " fused", m.group(1)), []).append(m.group(2))
-                if kind == "local":
-                    out.setdefault((name + " FP8", m.group(1)), []).append(m.group(3))
-            m = re.match(r"(\d+x\d+)\s+\d+\s*\|\s*(\S+)\s+(\S+)\s*\|\s*(\S+)\s+(\S+)\s*\|\s*(\S+)\s+(\S+)", l)
-            if m and kind == "bench" and m.group(1) in ("1x4096", "2x4096", "1x7168", "2x7168", "8x7168", "64x4096"):
-                out.setdefault(("2 ranks one-shot fused", m.group(1)), []).append(m.group(4))
-                out.setdefault(("2 ranks one-shot FP8", m.group(1)), []).append(m.group(6))
-                out.setdefault(("2 ranks two-shot fused", m.group(1)), []).append(m.group(5))
-    return out
-print(f"{'kernel':28s} {'shape':10s} | {'old us (rounds)':18s} | {'new us (rounds)':18s} | new/old")
-for kind in ("local", "block", "bench"):
-    old, new = cells(kind, "old"), cells(kind, "new")
-    for key in sorted(set(old) | set(new), key=lambda k: (k[0], int(k[1].split("x")[0]) * int(k[1].split("x")[1]))):
-        o, n = old.get(key, []), new.get(key, [])
-        try:
-            ratio = f"{min(map(float, n)) / min(map(float, o)):.3f}"
-        except (ValueError, ZeroDivisionError):
-            ratio = "-"
-        print(f"{key[0]:28s} {key[1]:10s} | {' / '.join(o):18s} | {' / '.join(n):18s} | {ratio}")
-PYEOF
-  } 2>&1 | tee -a "$OUT/summary.txt"
-  ;;
 moefast)  # MoE dispatch / combine at moe_layer's decode sizes, this tree's kernels, and those of
   # the tree at $MOE_BASE (e.g. a `git archive` of an older commit) when it is set: the MoE
   # harness (this tree's file) built in parallel from this tree's csrc and $MOE_BASE/csrc, each
@@ -1153,7 +1021,7 @@ moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: 
       [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
     done; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|moefast|wform|wform2]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|moefast]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -7,6 +7,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
+from jax_nvcomm._warn import XlaPathWarning
 from helpers import mesh1d, run_sharded
 
 
@@ -70,8 +71,9 @@ def test_large_message_falls_back_to_lax(rng):
     with nvc.Communicator(mesh, "x", max_message_bytes=4096) as c:
         x = jnp.asarray(rng.standard_normal((4 * 512,)), jnp.float32)  # 8 KiB gathered
         f = lambda v: nvc.all_gather(v, c)
-        txt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-                      ).lower(x).as_text()
+        with pytest.warns(XlaPathWarning, match=r"all_gather: gathering 8192 bytes"):
+            txt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+                          ).lower(x).as_text()
         assert "nvc_all_gather" not in txt
         a = run_sharded(f, mesh, P("x"), P("x"), x)
         np.testing.assert_array_equal(np.asarray(a).reshape(4, -1)[0], np.asarray(x))

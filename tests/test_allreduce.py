@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
+from jax_nvcomm._warn import XlaPathWarning
 from helpers import f64, mesh1d, rel_err, rms_ref, run_sharded, tol
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -130,7 +131,9 @@ def test_above_max_message_bytes_uses_psum(rng):
         x = jnp.asarray(rng.standard_normal((2 * 4, 1024)), jnp.float32)  # 16 KiB per rank
         assert nvc.select_strategy(c, (4, 1024), jnp.float32) == "xla"
         f = lambda v: nvc.all_reduce(v, c, strategy="twoshot")
-        txt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P())).lower(x).as_text()
+        with pytest.warns(XlaPathWarning, match=r"all_reduce: a message of 16384 bytes"):
+            txt = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P())
+                          ).lower(x).as_text()
         assert "nvc_all_reduce" not in txt and "all_reduce" in txt  # the lax.psum HLO
         out = run_sharded(f, mesh, P("x"), P(), x)
         assert rel_err(f64(out), f64(x).reshape(2, 4, 1024).sum(0)) < 1e-6

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
+from jax_nvcomm._warn import XlaPathWarning
 import quant_ref
 from helpers import f64, mesh1d, run_sharded
 
@@ -137,7 +138,9 @@ def test_check_vma_false_mixed_dtypes_and_empty(comms, rng):
     # added to lax.psum(x) in bfloat16)
     res32 = res[:3].astype(jnp.float32)
     fm = lambda v, r, ww: f(v, r, ww) + (lax.psum(v, "x"),)
-    qm, sm, rom, ps = run_sharded(fm, c.mesh, (P("x"), P(), P()), (P(),) * 4, x, res32, w)
+    with pytest.warns(XlaPathWarning, match=r"all_reduce_rms_norm_quant: residual's dtype "
+                                            r"float32 differs from x's bfloat16"):
+        qm, sm, rom, ps = run_sharded(fm, c.mesh, (P("x"), P(), P()), (P(),) * 4, x, res32, w)
     assert rom.dtype == jnp.float32 and qm.dtype == jnp.float8_e4m3fn
     parts = f64(x).reshape(2, 3, 128)
     r64 = f64(ps) + f64(res32)

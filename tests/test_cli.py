@@ -148,3 +148,45 @@ def test_guide_sections_named_in_help_exist():
     assert named, "the demo's --no-split names a guide section"
     for title in named:
         assert any(t.startswith(title) for t in titles), (title, titles)
+
+
+# words of the implementation a user of the commands has no use for
+INTERNAL_WORDS = re.compile(r"\bslots?\b|\bkind=|\blamport\b|csrc/|\.cuh\b|\bprivate\b|"
+                            r"\bmaintainers?\b|\btuning_builtin\.json\b", re.IGNORECASE)
+
+
+def _commands():
+    bench = [["-m", "jax_nvcomm.bench", name, "--help"]
+             for name in _subcommands(bench_cli._parser()).choices]
+    return ([["-m", "jax_nvcomm.bench", "--help"]] + bench +
+            [["-m", mod, "--help"] for mod in ("jax_nvcomm.tune", "jax_nvcomm.topology",
+                                               "jax_nvcomm.launch", "jax_nvcomm.demo")])
+
+
+def test_every_help_runs_and_names_no_internal_term():
+    """Every command's --help, as a user runs it: exit 0, and none of INTERNAL_WORDS."""
+    for args in _commands():
+        out = _run(args)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+        assert "usage:" in out.stdout, args
+        found = INTERNAL_WORDS.findall(out.stdout)
+        assert not found, (args[1:], found)
+
+
+def _options_with_unexplained_defaults(parser, name=""):
+    out = []
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub_name, sub in a.choices.items():
+                out += _options_with_unexplained_defaults(sub, f"{name} {sub_name}")
+        elif (a.option_strings and a.help not in (None, argparse.SUPPRESS)
+              and a.default not in (None, False, True, argparse.SUPPRESS)
+              and "default" not in a.help.lower()):
+            out.append(f"{name} {'/'.join(a.option_strings)}")
+    return out
+
+
+@pytest.mark.parametrize("name", ["demo", "tune", "bench"])
+def test_every_default_is_explained(name):
+    """An option with a default value says what the default is (or why it is what it is)."""
+    assert _options_with_unexplained_defaults(_parsers()[name]) == []

@@ -324,8 +324,9 @@ def test_reference_of_one_device_matches_two_devices(tmp_path):
 def test_bad_sizes_are_clear_errors(capsys):
     assert mt.main(SMALL_ARGS + ["--heads", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--heads 3" in err
-    with pytest.raises(mt.ConfigError, match="--experts 12 must be a multiple"):
+    assert "--heads must be a multiple of the 8 ranks (TP), got 3" in err
+    with pytest.raises(mt.ConfigError, match=r"--experts must be a multiple of the 8 ranks "
+                                             r"\(EP, high-throughput\), got 12"):
         _run(experts=12, layouts=("high-throughput",), impls=())
 
 

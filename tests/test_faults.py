@@ -51,7 +51,7 @@ def test_fault_matrix_two_processes(tmp_path):
     assert 1.5 < rep["seconds"] < 2 + 5 and rep["next"].startswith("refused"), rep
     # the bad rank's own record names token, slot and id; its peer names the bad rank
     exp = reports(rows["expert"])
-    assert "token 1 slot 0 holds expert id 4" in exp[1]["next"], exp[1]
+    assert "topk_ids[1, 0] = 4, outside" in exp[1]["next"], exp[1]
     assert "rank 1 failed this call" in exp[0]["error"], exp[0]
     for case in ("sizes-oneshot", "sizes-twoshot", "order"):
         for rep in reports(rows[case]).values():

@@ -133,6 +133,7 @@ def test_example_runs_both_impls_and_a_stored_reference(tmp_path, capsys):
     assert ex.main(SMALL) == 0
     out = capsys.readouterr().out
     assert "jax_nvcomm.reference's emulation" in out
+    assert "CPU devices: these timings mean nothing for GPUs" in out  # the CPU caveat
     for pair in ("nvc vs lax", "lax vs dense", "nvc vs dense"):
         assert f"{pair}: max" in out, pair
     assert "DISAGREE" not in out and out.count(": agree") == 4  # lax vs dense twice

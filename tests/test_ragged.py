@@ -643,7 +643,7 @@ def test_argument_errors(comm8):
                                                strategy="fast"),
          ValueError, "strategy must be one of \\('auto', 'xla', 'chunked'\\), got 'fast'"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], "y"),
-         ValueError, r"no Communicator \(kind='tp'\) for axis_name 'y'"),  # lax's positional form
+         ValueError, r"no Communicator for axis_name 'y'"),  # lax's positional form
         (lambda x, o, i: nvc.ragged_all_to_all(x[0], o[0], i[0], i[0], i[0], i[0], 3),
          TypeError, "comm must be a jax_nvcomm.Communicator, got int"),
         (lambda x, o, i: nvc.ragged_all_to_all(x[0, 0, 0], o[0], i[0], i[0], i[0], i[0], comm8),

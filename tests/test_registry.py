@@ -28,7 +28,7 @@ def test_communicators_one_per_mesh_axis_closed_on_exit():
         assert _registry.find("b", what="t") is comms["b"]
         assert _registry.find(("b",), what="t") is comms["b"]
     assert all(c.closed for c in comms.values())
-    with pytest.raises(ValueError, match=r"no Communicator \(kind='tp'\) for axis_name 'a'; "
+    with pytest.raises(ValueError, match=r"no Communicator for axis_name 'a'; "
                                          r"none is registered"):
         _registry.find("a", what="t")
 
@@ -39,9 +39,9 @@ def test_missing_axis_names_the_axes_that_have_one():
         with pytest.raises(ValueError) as e:
             _registry.find("a", what="all_reduce")
         msg = str(e.value)
-        assert "all_reduce" in msg and "'a'" in msg and "kind='tp'" in msg
+        assert "all_reduce" in msg and "'a'" in msg and "kind=" not in msg
         assert "axes that have one: 'b'" in msg
-        with pytest.raises(ValueError, match=r"no MoECommunicator \(kind='moe'\) for axis_name "
+        with pytest.raises(ValueError, match=r"no MoECommunicator for axis_name "
                                              r"'b'; none is registered"):
             _registry.find("b", kind="moe", what="moe_dispatch")
 
@@ -112,7 +112,7 @@ def test_moe_kind_is_its_own():
                               dtype=jnp.float32)
     _registry.register(moe)
     assert _registry.find("ep", kind="moe", what="t") is moe
-    with pytest.raises(ValueError, match=r"no Communicator \(kind='tp'\) for axis_name 'ep'"):
+    with pytest.raises(ValueError, match=r"no Communicator for axis_name 'ep'"):
         _registry.find("ep", what="t")
     with pytest.raises(ValueError, match=r"do not fit this call"):
         _registry.find("ep", kind="moe", what="t", accept=lambda c: c.hidden == 32)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import jax_nvcomm
 
 # the package this test run imports (an install, or a checkout built in place)
@@ -78,10 +80,12 @@ RECORD = "ragged_all_to_all call #1: rank 0: rank 1 sends 1 rows"
 HEADER = "failed in a call whose result was not read"
 
 
-def _run(tmp_path, case):
+def _run(tmp_path, case, **extra_env):
     script = tmp_path / "unread.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NVCOMM_STRICT")}
+    env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_PARENT, env.get("PYTHONPATH")) if p)
     p = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=300)
@@ -137,3 +141,26 @@ def test_unread_failure_is_reported_while_tracing_the_next_program(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stderr.count(HEADER) == 1 and "(reported while tracing" in p.stderr, p.stderr
     assert RECORD in p.stderr, p.stderr
+
+
+def test_strict_makes_an_unread_failure_exit_nonzero(tmp_path):
+    p = _run(tmp_path, "unread", JAX_NVCOMM_STRICT="1")
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "shape (8, 8, 4)" in p.stdout
+    assert p.stderr.count(HEADER) == 1 and RECORD in p.stderr, p.stderr
+    assert "JAX_NVCOMM_STRICT=1: exiting with status 1" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("case", ["next", "close"])
+def test_strict_counts_a_failure_reported_before_exit(tmp_path, case):
+    p = _run(tmp_path, case, JAX_NVCOMM_STRICT="1")
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "JAX_NVCOMM_STRICT=1: exiting with status 1" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("case", ["good", "checked"])
+def test_strict_leaves_other_exits_alone(tmp_path, case):
+    """Good calls, a failure read through check(): status 0 with JAX_NVCOMM_STRICT=1."""
+    p = _run(tmp_path, case, JAX_NVCOMM_STRICT="1")
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert "JAX_NVCOMM_STRICT" not in p.stderr, p.stderr

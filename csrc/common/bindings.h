@@ -51,8 +51,20 @@ inline void add_common_bindings(nb::module_& m) {
     auto c = must_find(comm_id, slot);
     return c->err_host ? describe_error(*c->err_host) : std::string();
   });
+  // the failure of each group with a failed rank here, the root cause first (registry.h)
+  m.def("failures", [](int64_t comm_id) {
+    nb::list out;
+    for (auto& f : summarize_failures(comm_id)) {
+      nb::list records, seen;
+      for (auto& r : f.records) records.append(r);
+      for (int r : f.seen_by) seen.append(r);
+      out.append(nb::make_tuple(f.text, records, seen, f.root_rank, f.group_ranks));
+    }
+    return out;
+  });
   // the records nobody was told of yet, once (registry.h): close() and the exit hook print them
   m.def("take_unreported", [](int64_t comm_id) { return registry().take_unreported(comm_id); });
+  m.def("printed_unread", []() { return registry().printed(); });
   m.def("take_all_unreported", []() {
     nb::list out;
     for (auto& [id, text] : registry().take_all_unreported()) out.append(nb::make_tuple(id, text));

@@ -1,7 +1,13 @@
 // Definitions every extension module carries its own copy of: the registry, the FFI target
 // list and error text. Compiled into each module separately (host, cuda).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "ffi_targets.h"
 #include "ragged_layout.h"
@@ -74,14 +80,14 @@ std::string describe_error(const ErrorInfo& e) {
     case kErrBadExpert:
       if (bad_expert_repeat(e.observed)) {
         std::snprintf(buf, sizeof buf,
-                      "jax_nvcomm: %s call #%llu: rank %d: token %d slot %d of topk_ids repeats "
-                      "expert id %d of an earlier slot of that token", op_name(e.op),
+                      "jax_nvcomm: %s call #%llu: rank %d: topk_ids[%d, %d] = %d repeats an "
+                      "expert id of an earlier column of that row", op_name(e.op),
                       (unsigned long long)e.seq, e.rank, bad_expert_token(e.observed),
                       bad_expert_slot(e.observed), e.peer);
       } else {
         std::snprintf(buf, sizeof buf,
-                      "jax_nvcomm: %s call #%llu: rank %d: token %d slot %d holds expert id %d, "
-                      "outside [-1, num_experts)", op_name(e.op), (unsigned long long)e.seq,
+                      "jax_nvcomm: %s call #%llu: rank %d: topk_ids[%d, %d] = %d, outside "
+                      "[-1, num_experts)", op_name(e.op), (unsigned long long)e.seq,
                       e.rank, bad_expert_token(e.observed), bad_expert_slot(e.observed), e.peer);
       }
       break;
@@ -155,6 +161,123 @@ std::string describe_error(const ErrorInfo& e) {
   return buf;
 }
 
+namespace {
+
+// A rank that failed because a peer poisoned the call (kErrMismatch on the POISON descriptor):
+// a bystander; the peer's own record holds the cause.
+bool is_bystander(const ErrorInfo& e) {
+  return e.code == kErrMismatch && flag_desc(e.observed) == kPoisonDesc;
+}
+
+// A copy of c's record, code kErrNone while there is none. Writers store the code last (after
+// the fields: kernels/common.cuh record_failure, host/host_sync.cc record_error).
+ErrorInfo snapshot(const RankContext& c) {
+  ErrorInfo out{};
+  if (c.err_host == nullptr) return out;
+  if (*reinterpret_cast<volatile uint32_t*>(&c.err_host->code) == kErrNone) return out;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const volatile ErrorInfo* e = c.err_host;
+  out.op = e->op; out.rank = e->rank; out.peer = e->peer;
+  out.seq = e->seq; out.observed = e->observed; out.code = e->code;
+  return out;
+}
+
+// Whether a and b are ranks of one group (this process maps a group's buffers once: a's view of
+// b's buffer is b's own).
+bool same_group(const RankContext& a, const RankContext& b) {
+  return a.view.world == b.view.world && b.view.rank >= 0 && b.view.rank < a.view.world &&
+         a.view.bufs[b.view.rank] == b.view.bufs[b.view.rank];
+}
+
+}  // namespace
+
+FailureSummary summarize_failure(const RankContext& me, double wait_s) {
+  FailureSummary s;
+  ErrorInfo mine = snapshot(me);
+  if (mine.code == kErrNone) return s;
+  std::vector<std::shared_ptr<RankContext>> group;  // this process's ranks of me's group
+  for (auto& c : registry().contexts(me.comm_id))
+    if (same_group(me, *c)) group.push_back(c);
+  auto rank_ctx = [&](int r) -> std::shared_ptr<RankContext> {
+    for (auto& c : group)
+      if (c && c->view.rank == r) return c;
+    return nullptr;
+  };
+  // Follow "rank p failed this call" to the rank whose own record names the cause. A bystander
+  // can fail before that rank has written its record (it poisons the call first): wait for it,
+  // briefly, when it is a rank of this process.
+  ErrorInfo root = mine;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::microseconds(int64_t(wait_s * 1e6));
+  for (int hops = 0; is_bystander(root) && hops < kMaxWorld; ++hops) {
+    auto c = rank_ctx(root.peer);
+    if (c == nullptr || c->view.rank == root.rank) break;  // in another process
+    ErrorInfo next = snapshot(*c);
+    while (next.code == kErrNone && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      next = snapshot(*c);
+    }
+    if (next.code == kErrNone) break;
+    root = next;
+  }
+  // The other ranks of the group here end the call at about the same time (a poisoned call
+  // fails at once everywhere): wait for them the same bounded while, so that "seen by" names
+  // every rank of this process that saw the failure.
+  auto recorded = [&] {
+    for (auto& c : group)
+      if (snapshot(*c).code == kErrNone) return false;
+    return true;
+  };
+  while (!recorded() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  s.root_rank = root.rank;
+  s.records.push_back(describe_error(root));
+  std::vector<std::pair<int, std::string>> others;
+  for (auto& c : group) {
+    if (c == nullptr || c->view.rank == root.rank) continue;
+    ErrorInfo e = snapshot(*c);
+    if (e.code != kErrNone) others.emplace_back(c->view.rank, describe_error(e));
+  }
+  std::sort(others.begin(), others.end());
+  s.group_ranks = int(group.size());
+  std::string seen;
+  for (auto& [r, t] : others) {
+    s.records.push_back(t);
+    s.seen_by.push_back(r);
+    seen += (seen.empty() ? "" : ", ") + std::to_string(r);
+  }
+  s.text = s.records[0] + "\n";
+  if (!others.empty())
+    s.text += "seen by rank" + std::string(others.size() > 1 ? "s " : " ") + seen + " ";
+  s.text += "(communicator " + std::to_string(me.comm_id) +
+            "; each rank's record: the exception's `records`, or comm.errors())";
+  return s;
+}
+
+std::vector<FailureSummary> summarize_failures(int64_t comm_id) {
+  std::vector<FailureSummary> out;
+  std::vector<std::shared_ptr<RankContext>> done;  // one rank of each group summarised
+  for (auto& c : registry().contexts(comm_id)) {
+    if (snapshot(*c).code == kErrNone) continue;
+    bool seen = false;
+    for (auto& d : done) seen = seen || same_group(*d, *c);
+    if (seen) continue;
+    done.push_back(c);
+    out.push_back(summarize_failure(*c, 0.0));
+  }
+  return out;
+}
+
+std::string describe_failure(const RankContext& me, const std::string& fallback, double wait_s) {
+  FailureSummary s = summarize_failure(me, wait_s);
+  if (s.text.empty()) return fallback;
+  // this rank found the cause: its protocol's own text may say more than the record (the
+  // values, on the host backend)
+  if (s.root_rank == me.view.rank && !fallback.empty())
+    return fallback + s.text.substr(s.records[0].size());
+  return s.text;
+}
+
 std::string Registry::take_locked(int64_t comm_id) {
   if (reported_.count(comm_id)) return "";
   std::string out;
@@ -170,6 +293,7 @@ std::string Registry::take_locked(int64_t comm_id) {
 void report_unread(int64_t comm_id) {
   std::string t = registry().take_unreported(comm_id);
   if (t.empty()) return;
+  registry().note_printed();
   std::fprintf(stderr,
                "jax_nvcomm: communicator %lld failed in an earlier call whose result was not "
                "read; this and every later call on it are refused:\n%s\n(close() it and "

@@ -56,6 +56,13 @@ class Registry {
     for (auto& [key, c] : map_)
       if (key.first == comm_id) f(*c);
   }
+  std::vector<std::shared_ptr<RankContext>> contexts(int64_t comm_id) {  // comm_id's slots
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::shared_ptr<RankContext>> out;
+    for (auto& [key, c] : map_)
+      if (key.first == comm_id) out.push_back(c);
+    return out;
+  }
   void remove(int64_t comm_id) {
     std::lock_guard<std::mutex> g(mu_);
     for (auto it = map_.begin(); it != map_.end();) {
@@ -85,6 +92,9 @@ class Registry {
   }
   // True the first time a call names a communicator that is not (or no more) registered:
   // a compiled program run after close() is reported once, not on every call.
+  // How many unread failures a handler printed (report_unread): JAX_NVCOMM_STRICT's exit status.
+  void note_printed() { printed_.fetch_add(1, std::memory_order_relaxed); }
+  int printed() const { return printed_.load(std::memory_order_relaxed); }
   bool first_call_after_close(int64_t comm_id) {
     std::lock_guard<std::mutex> g(mu_);
     return missing_reported_.insert(comm_id).second;
@@ -96,6 +106,7 @@ class Registry {
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<RankContext>> map_;
   std::set<int64_t> reported_;          // communicators whose records were handed out
   std::set<int64_t> missing_reported_;  // communicators called after close(), reported
+  std::atomic<int> printed_{0};
 };
 
 // One registry per extension module (host, cuda); defined in the module's source.
@@ -103,6 +114,25 @@ Registry& registry();
 
 // Human-readable text for an ErrorInfo (empty when no error was recorded).
 std::string describe_error(const ErrorInfo& e);
+
+// A rank's failure as the user should read it (module_common.cc): the record of the rank that
+// found the cause first (followed from "rank p failed this call" through the ranks of this
+// process, waiting up to wait_s for a record not yet written), then the other ranks of the group
+// in this process that failed, by rank. text: the root record, then one line "(seen by ranks
+// ...)"; empty when `me` has no record.
+struct FailureSummary {
+  std::string text;
+  std::vector<std::string> records;  // the root's record first
+  std::vector<int> seen_by;          // the other failed ranks of this process, ascending
+  int root_rank = -1;
+  int group_ranks = 0;               // ranks of the group in this process
+};
+FailureSummary summarize_failure(const RankContext& me, double wait_s);
+// One summary per group of comm_id with a failed rank in this process (no waiting).
+std::vector<FailureSummary> summarize_failures(int64_t comm_id);
+// summarize_failure(me, wait_s).text, or fallback when `me` has no record; where `me` itself
+// found the cause, fallback (its protocol's own text) as the first line.
+std::string describe_failure(const RankContext& me, const std::string& fallback, double wait_s);
 
 // Print comm_id's error records on stderr unless they were handed out before (take_unreported).
 void report_unread(int64_t comm_id);

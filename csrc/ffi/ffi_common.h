@@ -1,5 +1,6 @@
 // Shared decoding helpers for the thin FFI handlers (host and CUDA).
 #pragma once
+#include <algorithm>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -24,6 +25,14 @@ inline ffi::Error precondition(const std::string& msg) {
 // A host protocol's result text ("" = success) as an FFI error.
 inline ffi::Error from_text(const std::string& err) {
   return err.empty() ? ffi::Error::Success() : precondition(err);
+}
+
+// The same for a protocol run as the rank `ctx`: a failure that the rank recorded reads as
+// describe_failure words it (registry.h): the record of the rank that found the cause first,
+// whichever rank's error XLA raises.
+inline ffi::Error from_text(const RankContext& ctx, const std::string& err) {
+  // the failing call itself: its peers here end the call about now, wait for them (bounded)
+  return err.empty() ? ffi::Error::Success() : precondition(describe_failure(ctx, err, 1.0));
 }
 
 // dtype code used by the protocols (0 f32, 1 bf16, 2 f16, 3 f8e4m3), -1 if unsupported.
@@ -92,10 +101,14 @@ inline ffi::Error lookup(int64_t comm_id, int64_t slot, std::shared_ptr<RankCont
   ErrorInfo* e = (*out)->err_host;
   if (e != nullptr && *reinterpret_cast<volatile uint32_t*>(&e->code) != kErrNone) {
     report_unread(comm_id);  // the failed call's result may never be read: say it once here
-    return precondition(describe_error(*e) +
-                        " (communicator is unusable after this error: close it and create a new "
-                        "one; results of that call and of any CUDA-graph replay since are "
-                        "unspecified)");
+    // the root cause's record, this note on its line, then the "seen by" line
+    // a later call: the records were written long ago, no waiting
+    std::string text = describe_failure(**out, describe_error(*e), 0.0);
+    const size_t eol = std::min(text.find('\n'), text.size());
+    text.insert(eol, " (communicator is unusable after this error: close it and create a new "
+                     "one; results of that call and of any CUDA-graph replay since are "
+                     "unspecified)");
+    return precondition(text);
   }
   (*out)->host_calls.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();

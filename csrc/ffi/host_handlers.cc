@@ -16,7 +16,7 @@ ffi::Error AllGatherHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, Order
     return precondition("jax_nvcomm: all_gather output size does not match world * input");
   std::string err = host::all_gather(ctx->view, x.untyped_data(), out->untyped_data(),
                                      x.size_bytes());
-  return from_text(err);
+  return from_text(*ctx, err);
 }
 
 ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, OrderIn,
@@ -29,7 +29,7 @@ ffi::Error AllReduceHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, Order
   host::AllReduceArgs a{x.untyped_data(), out->untyped_data(), nullptr, nullptr, nullptr,
                         tokens, hidden, dtype_code(x.element_type()), 0.0f};
   std::string err = host::all_reduce(ctx->view, a);
-  return from_text(err);
+  return from_text(*ctx, err);
 }
 
 ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
@@ -48,7 +48,7 @@ ffi::Error AllReduceRmsHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   a.weight_dtype = dtype_code(weight.element_type());
   a.norm_hidden = norm_hidden;
   std::string err = host::all_reduce(ctx->view, a);
-  return from_text(err);
+  return from_text(*ctx, err);
 }
 
 // all_reduce_rms_norm_quant: the fused protocol with the FP8 epilogue (fp8.h).
@@ -68,7 +68,7 @@ ffi::Error AllReduceRmsQuantHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer 
                         scale->typed_data()};
   a.weight_dtype = dtype_code(weight.element_type());
   a.norm_hidden = norm_hidden;
-  return from_text(host::all_reduce(ctx->view, a));
+  return from_text(*ctx, host::all_reduce(ctx->view, a));
 }
 
 }  // namespace

@@ -31,7 +31,7 @@ ffi::Error MoeDispatchHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x, ffi
       sc ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
       static_cast<int32_t*>(token_dest->untyped_data()),
       static_cast<int32_t*>(expert_src->untyped_data()), packed);
-  return from_text(err);
+  return from_text(*ctx, err);
 }
 
 ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_y, ffi::AnyBuffer w,
@@ -52,7 +52,7 @@ ffi::Error MoeCombineHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert_
       static_cast<const int32_t*>(token_dest.untyped_data()),
       static_cast<const int32_t*>(expert_src.untyped_data()),
       static_cast<const int32_t*>(counts.untyped_data()), y->untyped_data(), packed);
-  return from_text(err);
+  return from_text(*ctx, err);
 }
 
 }  // namespace

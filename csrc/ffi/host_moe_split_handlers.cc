@@ -26,7 +26,7 @@ ffi::Error DispatchSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   if (auto e = expect_elems(*token_dest, size_t(c.max_tokens) * c.top_k, "token_dest"); e.failure())
     return e;
   const bool sc = c.scale_cols > 0;
-  return from_text(host::moe_dispatch_send_host(
+  return from_text(*ctx, host::moe_dispatch_send_host(
       ctx->view, c, x.untyped_data(), sc ? static_cast<const float*>(x_scale.untyped_data()) : nullptr,
       static_cast<const int32_t*>(ids.untyped_data()), num_tokens.typed_data(),
       static_cast<int32_t*>(token_dest->untyped_data()), seq->typed_data()));
@@ -44,7 +44,7 @@ ffi::Error DispatchRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, OrderIn,
   if (auto e = check_split_rounds(c, true); e.failure()) return e;
   if (auto e = check_dispatch_out(c, *expert_x); e.failure()) return e;
   const bool sc = c.scale_cols > 0;
-  return from_text(host::moe_dispatch_recv_host(
+  return from_text(*ctx, host::moe_dispatch_recv_host(
       ctx->view, c, expert_x->untyped_data(), static_cast<int32_t*>(counts->untyped_data()),
       sc ? static_cast<float*>(expert_x_scale->untyped_data()) : nullptr,
       static_cast<int32_t*>(expert_src->untyped_data()), seq.typed_data()));
@@ -60,7 +60,7 @@ ffi::Error CombineSendHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer expert
   int yd = 0;
   if (auto e = check_combine_send(c, expert_y, expert_src, counts, &yd); e.failure()) return e;
   if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
-  return from_text(host::moe_combine_send_host(
+  return from_text(*ctx, host::moe_combine_send_host(
       ctx->view, c, expert_y.untyped_data(), yd,
       static_cast<const int32_t*>(expert_src.untyped_data()),
       static_cast<const int32_t*>(counts.untyped_data()), seq->typed_data()));
@@ -76,7 +76,7 @@ ffi::Error CombineRecvHostImpl(ffi::Buffer<ffi::S32> slot, Seq seq, ffi::AnyBuff
   int yd = 0;
   if (auto e = check_combine_recv(c, w, token_dest, *y, &yd); e.failure()) return e;
   if (auto e = check_split_rounds(c, false, yd); e.failure()) return e;
-  return from_text(host::moe_combine_recv_host(
+  return from_text(*ctx, host::moe_combine_recv_host(
       ctx->view, c, yd, static_cast<const float*>(w.untyped_data()),
       static_cast<const int32_t*>(token_dest.untyped_data()), y->untyped_data(),
       seq.typed_data()));

@@ -36,7 +36,7 @@ ffi::Error RaggedHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer operand,
                          input_offsets.untyped_data(), send_sizes.untyped_data(),
                          output_offsets.untyped_data(), recv_sizes.untyped_data(),
                          r.offsets_64, r.n_rows, r.m_rows, r.row_bytes, r.k, chunk_bytes};
-  return from_text(host::ragged_all_to_all(ctx->view, a));
+  return from_text(*ctx, host::ragged_all_to_all(ctx->view, a));
 }
 
 }  // namespace

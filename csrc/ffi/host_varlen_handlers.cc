@@ -21,7 +21,7 @@ ffi::Error AllGatherVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer x,
   if (auto e = check_gather_v(ctx->view.world, x, out->size_bytes(), offsets->element_count(), &r);
       e.failure())
     return e;
-  return from_text(host::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data()[0],
+  return from_text(*ctx, host::all_gather_v(ctx->view, x.untyped_data(), num_rows.typed_data()[0],
                                       out->untyped_data(), offsets->typed_data(),
                                       total->typed_data(), r.max_rows, r.row,
                                       zero_tail != 0));
@@ -37,7 +37,7 @@ ffi::Error ReduceScatterVHostImpl(ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer y,
   if (auto e = check_scatter_v(ctx->view.world, y, *out, offsets.element_count(), &r, &dt);
       e.failure())
     return e;
-  return from_text(host::reduce_scatter_v(ctx->view, y.untyped_data(), offsets.typed_data(),
+  return from_text(*ctx, host::reduce_scatter_v(ctx->view, y.untyped_data(), offsets.typed_data(),
                                           out->untyped_data(), r.max_rows, r.row, dt));
 }
 

@@ -151,7 +151,8 @@ std::string check_round(const MoeConfig& c, uint32_t op, bool split, int round,
   const int rounds = op == kOpMoeDispatch ? moe_dispatch_rounds(c) : moe_combine_rounds(c, y_dtype);
   if (split && rounds != 1)
     return fmt("jax_nvcomm %s: split halves need the call in one round; this communicator's "
-               "slots take %d rounds (use the fused op or a larger max_buffer_bytes)", name, rounds);
+               "max_buffer_bytes gives %d rounds per call (use the fused op or a larger "
+               "max_buffer_bytes)", name, rounds);
   if (round < 0 || round >= rounds)
     return fmt("jax_nvcomm %s: round %d outside [0, %d)", name, round, rounds);
   return "";
@@ -181,11 +182,11 @@ std::string moe_dispatch_send_host(const CommView& v, const MoeConfig& c, const 
       const int e = ids[size_t(t) * K + k];
       if (e < -1 || e >= E)
         return poison(v, c, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, false),
-                      fmt("topk_ids[%d, %d] = %d outside [-1, num_experts=%d)", t, k, e, E));
+                      fmt("topk_ids[%d, %d] = %d, outside [-1, num_experts=%d)", t, k, e, E));
       for (int k2 = 0; e >= 0 && k2 < k; ++k2)
         if (ids[size_t(t) * K + k2] == e)
           return poison(v, c, s, kErrBadExpert, desc, e, bad_expert_detail(t, k, true),
-                        fmt("topk_ids[%d] repeats expert %d (slots %d and %d)", t, e, k2, k));
+                        fmt("topk_ids[%d, %d] = %d repeats topk_ids[%d, %d]", t, k, e, t, k2));
     }
 
   const size_t xrow = moe_x_row_bytes(c), scale_off = moe_scale_off(c), meta_off = moe_meta_off(c);
@@ -351,7 +352,8 @@ std::string moe_combine_send_host(const CommView& v, const MoeConfig& c, const v
       const int slot = expert_src[er];
       if (slot < 0 || slot >= W * slots)
         return poison(v, c, s, kErrCapacity, desc, le, uint64_t(uint32_t(slot)),
-                      fmt("handle expert_src[%d, %d] = %d is not a valid slot", le, i, slot));
+                      fmt("handle expert_src[%d, %d] = %d is not a row this dispatch received "
+                          "(a handle of another call or communicator?)", le, i, slot));
       const int src = int(slot / slots);
       const int64_t q = slot - src * slots - lo * K;  // landing row within the round
       if (q < 0 || q >= Tc * K) continue;              // another round's token

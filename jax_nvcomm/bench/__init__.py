@@ -25,7 +25,7 @@ consuming the previous call's result:
     simplifier, which would fold psum(psum(x)) into a multiply, is off for these programs);
   - MoE: one row of the output goes into the next call's input (a one-row update), the
     routing moves by one expert per call (ids + 1 mod E), and every call's full outputs stay
-    live in loop-carried slots;
+    live in the loop's carried values;
   - the values carried from call to call pass through `lax.optimization_barrier`,
 so XLA can neither merge, drop, hoist, partially compute nor fuse together any calls (the
 optimised program's op counts are saved as `hlo_ops` in the JSON). The program runs `reps`

@@ -12,9 +12,9 @@ Weights (--weights): bf16; int8 with a float32 scale per output channel (jax-llm
 quantized MoE form); fp8 (float8_e4m3fn) with a float32 scale per 128 x 128 block (DeepSeek-V3's
 form). The activations are bf16 in every case.
 Methods:
-  nvc       nvc.ragged_dot(strategy="kernel"): our kernel (csrc/kernels/ragged_dot.cuh; 8-bit
-            weights: the 8-bit-weight kernel with the scales)
-  nvc swiglu  block only: the private ragged_dot_swiglu (gate and up in one pass) + down
+  nvc       nvc.ragged_dot(strategy="kernel"): the package's GPU kernel (8-bit weights: the
+            8-bit-weight kernel with the scales)
+  nvc swiglu  block only: gate and up in one pass with silu(gate) * up fused in, then down
   xla       XLA on the same weights: bf16 lax.ragged_dot; int8 lax.ragged_dot(x, w_int8) times
             the scale gathered per row (the public code's form); fp8 the weights dequantised
             to bf16 in the jit, then lax.ragged_dot (lax refuses fp8 x bf16)

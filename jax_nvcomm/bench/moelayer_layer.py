@@ -38,9 +38,13 @@ def add_layer_arguments(s):
     """The layer rows' own flags (`bench moelayer` adds them to its subcommand; the shapes
     come from its --hidden / --ffn / --experts / --tokens / --top-k / --quick, `layer_shapes`)."""
     s.add_argument("--layer-rows", choices=("on", "off"), default="on",
-                   help="the layer rows after the ragged_dot rows (default on)")
+                   help="also time the whole MoE layer (--layer-methods) after the ragged_dot "
+                        "rows (default on)")
     s.add_argument("--layer-methods", nargs="+", default=METHODS, choices=METHODS,
-                   help="methods of the layer rows (default all)")
+                   help="methods of the layer rows (default all): layer = nvc.moe_layer; "
+                        "'layer two-dot' = the same with gate and up as two ragged_dot; "
+                        "composed = moe_dispatch + three ragged_dot + moe_combine; xla = "
+                        "XLA's collectives with lax.ragged_dot")
     s.add_argument("--layer-unroll", type=int, default=1, metavar="N",
                    help="calls unrolled per loop step in the layer programs (default 1)")
     s.add_argument("--layer-steps", type=int, default=3, metavar="N",

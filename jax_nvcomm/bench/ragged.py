@@ -19,7 +19,7 @@ group-size exchange in the timed call). Methods:
               round); worst sizing on a Communicator of --budget max_message_bytes (default:
               the Communicator's default, 32 MiB), where the output exceeds it: the chunked path
   nvc chunk=C the chunked path (strategy="chunked") on the --budget Communicator with
-              ragged_chunk_bytes=C, one column per --chunks value: the slot-size sweep
+              ragged_chunk_bytes=C, one column per --chunks value: the chunk-size sweep
   xla         lax.ragged_all_to_all (on CPU devices jax_nvcomm.reference's emulation)
   xla pieces  the same with each slice split into ~512/W consecutive updates (XLA's GPU
               kernel runs one thread block per update and peer)

@@ -196,35 +196,36 @@ def resolve(cfg: Config, platform: str, world: int) -> Config:
     c = Config(**vals)
     errs = []
     if c.hidden % c.heads:
-        errs.append(f"--hidden {c.hidden} must be a multiple of --heads {c.heads}")
+        errs.append(f"--hidden must be a multiple of --heads={c.heads}, got {c.hidden}")
     elif (c.hidden // c.heads) % 2:
-        errs.append(f"head_dim {c.hidden // c.heads} must be even (RoPE)")
+        errs.append(f"--hidden / --heads (the head size) must be even (RoPE), got "
+                    f"{c.hidden // c.heads}")
     if "low-latency" in c.layouts:
         if c.heads % world:
-            errs.append(f"--heads {c.heads} must be a multiple of the {world} ranks (TP)")
+            errs.append(f"--heads must be a multiple of the {world} ranks (TP), got {c.heads}")
         if c.ffn % world:
-            errs.append(f"--ffn {c.ffn} must be a multiple of the {world} ranks (TP experts)")
+            errs.append(f"--ffn must be a multiple of the {world} ranks (TP experts), got {c.ffn}")
     if "dp-attn-tp-moe" in c.layouts:
         if c.ffn % world:
-            errs.append(f"--ffn {c.ffn} must be a multiple of the {world} ranks (TP experts of "
-                        "dp-attn-tp-moe)")
+            errs.append(f"--ffn must be a multiple of the {world} ranks (TP experts of "
+                        f"dp-attn-tp-moe), got {c.ffn}")
         if c.shared_ffn % world:
-            errs.append(f"--shared-ffn {c.shared_ffn} must be a multiple of the {world} ranks "
-                        "(TP shared expert of dp-attn-tp-moe)")
+            errs.append(f"--shared-ffn must be a multiple of the {world} ranks (TP shared "
+                        f"expert of dp-attn-tp-moe), got {c.shared_ffn}")
     for lay in ("high-throughput", "ep-ragged"):
         if lay in c.layouts and c.experts % world:
-            errs.append(f"--experts {c.experts} must be a multiple of the {world} ranks (EP, "
-                        f"{lay})")
+            errs.append(f"--experts must be a multiple of the {world} ranks (EP, {lay}), got "
+                        f"{c.experts}")
     if not 1 <= c.top_k <= c.experts:
-        errs.append(f"--top-k {c.top_k} must be in [1, --experts {c.experts}]")
+        errs.append(f"--top-k must be in [1, --experts={c.experts}], got {c.top_k}")
     vec = {"float32": 4, "bfloat16": 8, "float16": 8}.get(c.dtype)
     if vec is None:
         errs.append(f"--dtype must be float32, bfloat16 or float16, got {c.dtype}")
     elif c.hidden % vec:
-        errs.append(f"--hidden {c.hidden} must be a multiple of {vec} for {c.dtype}")
+        errs.append(f"--hidden must be a multiple of {vec} for {c.dtype}, got {c.hidden}")
     for k in ("layers", "tokens", "decode_tokens", "context", "iters"):
         if getattr(c, k) < 1:
-            errs.append(f"--{k.replace('_', '-')} must be >= 1")
+            errs.append(f"--{k.replace('_', '-')} must be >= 1, got {getattr(c, k)}")
     if errs:
         raise ConfigError("; ".join(errs))
     return c
@@ -1476,7 +1477,8 @@ def arg_parser(prog=None) -> argparse.ArgumentParser:
                         "reduce_scatter_v, whose CPU prefill alone takes about as long as the "
                         "two others; ep-ragged, DP attention + the dropless EP layer of "
                         "examples/moe_ragged.py on ragged_all_to_all)")
-    r.add_argument("--phases", default=",".join(PHASES), help="comma list of decode,prefill")
+    r.add_argument("--phases", default=",".join(PHASES), help="which phases to run, a comma list of decode and prefill "
+                   "(default: both)")
     r.add_argument("--iters", type=int, help="timed steps (default: 20 GPU, 5 CPU)")
     r.add_argument("--warmup", type=int, default=2,
                    help="untimed steps before the timed ones (default: 2)")

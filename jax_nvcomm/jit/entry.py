@@ -92,6 +92,7 @@ class _Program:
         self._params = [] if self._sig is None else list(self._sig.parameters.values())
         self._needs: dict = {}
         self._jits: dict = {}
+        self._last = None  # (signature and pool generation, jaxpr, output tree) of the last trace
         self._vjp = None  # (forward, backward) Jitted for calls under jax.grad
 
     @property
@@ -140,9 +141,21 @@ class _Program:
             return self._fun(*full, **kw)
 
         g.__name__ = getattr(self._fun, "__name__", "fun")
+        try:
+            key = (self._signature(args, kwargs), _pool.generation())
+        except TypeError:
+            key = None
+        last, self._last = self._last, None
+        if key is not None and last is not None and last[0] == key:
+            return last[1], last[2], dyn
         with _registry.on_miss(_op_without_communicator):
             closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
-        return closed, jax.tree.structure(shape), dyn
+        tree = jax.tree.structure(shape)
+        if key is not None and not any(isinstance(c, core.Tracer) for c in closed.consts):
+            # the next trace of the same signature (the retry after the communicators were
+            # made, or `lower` after `_prepare`) takes this jaxpr instead of tracing fun again
+            self._last = (key, closed, tree)
+        return closed, tree, dyn
 
     def _signature(self, args, kwargs):
         dyn_idx, dyn, skw = self._split(args, kwargs)

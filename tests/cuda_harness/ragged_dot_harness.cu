@@ -6,7 +6,8 @@
 //
 // Build (from the repository root; the eight compile in parallel):
 //   NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-//   $NV -c csrc/cuda/ragged_dot.cu ... (ragged_dot_bf16.cu, _f16.cu, _swiglu_bf16.cu, _swiglu_f16.cu),
+//   $NV -c csrc/cuda/ragged_dot.cu ... (every csrc/cuda/ragged_dot*.cu: the 16-bit units and
+//       the 8-bit weight units ragged_dot_w8_*.cu, which ragged_dot.cu dispatches to),
 //   $NV -DRDOT_SWEEP_PART=0 -c tests/cuda_harness/ragged_dot_sweep.cu -o sweep0.o (and =1),
 //   $NV -o build/rdot_h tests/cuda_harness/ragged_dot_harness.cu *.o   (scripts/gpu_check.sh rdot)
 // Run:

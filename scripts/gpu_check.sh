@@ -478,7 +478,7 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
   grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
   cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
-rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
+rdot)  # ragged_dot kernels alone: the kernel and sweep units in parallel, the correctness cases
   # (every edge case fully checked against float64, each sweep variant x cluster size), the
   # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
   build_rdot_harness

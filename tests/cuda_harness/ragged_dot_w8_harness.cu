@@ -196,8 +196,8 @@ static void run_case(const Case& c, uint64_t seed, const char* tag) {
                                          : double(sc[i][size_t((gg * kb + k / 128) * nb + n / 128)]);
           wf[i][x] = from8(c.wd, w[i][x]) * s;
         }
-  double err2 = 0, ref2 = 0;
-  int64_t nan = 0, tail = 0;
+  double err2 = 0, ref2 = 0, worst = -1, wgot = 0, wref = 0;
+  int64_t nan = 0, tail = 0, wr = -1, wn = -1;
   std::vector<double> acc(size_t(nw * c.n));
   for (int64_t gg = 0; gg < g; ++gg)
     for (int64_t r = st[gg]; r < st[gg + 1]; ++r) {
@@ -216,6 +216,9 @@ static void run_case(const Case& c, uint64_t seed, const char* tag) {
         if (std::isnan(got)) { ++nan; continue; }
         err2 += (got - ref) * (got - ref);
         ref2 += ref * ref;
+        if (std::fabs(got - ref) > worst) {
+          worst = std::fabs(got - ref); wgot = got; wref = ref; wr = r; wn = n;
+        }
       }
     }
   for (int64_t r = st[g]; r < c.m; ++r)
@@ -231,6 +234,9 @@ static void run_case(const Case& c, uint64_t seed, const char* tag) {
   std::printf("%s %-78s rel %.2e nan %lld tail!=0 %lld\n", ok ? "PASS" : "FAIL",
               name_of(c, tag).c_str(), rel, (long long)nan, (long long)tail);
   if (ok) ++g_pass; else ++g_fail;
+  if (!ok)
+    std::printf("     worst at row %lld col %lld: got %.6g ref %.6g\n", (long long)wr,
+                (long long)wn, wgot, wref);
   cudaFree(dl); cudaFree(dout); cudaFree(dgs);
   if (dws) cudaFree(dws);
   for (int i = 0; i < nw; ++i) { cudaFree(dw[i]); cudaFree(ds[i]); }

@@ -125,10 +125,13 @@
 // scale[g, n] (1), scale[g, k / 128, n / 128] (2) -- DeepGEMM's promotion of a float32
 // partial, exact up to float32 summation order for every mode (no rounding of w x s to 16
 // bits). The epilogue (split-K sums, swiglu, rounding once) is the 16-bit kernel's. The
-// design was chosen without measurements: the conversion costs ALU work and one extra block
+// design was chosen for correctness first: the conversion costs ALU work and one extra block
 // barrier per stage, and the dequantised buffer is read from shared memory as the 16-bit
-// kernel reads its stages; the weight bytes from HBM are halved. Needs K % 16 == 0 and
-// N % 16 == 0 (the map's 16-byte row stride; ragged_dot_check).
+// kernel reads its stages; the weight bytes from HBM are halved. Measured (one H100,
+// docs/perf/ragged_dot.md "8-bit weights v1"): 2.5-4.1x the 8-bit bound, slower than the
+// 16-bit kernel on 16-bit weights (0.55-0.86x): the conversion (conversion units, serialised
+// with the MMAs by the barrier) bounds it, not the stream. Needs K % 16 == 0 and N % 16 == 0
+// (the map's 16-byte row stride; ragged_dot_check).
 //
 // Reduction of the split-K partials: deterministic, through distributed shared memory. Each
 // block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block

@@ -185,11 +185,15 @@ build_rdot_harness() {  # the ragged_dot harness (cases, production table, sweep
   local parts  # 0 .. kSweepParts - 1 (ragged_dot_sweep.h)
   parts=$(seq 0 $(($(sed -nE 's/^constexpr int kSweepParts = ([0-9]+);.*/\1/p' $H/ragged_dot_sweep.h) - 1)) | tr '\n' ' ')
   rm -f $B/*.o
-  step rdot_build 120 bash -c "for f in ragged_dot ragged_dot_bf16 ragged_dot_f16 ragged_dot_swiglu_bf16 ragged_dot_swiglu_f16; do
-      $NV -c csrc/cuda/\$f.cu -o $B/\$f.o & done
+  # the kernel units (16-bit and 8-bit weights: csrc/cuda/ragged_dot*.cu), the sweep parts and
+  # both harnesses; build/rdot_w8: the 8-bit weight harness (ragged_dot_w8_harness.cu)
+  step rdot_build 240 bash -c "for f in csrc/cuda/ragged_dot*.cu; do
+      $NV -c \$f -o $B/\$(basename \$f .cu).o & done
     for p in $parts; do $NV -DRDOT_SWEEP_PART=\$p -c $H/ragged_dot_sweep.cu -o $B/sweep\$p.o & done
-    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o & wait
-    $NV -o build/rdot_h $B/*.o"
+    $NV -c $H/ragged_dot_harness.cu -o $B/harness.o &
+    $NV -c $H/ragged_dot_w8_harness.cu -o $B/w8harness.o & wait
+    $NV -o build/rdot_h \$(ls $B/*.o | grep -v w8harness) &&
+    $NV -o build/rdot_w8 \$(ls $B/*.o | grep -vE '/(harness|sweep[0-9]+)[.]o')"
 }
 
 ensure_built() {
@@ -419,7 +423,7 @@ raggedk)  # the ragged_all_to_all kernel harness alone: build, cases (PASS/FAIL 
   grep -A40 "=== ragged_time" "$OUT/all.log" | grep -vE "^===" > "$OUT/ragged_graph_time.txt"
   cat "$OUT/ragged_graph_time.txt" >> "$OUT/summary.txt"
   ;;
-rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the correctness cases
+rdot)  # ragged_dot kernels alone: the kernel and sweep units in parallel, the correctness cases
   # (every edge case fully checked against float64, each sweep variant x cluster size), the
   # timing table + sweep, then memcheck of the cases without the variants; logs in $OUT/rdot
   build_rdot_harness
@@ -431,6 +435,11 @@ rdot)  # ragged_dot kernels alone: the nine translation units in parallel, the c
   grep -vE "^  sweep" "$OUT/rdot/sweep.txt" | tee -a "$OUT/summary.txt"
   step rdot_memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_h --no-variants
   grep -A40 "=== rdot_memcheck" "$OUT/all.log" | grep -E "ERROR SUMMARY|failure" | tee -a "$OUT/summary.txt"
+  step rdot_w8_cases 180 build/rdot_w8
+  grep -A400 "=== rdot_w8_cases" "$OUT/all.log" | grep -E "^(PASS|FAIL)" > "$OUT/rdot/w8cases.txt"
+  grep -E "^FAIL|failed" "$OUT/rdot/w8cases.txt" | head -20 | tee -a "$OUT/summary.txt"
+  step rdot_w8_time 120 build/rdot_w8 --time
+  step rdot_w8_memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 1 build/rdot_w8 --quick
   ;;
 rdotsweep)  # the ragged_dot harness with the sweep split into parts (tests/cuda_harness/
   # ragged_dot_sweep.h kSweepParts) compiled in parallel; the cases (every variant x cluster size

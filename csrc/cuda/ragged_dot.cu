@@ -11,6 +11,16 @@ namespace cuda {
 
 namespace {
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// 8-bit weights: the unit of the operand x weight dtype pair (ragged_dot_parts.h)
+cudaError_t w8(const RaggedDotArgs& a, bool swiglu, int t, int c, cudaStream_t s) {
+  const bool i8 = a.w_dtype == kWInt8;
+  if (a.dtype == 1)
+    return i8 ? rdot_parts::w8_bf16_i8(a, swiglu, t, c, s)
+              : rdot_parts::w8_bf16_e4m3(a, swiglu, t, c, s);
+  return i8 ? rdot_parts::w8_f16_i8(a, swiglu, t, c, s)
+            : rdot_parts::w8_f16_e4m3(a, swiglu, t, c, s);
+}
 }  // namespace
 
 const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu) {
@@ -19,6 +29,16 @@ const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu) {
     return "the result dtype must be the operands' or float32";
   if (a.m < 0 || a.k < 1 || a.n < 0) return "sizes must be m >= 0, k >= 1, n >= 0";
   if (a.k % 8 != 0 || a.n % 8 != 0) return "k and n must be multiples of 8";
+  if (a.w_dtype != kW16) {
+    if (a.w_dtype != kWInt8 && a.w_dtype != kWE4M3)
+      return "the weights must be 16-bit (the operands' dtype), int8 or float8_e4m3fn";
+    // 8-bit weights: TMA rows of n bytes (a multiple of 16), K steps of 16
+    if (a.k % 16 != 0 || a.n % 16 != 0)
+      return "k and n must be multiples of 16 for 8-bit weights";
+    if (a.scale_mode < 0 || a.scale_mode > 2) return "scale_mode must be 0, 1 or 2";
+    if (a.scale_mode != 0 && (a.scale == nullptr || (swiglu && a.scale2 == nullptr)))
+      return "the scales are missing for scale_mode 1 or 2";
+  }
   if (a.g < 1 || a.g > 1024) return "the group count must be in [1, 1024]";
   if (a.m > (int64_t(1) << 20)) return "m must be at most 2^20 rows";
   if (a.k > (int64_t(1) << 30) || a.n > (int64_t(1) << 20)) return "k must be < 2^30, n <= 2^20";
@@ -75,18 +95,22 @@ int ragged_dot_cluster(const RaggedDotArgs&) {
 cudaError_t ragged_dot(const RaggedDotArgs& a, cudaStream_t s) {
   if (ragged_dot_check(a, false) != nullptr) return cudaErrorInvalidValue;
   const int t = ragged_dot_tile(a, false), c = ragged_dot_cluster(a);
+  if (a.w_dtype != kW16) return w8(a, false, t, c, s);
   return a.dtype == 1 ? rdot_parts::bf16(a, t, c, s) : rdot_parts::f16(a, t, c, s);
 }
 
 cudaError_t ragged_dot_swiglu(const RaggedDotArgs& a, cudaStream_t s) {
   if (ragged_dot_check(a, true) != nullptr) return cudaErrorInvalidValue;
   const int t = ragged_dot_tile(a, true), c = ragged_dot_cluster(a);
+  if (a.w_dtype != kW16) return w8(a, true, t, c, s);
   return a.dtype == 1 ? rdot_parts::swiglu_bf16(a, t, c, s) : rdot_parts::swiglu_f16(a, t, c, s);
 }
 
 cudaError_t ragged_dot_load_kernels() {
   for (cudaError_t e : {rdot_parts::load_bf16(), rdot_parts::load_f16(),
-                        rdot_parts::load_swiglu_bf16(), rdot_parts::load_swiglu_f16()})
+                        rdot_parts::load_swiglu_bf16(), rdot_parts::load_swiglu_f16(),
+                        rdot_parts::load_w8_bf16_i8(), rdot_parts::load_w8_bf16_e4m3(),
+                        rdot_parts::load_w8_f16_i8(), rdot_parts::load_w8_f16_e4m3()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -23,6 +23,8 @@ namespace nvc {
 namespace cuda {
 
 // dtype codes (ffi_common.h dtype_code): 0 float32, 1 bfloat16, 2 float16.
+// Weight codes (RaggedDotArgs::w_dtype): the operands' 16-bit dtype, or 8-bit weights.
+enum RaggedDotWeights : int { kW16 = 0, kWInt8 = 1, kWE4M3 = 2 };
 struct RaggedDotArgs {
   const void* lhs = nullptr;            // [m, k] of dtype
   const void* rhs = nullptr;            // [g, k, n] of dtype (swiglu: w_gate)
@@ -37,6 +39,15 @@ struct RaggedDotArgs {
   // stream). nullptr / too small: no split (the tiles then run as round robin).
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  // 8-bit weights (w_dtype kWInt8 / kWE4M3: rhs, rhs2 [g, k, n] int8 / float8_e4m3fn):
+  //   out[r, n] = sum_k lhs[r, k] * float(rhs[g, k, n]) * s(g, k, n), float32 accumulation,
+  // s = 1 (scale_mode 0; scale unused), scale[g, n] (1), scale[g, k / 128, n / 128] (2:
+  // [g, ceil(k / 128), ceil(n / 128)]); swiglu: scale2 for rhs2. kernels/ragged_dot.cuh
+  // "8-bit weights" says how (exact up to float32 summation order).
+  int w_dtype = kW16;
+  const float* scale = nullptr;
+  const float* scale2 = nullptr;
+  int scale_mode = 0;
 };
 
 constexpr int kRaggedDotMaxSplits = 8;  // = dev::rdot::kMaxSplits (checked in ragged_dot_launch.cuh)
@@ -53,7 +64,8 @@ int64_t ragged_dot_counter_bytes(int64_t m, int64_t n, int64_t g);
 int ragged_dot_planes(int64_t bytes, int64_t m, int64_t n, int64_t g, bool swiglu);
 
 // nullptr when the kernel takes `a` (bf16/f16 operands, out dtype = operands' or float32,
-// k % 8 == 0, n % 8 == 0, 1 <= g <= 1024, m <= 2^20, 16-byte aligned pointers), else why not.
+// k % 8 == 0, n % 8 == 0 (8-bit weights: k % 16 == 0, n % 16 == 0, scale_mode 0..2 with its
+// scales given), 1 <= g <= 1024, m <= 2^20, 16-byte aligned pointers), else why not.
 const char* ragged_dot_check(const RaggedDotArgs& a, bool swiglu);
 
 // The products above with the launcher's own tile choice (rows per group estimated as m / g).

@@ -29,41 +29,60 @@ namespace rdot_launch {
 
 namespace o = dev::rdot;
 
-// The package's tile for each tile kind of ragged_dot.h (RaggedDotTile) and family.
-template <class T, class TO, int KIND, bool SW>
+// The package's tile for each tile kind of ragged_dot.h (RaggedDotTile) and family; TW: the
+// weights' element type (T; 8-bit weights take the same tiles, their TMA boxes converted into
+// the 16-bit tile in shared memory: kernels/ragged_dot.cuh "8-bit weights").
+template <class T, class TO, int KIND, bool SW, class TW = T>
 struct DefaultTile;
-template <class T, class TO>
-struct DefaultTile<T, TO, kRows16, false> {
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows16, false, TW> {
   using K = Kernel<T, TO, 256, 64, 16, 4, 2, false,
-                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync>;
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
-template <class T, class TO>
-struct DefaultTile<T, TO, kRows64, false> {
-  using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync>;
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows64, false, TW> {
+  using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
-template <class T, class TO>
-struct DefaultTile<T, TO, kRows16, true> {
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows16, true, TW> {
   using K = Kernel<T, TO, 128, 64, 16, 4, 1, true,
-                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync>;
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
-template <class T, class TO>
-struct DefaultTile<T, TO, kRows64, true> {
-  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync>;
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows64, true, TW> {
+  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 
-template <class T, class TO, int KIND, bool SW>
-using Default = typename DefaultTile<T, TO, KIND, SW>::K;
+template <class T, class TO, int KIND, bool SW, class TW = T>
+using Default = typename DefaultTile<T, TO, KIND, SW, TW>::K;
 
-template <class T, class TO, bool SW>
+template <class T, class TO, bool SW, class TW = T>
 cudaError_t launch_rows(const RaggedDotArgs& a, int tile, int cs, cudaStream_t s) {
-  return tile == kRows16 ? Default<T, TO, kRows16, SW>::launch(a, cs, s)
-                         : Default<T, TO, kRows64, SW>::launch(a, cs, s);
+  return tile == kRows16 ? Default<T, TO, kRows16, SW, TW>::launch(a, cs, s)
+                         : Default<T, TO, kRows64, SW, TW>::launch(a, cs, s);
 }
 
-template <class T, class TO, bool SW>
+template <class T, class TO, bool SW, class TW = T>
 cudaError_t load_rows() {
-  if (cudaError_t e = Default<T, TO, kRows16, SW>::load(); e != cudaSuccess) return e;
-  return Default<T, TO, kRows64, SW>::load();
+  if (cudaError_t e = Default<T, TO, kRows16, SW, TW>::load(); e != cudaSuccess) return e;
+  return Default<T, TO, kRows64, SW, TW>::load();
+}
+
+// 8-bit weights TW with operands T: every out dtype (T, float32) and both forms.
+template <class T, class TW>
+cudaError_t launch_w8(const RaggedDotArgs& a, bool swiglu, int tile, int cs, cudaStream_t s) {
+  if (swiglu)
+    return a.out_dtype == 0 ? launch_rows<T, float, true, TW>(a, tile, cs, s)
+                            : launch_rows<T, T, true, TW>(a, tile, cs, s);
+  return a.out_dtype == 0 ? launch_rows<T, float, false, TW>(a, tile, cs, s)
+                          : launch_rows<T, T, false, TW>(a, tile, cs, s);
+}
+template <class T, class TW>
+cudaError_t load_w8() {
+  for (cudaError_t e : {load_rows<T, float, false, TW>(), load_rows<T, T, false, TW>(),
+                        load_rows<T, float, true, TW>(), load_rows<T, T, true, TW>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 }  // namespace rdot_launch

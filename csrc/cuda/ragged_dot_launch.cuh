@@ -51,10 +51,29 @@ inline bool encode_weights(CUtensorMap* map, const void* w, int dtype, int64_t g
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW, int OPT = 0>
+// 8-bit weights [g, k, n] (int8 or float8_e4m3fn, as bytes) as a 3-d tensor map with boxes of
+// 64 columns (64 B) x bk rows x 1 group, no swizzle (the kernel converts each box into the
+// swizzled 16-bit layout itself). n % 16 == 0 (the map's row stride is a multiple of 16 B).
+inline bool encode_weights8(CUtensorMap* map, const void* w, int64_t g, int64_t k, int64_t n,
+                            int bk) {
+  PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
+  if (enc == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(n), cuuint64_t(k), cuuint64_t(g)};
+  const cuuint64_t strides[2] = {cuuint64_t(n), cuuint64_t(k) * cuuint64_t(n)};
+  const cuuint32_t box[3] = {64, cuuint32_t(bk), 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(w), dims, strides, box,
+             estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
+}
+
+// TW: the weights' element type (T, or int8_t / __nv_fp8_e4m3 for 8-bit weights).
+template <class T, class TO, int BN, int BK, int R, int ST, int MT, bool SW, int OPT = 0,
+          class TW = T>
 struct Kernel {
-  using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW, OPT>;
-  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW, OPT>;
+  using Tl = dev::rdot::Tile<BN, BK, R, ST, MT, SW, OPT, int(sizeof(TW))>;
+  static constexpr auto fn = dev::rdot::ragged_dot_kernel<T, TO, BN, BK, R, ST, MT, SW, OPT, TW>;
 
   // Raise the dynamic shared-memory limit (once per device; returns the error of the first try).
   static cudaError_t prepare() {
@@ -103,7 +122,14 @@ struct Kernel {
       ncl = sms > 0 ? sms / cs : 1;
     }
     dev::rdot::Params p = {};
-    if constexpr (Tl::kTmaW) {
+    if constexpr (Tl::kW8) {
+      if (!encode_weights8(&p.tmap[0], a.rhs, a.g, a.k, a.n, BK) ||
+          (SW && !encode_weights8(&p.tmap[1], a.rhs2, a.g, a.k, a.n, BK)))
+        return cudaErrorInvalidValue;
+      p.scale = a.scale;
+      p.scale2 = a.scale2;
+      p.scale_mode = a.scale_mode;
+    } else if constexpr (Tl::kTmaW) {
       if (!encode_weights(&p.tmap[0], a.rhs, a.dtype, a.g, a.k, a.n, BK) ||
           (SW && !encode_weights(&p.tmap[1], a.rhs2, a.dtype, a.g, a.k, a.n, BK)))
         return cudaErrorInvalidValue;

@@ -209,5 +209,32 @@ template <class P> auto ragged_dot_swiglu_cuda(P prefix) {
   return ragged_dot_swiglu(prefix).template Ret<ffi::AnyBuffer>();  // workspace
 }
 
+// 8-bit expert weights (CUDA; the host targets bind their own form in
+// host_ragged_dot_w8_handlers.cc): lhs [M, K] bf16 / f16, rhs [G, K, N] int8 or
+// float8_e4m3fn, rhs_scale float32 (scale_mode 0: [1]; 1: [G, N]; 2: [G, ceil(K / 128),
+// ceil(N / 128)]), group_sizes int32 [G] -> out [M, N], the split-K workspace
+template <class P> auto ragged_dot_w8_cuda(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // lhs
+      .template Arg<ffi::AnyBuffer>()       // rhs
+      .template Arg<ffi::AnyBuffer>()       // rhs_scale
+      .template Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+      .template Ret<ffi::AnyBuffer>()       // out
+      .template Ret<ffi::AnyBuffer>()       // workspace
+      .template Attr<int64_t>("scale_mode");
+}
+// lhs, w_gate, w_up (w_gate's shape and dtype), gate_scale, up_scale, group_sizes -> out,
+// the split-K workspace
+template <class P> auto ragged_dot_swiglu_w8_cuda(P prefix) {
+  return prefix().template Arg<ffi::AnyBuffer>()   // lhs
+      .template Arg<ffi::AnyBuffer>()       // w_gate
+      .template Arg<ffi::AnyBuffer>()       // w_up
+      .template Arg<ffi::AnyBuffer>()       // gate_scale
+      .template Arg<ffi::AnyBuffer>()       // up_scale
+      .template Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+      .template Ret<ffi::AnyBuffer>()       // out
+      .template Ret<ffi::AnyBuffer>()       // workspace
+      .template Attr<int64_t>("scale_mode");
+}
+
 }  // namespace sig
 }  // namespace nvc

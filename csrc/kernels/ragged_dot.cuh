@@ -110,6 +110,29 @@
 // the instructions, commit, wait_group 0 (the slot is free at the next barrier). In balanced
 // mode a whole warpgroup skips its MMAs when its box lies past the piece's width.
 //
+// 8-bit weights (template argument TW = int8_t or __nv_fp8_e4m3; Tile WB = 1; kTma, mma.sync):
+// the same work list, tiles, split-K units, round robin and graph capture as the 16-bit
+// kernel; only the weight stream and the accumulation change. TMA brings each 64-column box
+// as [BK rows][64 B] (no swizzle; half the bytes of the 16-bit box, so a stage is ~half the
+// shared memory of the 16-bit one at the same BK). After the stage's mbarrier wait every
+// thread converts 16-byte pieces (16 weights) into the one dequantised buffer, laid out as
+// the 16-bit TMA tile (128-byte swizzle, w_off), exactly: int8 -> float -> T and e4m3 ->
+// f16 -> float -> T are exact for bf16 and f16 (|int8| <= 128 needs 8 significant bits; e4m3
+// has 4 and exponents 2^-9 .. 2^8); a block barrier, then the unchanged ldmatrix + mma.sync
+// path reads it. The MMAs accumulate the products of one 128-row K block of scales (BK
+// divides 128, so a stage lies in one block) into float32 tmp; at the block's end (or the
+// unit's) acc += s x tmp per column (one FFMA) and tmp = 0: s = 1 (scale_mode 0),
+// scale[g, n] (1), scale[g, k / 128, n / 128] (2) -- DeepGEMM's promotion of a float32
+// partial, exact up to float32 summation order for every mode (no rounding of w x s to 16
+// bits). The epilogue (split-K sums, swiglu, rounding once) is the 16-bit kernel's. The
+// design was chosen for correctness first: the conversion costs ALU work and one extra block
+// barrier per stage, and the dequantised buffer is read from shared memory as the 16-bit
+// kernel reads its stages; the weight bytes from HBM are halved. Measured (one H100,
+// docs/perf/ragged_dot.md "8-bit weights v1"): 2.5-4.1x the 8-bit bound, slower than the
+// 16-bit kernel on 16-bit weights (0.55-0.86x): the conversion (conversion units, serialised
+// with the MMAs by the barrier) bounds it, not the stream. Needs K % 16 == 0 and N % 16 == 0
+// (the map's 16-byte row stride; ragged_dot_check).
+//
 // Reduction of the split-K partials: deterministic, through distributed shared memory. Each
 // block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block
 // c sums slice c of the tile over ranks 0..CS-1 in that order (remote shared-memory reads),
@@ -121,7 +144,8 @@
 // blocks cost more than the balance it bought at the decode shapes: cuda/ragged_dot_family.cuh.)
 //
 // Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
-// then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
+// (8-bit weights: W [BN/64][BK][64] bytes, then after the stages the dequantised 16-bit tile,
+// NW x [BN/64][BK][64] T swizzled) then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
 // istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
 // the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
 // rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
@@ -139,6 +163,7 @@
 #include <cuda.h>  // CUtensorMap (a plain struct: no driver call from here)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -195,9 +220,15 @@ struct Params {
   float* ws;
   int* counters;
   int counters_n, ks_max;
+  // 8-bit weight kernels (TW of one byte; see "8-bit weights" above): the float32 scales of
+  // rhs and rhs2 and their mode (0 none, 1 [G, N] per output channel, 2 [G, ceil(K / 128),
+  // ceil(N / 128)] per 128 x 128 block). Unused by the 16-bit kernels.
+  const float* scale;
+  const float* scale2;
+  int scale_mode;
 };
 
-template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
+template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0, int WB = 2>
 struct Tile {
   static constexpr bool kTmaW = (OPT & 16) != 0;  // kTma
   static constexpr bool kWg = (OPT & 64) != 0;    // kWgmma
@@ -210,11 +241,19 @@ struct Tile {
   static constexpr int kWBytes = BK * kWStride * 2;
   static constexpr int kLBytes = R * kLStride * 2;
   static constexpr int kAlign = kTmaW ? 1024 : 16;  // TMA: 128-byte-swizzle atoms of 1 KB
-  static constexpr int kStageBytes = (kNW * kWBytes + kLBytes + kAlign - 1) / kAlign * kAlign;
+  // 8-bit weights (WB == 1): a stage holds the [BN / 64][BK][64] byte boxes as TMA brings
+  // them (kW8Box bytes a row); the 16-bit tile the MMAs read (kWBytes a weight) is one buffer
+  // after the stages (kDBytes), written by the dequantise step of each stage
+  static constexpr bool kW8 = WB == 1;
+  static constexpr int kWSBytes = kW8 ? BK * BN : kWBytes;  // one weight's tile in a stage
+  static constexpr int kDBytes = kW8 ? kNW * kWBytes : 0;
+  static constexpr int kStageBytes = (kNW * kWSBytes + kLBytes + kAlign - 1) / kAlign * kAlign;
   static constexpr int kPBytes = kNW * R * kPStride * 4;
   // TMA: up to 1 KB to align the stages, and one 8-byte mbarrier per stage
-  static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes + kPBytes +
-                               2 * (kMaxGroups + 1) * 4;
+  static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes + kDBytes +
+                               kPBytes + 2 * (kMaxGroups + 1) * 4;
+  static_assert(WB == 2 || (WB == 1 && kTmaW && !kWg && 128 % BK == 0),
+                "8-bit weights: TMA, mma.sync, K steps within one 128-row scale block");
   static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
   static_assert(!kTmaW || (BN % 64 == 0 && BK <= 256), "TMA boxes of 64 columns, BK rows");
   static_assert(!kWg || (kTmaW && MT == 1 && R <= 64), "wgmma: TMA weights, a warpgroup a box");
@@ -325,6 +364,40 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float4 v
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// 8-bit weights: two of them (the low 16 bits of `two`, first in the low byte) as floats,
+// exactly (int8: |v| <= 128; e4m3 through its exact f16 conversion).
+template <class TW> __device__ __forceinline__ float2 w8_pair(uint32_t two);
+template <> __device__ __forceinline__ float2 w8_pair<int8_t>(uint32_t two) {
+  return make_float2(float(int8_t(two & 0xffu)), float(int8_t((two >> 8) & 0xffu)));
+}
+template <> __device__ __forceinline__ float2 w8_pair<__nv_fp8_e4m3>(uint32_t two) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
+  return __half22float2(*reinterpret_cast<__half2*>(&h));
+}
+// two floats as a 16-bit pair of T (exact for the values above: bf16 and f16 hold every int8
+// and every e4m3 value)
+template <class T> __device__ __forceinline__ uint32_t pack2(float2 v);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float2 v) {
+  __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
+  return *reinterpret_cast<uint32_t*>(&b);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float2 v) {
+  __half2 b = __floats2half2_rn(v.x, v.y);
+  return *reinterpret_cast<uint32_t*>(&b);
+}
+// 16 weights of 8 bits -> 16 of T: the first 8 in lo, the next 8 in hi
+template <class T, class TW>
+__device__ __forceinline__ void dequant16(uint4 raw, uint4& lo, uint4& hi) {
+  lo.x = pack2<T>(w8_pair<TW>(raw.x));
+  lo.y = pack2<T>(w8_pair<TW>(raw.x >> 16));
+  lo.z = pack2<T>(w8_pair<TW>(raw.y));
+  lo.w = pack2<T>(w8_pair<TW>(raw.y >> 16));
+  hi.x = pack2<T>(w8_pair<TW>(raw.z));
+  hi.y = pack2<T>(w8_pair<TW>(raw.z >> 16));
+  hi.z = pack2<T>(w8_pair<TW>(raw.w));
+  hi.w = pack2<T>(w8_pair<TW>(raw.w >> 16));
+}
+
 // Exclusive prefix of v over the block, one element per thread per call (any block size that
 // is a multiple of 32, <= 1024); returns the exclusive prefix, *total the block's sum.
 __device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
@@ -430,10 +503,12 @@ __device__ __forceinline__ void with_count(int n, F&& f) {
   }
 }
 
-template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0>
+template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0,
+          class TW = T>
 __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThreads, 1)
     ragged_dot_kernel(const __grid_constant__ Params p, int cs) {
-  using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>;
+  using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT, int(sizeof(TW))>;
+  static_assert(sizeof(TW) == 2 ? std::is_same_v<TW, T> : Tl::kW8, "weights: T or 8 bits");
   constexpr bool kT = Tl::kTmaW;
   constexpr bool kBal = (OPT & kBalanced) != 0;
   constexpr bool kSplit = (OPT & kSplitK) != 0;
@@ -446,8 +521,11 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // TMA: the stages start on a 1 KB boundary (the 128-byte swizzle repeats every 8 rows x 128 B)
   unsigned char* smem = smem_raw + (kT ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
-  float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes);
-  int* gstart = reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kPBytes);
+  // 8-bit weights: the dequantised 16-bit tile (kDBytes; none for 16-bit weights)
+  unsigned char* const dq = smem + STAGES * Tl::kStageBytes;
+  float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes + Tl::kDBytes);
+  int* gstart =
+      reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kDBytes + Tl::kPBytes);
   int* istart = gstart + (kMaxGroups + 1);
   // TMA: full[s], the mbarrier of slot s (8-byte aligned: the sections above are 16-byte)
   const uint32_t full0 = smem_u32(istart + (kMaxGroups + 1));
@@ -619,11 +697,12 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       if (tid == 0) {
         const int nb = (nend - it.n0 + 63) / 64;
         const uint32_t bar = full0 + 8 * (q % STAGES);
-        mbar_expect_tx(bar, uint32_t(nb * BK * 128 * Tl::kNW));
+        constexpr int kRowB = Tl::kW8 ? 64 : 128;  // bytes of one box row
+        mbar_expect_tx(bar, uint32_t(nb * BK * kRowB * Tl::kNW));
         for (int w = 0; w < Tl::kNW; ++w)
           for (int bx = 0; bx < nb; ++bx)
-            tma_3d(smem_u32(st + w * Tl::kWBytes + bx * BK * 128), &p.tmap[w], it.n0 + bx * 64, k0,
-                   it.g, bar);
+            tma_3d(smem_u32(st + w * Tl::kWSBytes + bx * BK * kRowB), &p.tmap[w],
+                   it.n0 + bx * 64, k0, it.g, bar);
       }
     } else {
 #pragma unroll
@@ -642,7 +721,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
       }
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
-    const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWBytes);
+    const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWSBytes);
     if constexpr (Tl::kWg) {
       // core-matrix layout (wg::l_off): thread pairs take the two 16-byte chunks of a 32-byte
       // sector of one row, consecutive pairs consecutive rows (whole 128-byte core matrices)
@@ -674,6 +753,20 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
           for (int e = 0; e < 4; ++e) acc[w][i][j][e] = 0.f;
   };
   zero_acc();
+  // 8-bit weights: the MMAs of one 128-row K block of scales accumulate here, then are scaled
+  // per column into acc (unused, and compiled away, for 16-bit weights)
+  float tmp[Tl::kNW][MT][R / 8][4];
+  if constexpr (Tl::kW8) {
+#pragma unroll
+    for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < R / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) tmp[w][i][j][e] = 0.f;
+  }
+  auto& mac = Tl::kW8 ? tmp : acc;  // where the MMAs accumulate
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -699,7 +792,29 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     const Item& cur = cc.it;
     const int nrt = (cur.rows + 7) >> 3;
     const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
-    const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWBytes);
+    const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWSBytes);
+    // the 16-bit weight tile the MMAs read: the stage's (16-bit weights) or, for 8-bit
+    // weights, the stage's bytes converted (exactly) into the dequantised buffer, laid out as
+    // the 16-bit TMA tile (w_off); boxes past the item's columns are left as they were (their
+    // columns are never stored)
+    const unsigned char* wt = st;
+    if constexpr (Tl::kW8) {
+      const int nb = (min(cur.n0 + cur.nw, N) - cur.n0 + 63) / 64;
+      constexpr int kPieces = BK * 4;  // 16-byte pieces of one box
+      for (int c = tid; c < Tl::kNW * nb * kPieces; c += Tl::kThreads) {
+        const int w = c / (nb * kPieces), r = c - w * nb * kPieces;
+        const int bx = r / kPieces, kr = (r % kPieces) >> 2, pc = r & 3;
+        const uint4 raw = *reinterpret_cast<const uint4*>(st + w * Tl::kWSBytes + bx * BK * 64 +
+                                                          kr * 64 + pc * 16);
+        uint4 lo, hi;
+        dequant16<T, TW>(raw, lo, hi);
+        unsigned char* d = dq + w * Tl::kWBytes;
+        *reinterpret_cast<uint4*>(d + w_off<Tl, BK>(kr, bx * 64 + pc * 16)) = lo;
+        *reinterpret_cast<uint4*>(d + w_off<Tl, BK>(kr, bx * 64 + pc * 16 + 8)) = hi;
+      }
+      __syncthreads();
+      wt = dq;
+    }
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
       constexpr int NRT = decltype(nrt_c)::value;
@@ -708,7 +823,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
         uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w) {
-          const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+          const uint32_t wbase = smem_u32(wt + w * Tl::kWBytes);
 #pragma unroll
           for (int i = 0; i < MT; ++i) {
             const int mi = lane >> 3, rr = lane & 7;
@@ -725,7 +840,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
 #pragma unroll
           for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
-            for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+            for (int i = 0; i < MT; ++i) Mma<T>::run(mac[w][i][j], a[w][i], b0, b1);
         }
       }
     };
@@ -747,7 +862,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
           uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
           for (int w = 0; w < Tl::kNW; ++w) {
-            const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+            const uint32_t wbase = smem_u32(wt + w * Tl::kWBytes);
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
               const int mi = lane >> 3, rr = lane & 7;
@@ -766,9 +881,40 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
 #pragma unroll
               for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
-                for (int i = 0; i < MT; ++i) Mma<T>::run(acc[w][i][j], a[w][i], b0, b1);
+                for (int i = 0; i < MT; ++i) Mma<T>::run(mac[w][i][j], a[w][i], b0, b1);
             }
           }
+        }
+      }
+    }
+
+    if constexpr (Tl::kW8) {
+      // the end of a 128-row K block of scales, or of the unit: acc += scale x tmp per column
+      // (mode 0: 1; 1: scale[g, n]; 2: scale[g, k / 128, n / 128]), tmp zeroed
+      const int kstep = cc.kb + cc.step - 1;  // this stage's K step
+      if (last_step || ((kstep + 1) * BK) % 128 == 0) {
+        const int KB = (K + 127) >> 7, NB = (N + 127) >> 7, kblk = (kstep * BK) >> 7;
+        const int mode = p.scale_mode;
+#pragma unroll
+        for (int w = 0; w < Tl::kNW; ++w) {
+          const float* sc = w == 0 ? p.scale : p.scale2;
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int n = cur.n0 + col0 + i * 16 + (lane >> 2) + 8 * h;
+              float sv = 1.f;
+              if (mode == 1) sv = n < N ? __ldg(sc + size_t(cur.g) * N + n) : 0.f;
+              else if (mode == 2)
+                sv = n < N ? __ldg(sc + (size_t(cur.g) * KB + kblk) * NB + (n >> 7)) : 0.f;
+#pragma unroll
+              for (int j = 0; j < R / 8; ++j)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                  acc[w][i][j][e] = fmaf(sv, tmp[w][i][j][e], acc[w][i][j][e]);
+                  tmp[w][i][j][e] = 0.f;
+                }
+            }
         }
       }
     }

@@ -6,7 +6,8 @@
 //
 // Build (from the repository root; the eight compile in parallel):
 //   NV="nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc"
-//   $NV -c csrc/cuda/ragged_dot.cu ... (ragged_dot_bf16.cu, _f16.cu, _swiglu_bf16.cu, _swiglu_f16.cu),
+//   $NV -c csrc/cuda/ragged_dot.cu ... (every csrc/cuda/ragged_dot*.cu: the 16-bit units and
+//       the 8-bit weight units ragged_dot_w8_*.cu, which ragged_dot.cu dispatches to),
 //   $NV -DRDOT_SWEEP_PART=0 -c tests/cuda_harness/ragged_dot_sweep.cu -o sweep0.o (and =1),
 //   $NV -o build/rdot_h tests/cuda_harness/ragged_dot_harness.cu *.o   (scripts/gpu_check.sh rdot)
 // Run:
@@ -24,6 +25,8 @@
 //   --skip A|B|*X           --sweep: leave out the variants named A, B and those whose name
 //                           contains X
 //   --seed N                random inputs from seed N (default 1)
+//   --hbm GBS               the bound's bandwidth in GB/s (default: the device's peak,
+//                           memory clock x bus width x 2, printed)
 #include <unistd.h>
 
 #include <algorithm>
@@ -76,7 +79,16 @@ static bool skipped(const char* name) {
   return false;
 }  // --budget: seconds of sweep after which no variant starts
 static uint64_t g_seed = 1;
-constexpr double kHbm = 4.8e12;  // the bound's bandwidth (datasheet)
+// the bound's bandwidth, bytes/s: the device's peak (memory clock x bus width x 2, DDR), or
+// --hbm GB/s
+static double g_hbm = 0;
+static double device_hbm() {
+  int dev = 0, khz = 0, bits = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev));
+  CK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+  return double(khz) * 1e3 * double(bits) / 8.0 * 2.0;
+}
 
 // ---- random device data (hash of the index: no host upload of gigabytes) ----
 __device__ __forceinline__ float hash_uniform(uint64_t i, uint64_t seed) {
@@ -193,7 +205,7 @@ struct Problem {
     return c;
   }
   double bound_us() const {
-    return double(active()) * k * n * dt_size(dt) * (swiglu ? 2 : 1) / kHbm * 1e6;
+    return double(active()) * k * n * dt_size(dt) * (swiglu ? 2 : 1) / g_hbm * 1e6;
   }
   void poison() {
     const size_t bytes = std::max<size_t>(16, m * n * dt_size(odt));
@@ -753,8 +765,12 @@ int main(int argc, char** argv) {
       }
     }
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = std::strtoull(argv[++i], nullptr, 10);
-    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--skip A|B] [--budget S] [--seed N]\n", argv[0]); return 2; }
+    else if (!std::strcmp(argv[i], "--hbm") && i + 1 < argc) g_hbm = std::atof(argv[++i]) * 1e9;
+    else { std::fprintf(stderr, "usage: %s [--time|--sweep] [--no-variants] [--variants SUBSTR] [--skip A|B] [--budget S] [--seed N] [--hbm GB/s]\n", argv[0]); return 2; }
   }
+  if (g_hbm <= 0) g_hbm = device_hbm();
+  std::printf("bound bandwidth %.0f GB/s (%s)\n", g_hbm / 1e9,
+              g_hbm == device_hbm() ? "device peak: memory clock x bus width x 2" : "--hbm");
   sort_variants();
   std::printf("seed %llu, %d sweep variants\n", (unsigned long long)g_seed, variant_count());
   std::fflush(stdout);

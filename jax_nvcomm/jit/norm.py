@@ -40,6 +40,11 @@ from .eqn import source_of
 PSUMS = ("psum", "psum_invariant")
 _VIEW = ("convert_element_type",)
 _SHAPE = ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims")
+# scalar vars that hold a literal's value (pvary / convert / reshape of a literal: check_vma
+# bodies write `div sum (pvary 256.0)`), filled per matched jaxpr (`_Matcher`); pvary marks a
+# value varying over manual axes and changes no value
+_CONST_OPS = _SHAPE + ("pvary",)
+_CONST_VARS: dict = {}
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -216,11 +221,24 @@ def _lit(v):
         a = np.asarray(v.val)
         if a.size == 1:
             return float(a.reshape(()))
-    return None
+        return None
+    return _CONST_VARS.get(v)
+
+
+def _note_consts(jaxpr) -> None:
+    """Record the scalar vars of `jaxpr` that are a literal seen through value-keeping ops."""
+    _CONST_VARS.clear()
+    for e in jaxpr.eqns:
+        if e.primitive.name in _CONST_OPS and len(e.invars) == 1 and len(e.outvars) == 1 and \
+                getattr(e.outvars[0].aval, "size", 0) == 1:
+            c = _lit(e.invars[0])
+            if c is not None:
+                _CONST_VARS[e.outvars[0]] = c
 
 
 class _Matcher:
     def __init__(self, jaxpr):
+        _note_consts(jaxpr)
         self.jaxpr = jaxpr
         self.eqns = jaxpr.eqns
         self.prod, self.users, self.outs = _maps(jaxpr)
@@ -326,7 +344,7 @@ class _Matcher:
         if i is None or depth > 6:
             return False
         e = self.eqns[i]
-        return e.primitive.name in _SHAPE and len(e.invars) == 1 and \
+        return e.primitive.name in _CONST_OPS and len(e.invars) == 1 and \
             self.is_zero(e.invars[0], depth + 1)
 
     def reaches(self, v, names, limit=64):

@@ -16,7 +16,7 @@ import jax
 from jax._src import core
 from jax._src.interpreters import ad
 
-from . import pool as _pool, rewrite as _rewrite
+from . import pool as _pool, regions as _regions, rewrite as _rewrite
 
 
 class _NotPrepared(Exception):
@@ -101,6 +101,7 @@ class Jitted:
 
         g.__name__ = getattr(self._fun, "__name__", "fun")
         closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
+        closed = _regions.cut(closed)  # products sharded by type -> shard_map regions
         return closed, jax.tree.structure(shape), dyn
 
     def _signature(self, args, kwargs):

@@ -1,0 +1,296 @@
+"""Cutting shard_map regions out of a program sharded by type, so that the rewrite
+(`rewrite.evaluate`) serves the all-reduces XLA's partitioner would insert.
+
+`cut(closed)` returns a program computing the same values. Every `dot_general` outside any
+shard_map that `sharding.psum_axes` finds (a contraction over Explicit mesh axes A its output is
+not sharded on) becomes a region:
+    shard_map(manual over A only: axis_names=A, the other axes stay as the types have them)
+        y = the local product;  y = lax.psum(y, A)
+        then what follows while it stays local: elementwise ops, converts, broadcasts,
+        reshapes, reductions, slices (the residual add, the RMSNorm, an FP8 cast), as long as
+        no value it reads or makes is sharded on an axis of A
+so that the rewrite's matcher sees psum -> add -> RMSNorm in one body (one fused call).
+A region ends at the first equation that reads one of its values and cannot join (another
+product, a gather, a collective, a call). Values leave it with out_specs replicated over A:
+their types, and so their shardings, are the ones the program gave them (what jax.jit gives).
+Pure calls (pjit) at the top level are inlined first, so a product in `jnp.einsum` or a norm in
+a jitted helper take part. Higher-order primitives (scan, cond, while, ...) are left as they
+are: a product inside one stays XLA's.
+A product `psum_axes` refuses, or one outside any concrete mesh (no `jax.set_mesh`), stays as
+it was; `refused(closed)` lists them for `explain`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+from jax import lax
+from jax._src import core, source_info_util
+from jax._src import linear_util as lu
+from jax._src import mesh as mesh_lib
+from jax._src.interpreters import partial_eval as pe
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import sharding as _sh
+from .eqn import site_of, source_of
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+# equations a region may carry after its product: local on values replicated over its axes
+LOCAL = frozenset((
+    "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2",
+    "log", "log1p", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow", "integer_pow",
+    "square", "erf", "sin", "cos", "select_n", "clamp", "convert_element_type",
+    "reduce_precision", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "reduce_sum",
+    "reduce_max", "reduce_min", "slice", "copy", "copy_p", "transpose", "stop_gradient",
+    "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "round", "floor", "ceil",
+))
+
+
+@dataclasses.dataclass
+class Region:
+    start: int                 # the product's index
+    axes: tuple                # mesh axes made manual (the all-reduce's)
+    mesh: object               # concrete mesh
+    members: list              # eqn indices, in order (start first)
+    close: int                 # index of the eqn the region is emitted before (len: at the end)
+    inputs: list = dataclasses.field(default_factory=list)
+    outputs: list = dataclasses.field(default_factory=list)
+
+
+def _concrete(abstract):
+    m = mesh_lib.get_concrete_mesh()
+    if m is None or m.empty:
+        return None
+    if tuple(m.axis_names) != tuple(abstract.axis_names) or \
+            tuple(m.axis_sizes) != tuple(abstract.axis_sizes):
+        return None
+    return m
+
+
+def _holds_product(jaxpr) -> bool:
+    for e in jaxpr.eqns:
+        r = _sh.psum_axes(e)
+        if r is not None:
+            return True
+        if e.primitive.name in _CALLS and _holds_product(_call_jaxpr(e)):
+            return True
+    return False
+
+
+def _call_jaxpr(eqn):
+    return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+
+
+def _call_consts(eqn):
+    return list(_call_jaxpr(eqn).consts)
+
+
+def _bind(eqn, invals, params=None, body=False):
+    """Bind eqn's primitive as it was (body: inside a region, under the body's mesh rather
+    than the one the equation was traced under)."""
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    ctx = contextlib.nullcontext() if body else eqn.ctx.manager
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          ctx):
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _inlined(jaxpr, consts, args):
+    """Evaluate jaxpr with its pure calls that hold a product inlined (recursively)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _CALLS and _holds_product(_call_jaxpr(eqn)):
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback,
+                                               name_stack=name_stack):
+                outs = _inlined(_call_jaxpr(eqn), _call_consts(eqn), invals)
+        else:
+            outs = _bind(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _trace(fn, jaxpr):
+    avals = [v.aval for v in jaxpr.invars]
+    new, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(fn, debug_info=jaxpr.debug_info), avals)
+    return new, list(consts)
+
+
+def _joinable(eqn, inside: set, axes: frozenset) -> bool:
+    if eqn.primitive.name not in LOCAL:
+        return False
+    for v in list(eqn.invars) + list(eqn.outvars):
+        if isinstance(v, core.Literal) or v in inside:
+            continue
+        if _sh.axes_of(v.aval) & axes:
+            return False
+    return not any(_sh.axes_of(v.aval) & axes for v in eqn.outvars)
+
+
+def plan(jaxpr) -> tuple[list, list]:
+    """(the regions of `jaxpr`'s top level, the refused products as (eqn, reason))."""
+    eqns = jaxpr.eqns
+    regions, refused, taken = [], [], set()
+    for i, eqn in enumerate(eqns):
+        if i in taken:
+            continue
+        red = _sh.psum_axes(eqn)
+        if red is None:
+            continue
+        if red.reason:
+            refused.append((eqn, red))
+            continue
+        mesh = _concrete(red.mesh)
+        if mesh is None:
+            refused.append((eqn, dataclasses.replace(red, reason=(
+                "no concrete mesh matching the arrays' is set: call it under "
+                "jax.set_mesh(mesh)"))))
+            continue
+        axes = frozenset(red.axes)
+        members, inside, close = [i], set(eqn.outvars), len(eqns)
+        for k in range(i + 1, len(eqns)):
+            e = eqns[k]
+            if not any(isinstance(v, core.Var) and v in inside for v in e.invars):
+                continue
+            if k not in taken and _joinable(e, inside, axes):
+                members.append(k)
+                inside.update(e.outvars)
+            else:
+                close = k
+                break
+        taken.update(members)
+        regions.append(Region(i, red.axes, mesh, members, close))
+    # inputs (defined outside, in first-use order) and outputs (used after) of each region
+    for reg in regions:
+        mem = set(reg.members)
+        made = {v for k in reg.members for v in eqns[k].outvars}
+        seen = []
+        for k in reg.members:
+            for v in eqns[k].invars:
+                if isinstance(v, core.Var) and v not in made and v not in seen:
+                    seen.append(v)
+        reg.inputs = seen
+        used_after = set(v for v in jaxpr.outvars if isinstance(v, core.Var))
+        for k, e in enumerate(eqns):
+            if k not in mem:
+                used_after.update(v for v in e.invars if isinstance(v, core.Var))
+        reg.outputs = [v for k in reg.members for v in eqns[k].outvars
+                       if v in used_after]
+    return regions, refused
+
+
+def _local_spec(aval, axes: frozenset):
+    """The in_spec of a region input: its dims' sharding restricted to the manual axes."""
+    s = _sh.sharding_of(aval)
+    if s is None:
+        return P()
+    ents = []
+    for e in tuple(s.spec) + (None,) * (aval.ndim - len(s.spec)):
+        keep = tuple(a for a in _sh.spec_axes(e) if a in axes)
+        ents.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return P(*ents)
+
+
+def _params_inside(params):
+    """Sharding parameters rebuilt on the mesh of the body (its manual axes marked)."""
+    out = dict(params)
+    am = mesh_lib.get_abstract_mesh()
+    for k, v in params.items():
+        if isinstance(v, NamedSharding) and am is not None and not am.empty:
+            out[k] = NamedSharding(am, v.spec)
+    return out
+
+
+def _emit(reg, jaxpr, read):
+    """Bind the shard_map of one region; returns {outvar: value}."""
+    eqns = jaxpr.eqns
+    axes = frozenset(reg.axes)
+    in_specs = tuple(_local_spec(v.aval, axes) for v in reg.inputs)
+    out_specs = tuple(P() for _ in reg.outputs)
+
+    def body(*args):
+        env = dict(zip(reg.inputs, args))
+
+        def rd(v):
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for k in reg.members:
+            e = eqns[k]
+            outs = _bind(e, [rd(v) for v in e.invars], _params_inside(e.params), body=True)
+            if k == reg.start:
+                name_stack = source_info_util.current_name_stack() + e.source_info.name_stack
+                with source_info_util.user_context(e.source_info.traceback,
+                                                   name_stack=name_stack):
+                    outs = [lax.psum(outs[0], reg.axes)]
+            env.update(zip(e.outvars, outs))
+        return tuple(env[v] for v in reg.outputs)
+
+    start = eqns[reg.start]
+    name_stack = source_info_util.current_name_stack() + start.source_info.name_stack
+    with source_info_util.user_context(start.source_info.traceback, name_stack=name_stack):
+        outs = jax.shard_map(body, mesh=reg.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=axes, check_vma=True)(*[read(v) for v in reg.inputs])
+    return dict(zip(reg.outputs, outs))
+
+
+def _evaluate(jaxpr, consts, args, regions):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    at = {}
+    for reg in regions:
+        at.setdefault(reg.close, []).append(reg)
+    member = {k for reg in regions for k in reg.members}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for reg in at.get(i, ()):
+            env.update(_emit(reg, jaxpr, read))
+        if i in member:
+            continue
+        env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+    for reg in at.get(len(jaxpr.eqns), ()):
+        env.update(_emit(reg, jaxpr, read))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def cut(closed):
+    """`closed` (a jaxpr with its constants) with its type-sharded row-parallel products cut into shard_map
+    regions (module docstring); `closed` itself when there is none."""
+    jaxpr = closed.jaxpr
+    if not _holds_product(jaxpr):
+        return closed
+    consts = list(closed.consts)
+    flat, fconsts = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
+    regions, _ = plan(flat)
+    if not regions:
+        return closed
+    new, nconsts = _trace(lambda *a: _evaluate(flat, fconsts, a, regions), flat)
+    return core.Jaxpr(new, nconsts) if nconsts else new
+
+
+def refused(closed) -> list[dict]:
+    """The products of `closed` that need an all-reduce and are not cut, with the reason:
+    dicts of Site fields for explain."""
+    jaxpr = closed.jaxpr
+    if not _holds_product(jaxpr):
+        return []
+    consts = list(closed.consts)
+    flat, _ = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
+    _, ref = plan(flat)
+    return [dict(op="psum", source=source_of(e), shape=tuple(e.outvars[0].aval.shape),
+                 dtype=str(e.outvars[0].aval.dtype), axes=r.axes,
+                 reason=f"all-reduce XLA's partitioner inserts for this product: {r.reason}",
+                 where=site_of(e)) for e, r in ref]

@@ -1,0 +1,178 @@
+"""Decoder layers written with tensor parallelism as sharding in types (Explicit mesh axes, no
+shard_map, no psum), in the styles of public JAX serving and example code (our own code):
+
+  - `SglStyle`: sglang-jax's way: a `Linear` module holding a weight with a PartitionSpec, its
+    product `lax.dot_general(x, w, ..., out_sharding=NamedSharding(mesh, P("data", None)))`
+    (row-parallel: weight P("tensor", None)); the decoder layer's `residual = hidden +
+    residual` then an RMSNorm; a ("data", "tensor") mesh.
+  - `EinsumStyle`: jax-llm-examples' way: an `einsum(subscripts, *ops, out_sharding=)` helper,
+    weights with head dims ([hidden, heads, head_dim]), an Explicit ("x", "y", "z") mesh with
+    the batch on "x" and tensor parallelism over ("y", "z").
+  - `NnxStyle`: Flax-NNX-like modules (plain classes; each parameter carries its sharding as an
+    attribute, as nnx.with_partitioning does) on a ("data", "model") mesh.
+
+Each model maps hidden states [batch, seq, hidden] (or [tokens, hidden]) to the next hidden
+states through `layers` decoder layers: attention (heads sharded), the o_proj row-parallel
+product, `+ residual`, RMSNorm, the MLP (gate/up column-parallel, down row-parallel),
+`+ residual`, RMSNorm. The RMSNorm is `(x * rsqrt(mean(x * x) + eps)) * w` with a float32 upcast.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hidden: int = 256
+    heads: int = 8
+    head_dim: int = 32
+    ffn: int = 512
+    layers: int = 2
+    eps: float = 1e-6
+    dtype: object = jnp.float32
+
+
+def explicit_mesh(shape, names):
+    n = int(np.prod(shape))
+    devs = np.array(jax.devices()[:n]).reshape(shape)
+    return jax.sharding.Mesh(devs, names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w).astype(x.dtype)
+
+
+def _init(rng, shape, dtype, scale):
+    return jnp.asarray(rng.normal(size=shape) * scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# sglang-jax style
+
+class Linear:
+    """y = x @ w with the output sharding given (sglang-jax's LinearBase: out_sharding)."""
+
+    def __init__(self, mesh, w, w_spec, out_spec):
+        self.mesh = mesh
+        self.w = jax.device_put(w, NamedSharding(mesh, w_spec))
+        self.out_spec = out_spec
+
+    def __call__(self, x, w):
+        return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                               out_sharding=NamedSharding(self.mesh, self.out_spec))
+
+
+class SglStyle:
+    """Tokens [T, hidden] sharded on "data"; heads and the MLP's hidden units on "tensor"."""
+
+    def __init__(self, cfg, mesh, rng):
+        self.cfg, self.mesh = cfg, mesh
+        H, F, QD = cfg.hidden, cfg.ffn, cfg.heads * cfg.head_dim
+        s = 1 / np.sqrt(H)
+        self.layers = []
+        for _ in range(cfg.layers):
+            self.layers.append(dict(
+                **{n: Linear(mesh, _init(rng, (H, QD), cfg.dtype, s), P(None, "tensor"),
+                             P("data", "tensor")) for n in ("q", "k", "v")},
+                o=Linear(mesh, _init(rng, (QD, H), cfg.dtype, s), P("tensor", None),
+                         P("data", None)),
+                **{n: Linear(mesh, _init(rng, (H, F), cfg.dtype, s), P(None, "tensor"),
+                             P("data", "tensor")) for n in ("gate", "up")},
+                down=Linear(mesh, _init(rng, (F, H), cfg.dtype, 1 / np.sqrt(F)),
+                            P("tensor", None), P("data", None)),
+                ln1=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32),
+                ln2=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32)))
+
+    def params(self):
+        return [{k: (v.w if isinstance(v, Linear) else v) for k, v in lay.items()}
+                for lay in self.layers]
+
+    def __call__(self, params, hidden, residual):
+        cfg = self.cfg
+        T = hidden.shape[0]
+        for lay, p in zip(self.layers, params):
+            # attention over each token's own heads (a decode step with no cache: enough to
+            # give the o_proj its head-sharded input)
+            heads = NamedSharding(self.mesh, P("data", "tensor", None))
+            q, k, v = (lay[n](hidden, p[n]).reshape(T, cfg.heads, cfg.head_dim,
+                                                     out_sharding=heads) for n in "qkv")
+            a = jax.nn.softmax((q * k).astype(jnp.float32), axis=-1).astype(v.dtype) * v
+            a = a.reshape(T, cfg.heads * cfg.head_dim,
+                          out_sharding=NamedSharding(self.mesh, P("data", "tensor")))
+            hidden = lay["o"](a, p["o"])
+            residual = hidden + residual
+            hidden = rms_norm(residual, p["ln2"], cfg.eps)
+            g, u = lay["gate"](hidden, p["gate"]), lay["up"](hidden, p["up"])
+            hidden = lay["down"](jax.nn.silu(g) * u, p["down"])
+            residual = hidden + residual
+            hidden = rms_norm(residual, p["ln1"], cfg.eps)
+        return hidden, residual
+
+
+# ---------------------------------------------------------------------------------------------
+# jax-llm-examples style
+
+def einsum(subscripts, *operands, out_sharding=None):
+    """The example code's helper: jnp.einsum with the output's sharding named."""
+    return jnp.einsum(subscripts, *operands, out_sharding=out_sharding)
+
+
+class EinsumStyle:
+    """Activations [batch, seq, hidden] with the batch on "x"; heads and the MLP's hidden
+    units over the tensor axes ("y", "z")."""
+
+    TP = ("y", "z")
+
+    def __init__(self, cfg, mesh, rng):
+        self.cfg, self.mesh = cfg, mesh
+        H, F, N, D = cfg.hidden, cfg.ffn, cfg.heads, cfg.head_dim
+        s = 1 / np.sqrt(H)
+        tp = self.TP
+
+        def put(a, spec):
+            return jax.device_put(a, NamedSharding(mesh, spec))
+
+        self._params = [dict(
+            q=put(_init(rng, (H, N, D), cfg.dtype, s), P(None, tp, None)),
+            k=put(_init(rng, (H, N, D), cfg.dtype, s), P(None, tp, None)),
+            v=put(_init(rng, (H, N, D), cfg.dtype, s), P(None, tp, None)),
+            o=put(_init(rng, (N, D, H), cfg.dtype, s), P(tp, None, None)),
+            gate=put(_init(rng, (H, F), cfg.dtype, s), P(None, tp)),
+            up=put(_init(rng, (H, F), cfg.dtype, s), P(None, tp)),
+            down=put(_init(rng, (F, H), cfg.dtype, 1 / np.sqrt(F)), P(tp, None)),
+            attn_norm=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32),
+            mlp_norm=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32))
+            for _ in range(cfg.layers)]
+
+    def params(self):
+        return self._params
+
+    def __call__(self, params, x, residual):
+        cfg, tp = self.cfg, self.TP
+        act = P("x", None, None)
+        heads = P("x", None, tp, None)
+        for p in params:
+            q = einsum("btd,dnh->btnh", x, p["q"], out_sharding=heads)
+            k = einsum("btd,dnh->btnh", x, p["k"], out_sharding=heads)
+            v = einsum("btd,dnh->btnh", x, p["v"], out_sharding=heads)
+            s = einsum("btnh,bsnh->bnts", q, k, out_sharding=P("x", tp, None, None))
+            w = jax.nn.softmax(s.astype(jnp.float32) / np.sqrt(cfg.head_dim), axis=-1)
+            a = einsum("bnts,bsnh->btnh", w.astype(v.dtype), v, out_sharding=heads)
+            attn = einsum("btnh,nhd->btd", a, p["o"], out_sharding=act)
+            residual = residual + attn
+            x = rms_norm(residual, p["attn_norm"], cfg.eps)
+            g = einsum("btd,df->btf", x, p["gate"], out_sharding=P("x", None, tp))
+            u = einsum("btd,df->btf", x, p["up"], out_sharding=P("x", None, tp))
+            ff = einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"], out_sharding=act)
+            residual = residual + ff
+            x = rms_norm(residual, p["mlp_norm"], cfg.eps)
+        return x, residual

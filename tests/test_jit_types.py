@@ -77,3 +77,40 @@ def test_einsum_style_row_parallel_fused(rng, dtype, batch, seq):
         x = jax.device_put(jnp.asarray(rng.normal(size=shape), dtype), act)
         r = jax.device_put(jnp.asarray(rng.normal(size=shape), dtype), act)
         _check(model, model.params(), (x, r), dtype, cfg.layers)
+
+
+def _grads(model, params, args, jit):
+    def loss(p, *a):
+        x, res = jit(model.__call__)(p, *a)
+        return jnp.sum(x.astype(jnp.float32) ** 2) + jnp.sum(res.astype(jnp.float32) * 0.5)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("style", ["sglang", "einsum"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_equal_jax_jit(rng, style, dtype):
+    cfg = Config(dtype=dtype, layers=1)
+    if style == "sglang":
+        mesh = explicit_mesh((2, 4), ("data", "tensor"))
+        act, shape, cls = P("data", None), (8, cfg.hidden), SglStyle
+    else:
+        mesh = explicit_mesh((2, 2, 2), ("x", "y", "z"))
+        act, shape, cls = P("x", None, None), (2, 4, cfg.hidden), EinsumStyle
+    with jax.set_mesh(mesh):
+        model = cls(cfg, mesh, rng)
+        h, r = (jax.device_put(jnp.asarray(rng.normal(size=shape), dtype),
+                               NamedSharding(mesh, act)) for _ in range(2))
+        params = model.params()
+        ref = _grads(model, params, (h, r), jax.jit)(params, h, r)
+        fn = _grads(model, params, (h, r), nvc.jit)
+        got = fn(params, h, r)
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+            assert jax.typeof(b) == jax.typeof(a)
+            assert b.sharding == a.sharding
+            a = np.asarray(a, np.float64)
+            b = np.asarray(b, np.float64)
+            tol = 1e-5 if dtype == jnp.float32 else 6e-2
+            np.testing.assert_allclose(b, a, rtol=tol, atol=tol * np.abs(a).max())
+        text = fn.lower(params, h, r).compile().as_text()
+        assert _hlo_collectives(text) == []
+        assert _fused_calls(text) == 2 * cfg.layers

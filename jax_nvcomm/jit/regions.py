@@ -128,8 +128,8 @@ def _trace(fn, jaxpr):
 
 
 def _joinable(eqn, inside: set, axes: frozenset) -> bool:
-    if eqn.primitive.name not in LOCAL:
-        return False
+    if eqn.primitive.name not in LOCAL or _sh.psum_axes(eqn) is not None:
+        return False  # (a sum needing its own all-reduce starts a region of its own)
     for v in list(eqn.invars) + list(eqn.outvars):
         if isinstance(v, core.Literal) or v in inside:
             continue

@@ -7,6 +7,8 @@ jax-llm-examples' `einsum` helper, an NNX-style row-parallel module):
                                   axes on both operands' paired contracting dimensions, and no
                                   dimension of `out` sharded on an axis of A
 XLA's partitioner computes it as a local product and an all-reduce over A; `psum_axes` names A.
+The same for `reduce_sum` of floats over dimensions sharded on axes A the output is not sharded
+on (the norm weights' gradient: a sum over the data-sharded tokens).
 
 Refused (the product stays XLA's; the reason is what `explain` prints):
   - contracting dims sharded differently on the two operands (XLA moves an operand first);
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax.sharding import AxisType
 
 
@@ -59,8 +62,10 @@ def _dim_axes(spec, ndim, d):
 
 
 def psum_axes(eqn) -> Reduction | None:
-    """For a `dot_general` outside any shard_map: the all-reduce its shardings imply
-    (module docstring), or None when it needs none."""
+    """For a `dot_general` (or `reduce_sum`) outside any shard_map: the all-reduce its
+    shardings imply (module docstring), or None when it needs none."""
+    if eqn.primitive.name == "reduce_sum":
+        return _sum_axes(eqn)
     if eqn.primitive.name != "dot_general":
         return None
     lhs, rhs = (v.aval for v in eqn.invars[:2])
@@ -83,6 +88,25 @@ def psum_axes(eqn) -> Reduction | None:
     if la != ra:
         return Reduction(red, mesh, f"contracting dimensions sharded differently "
                                     f"({sl.spec} . {sr.spec}): XLA moves an operand first")
+    return _checked(red, mesh, so)
+
+
+def _sum_axes(eqn) -> Reduction | None:
+    x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+    sx, so = sharding_of(x), sharding_of(out)
+    if sx is None or so is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return None
+    summed = [a for d in eqn.params["axes"] for a in _dim_axes(sx.spec, x.ndim, d)]
+    out_axes = {a for e in so.spec for a in spec_axes(e)}
+    mesh = sx.mesh
+    red = tuple(a for a in mesh.axis_names if a in summed and a not in out_axes
+                and mesh.shape[a] > 1)
+    if not red:
+        return None
+    return _checked(red, mesh, so)
+
+
+def _checked(red, mesh, so) -> Reduction:
     unreduced = set(getattr(so.spec, "unreduced", ()) or ())
     if unreduced & set(red):
         return Reduction(red, mesh, f"the output holds {sorted(unreduced & set(red))} "

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from typed_models import Config, EinsumStyle, SglStyle, explicit_mesh
+from jax_nvcomm.models.typed_decoder import Config, EinsumStyle, SglStyle, explicit_mesh
 
 XLA_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(")
 

@@ -11,6 +11,8 @@
              against lax.ragged_dot, each row with its weight-read bound
   step       whole jitted model steps of the example model, jax_nvcomm against XLA, with the
              no-communication bound
+  compile    compile time (trace + lower + compile) of dense layers sharded by type, nvc.jit
+             against jax.jit, and their ratio
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).

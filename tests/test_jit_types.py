@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.models.typed_decoder import Config, EinsumStyle, SglStyle, explicit_mesh
+from jax_nvcomm.models.typed_decoder import (Config, EinsumStyle, MaxTextStyle, SglStyle,
+                                             explicit_mesh)
 
 XLA_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(")
 
@@ -114,3 +115,20 @@ def test_gradients_equal_jax_jit(rng, style, dtype):
         text = fn.lower(params, h, r).compile().as_text()
         assert _hlo_collectives(text) == []
         assert _fused_calls(text) == 2 * cfg.layers
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch,seq", [(8, 1), (2, 64)])
+def test_maxtext_style_auto_axes_fused(rng, dtype, batch, seq):
+    """Auto axes: the shardings come from the weights' placement and the constraints; the
+    products whose lhs and output shardings the program states are cut the same way."""
+    cfg = Config(dtype=dtype)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        model = MaxTextStyle(cfg, mesh, rng)
+        act = NamedSharding(mesh, P("data", None, None))
+        shape = (batch, seq, cfg.hidden)
+        x, r = (jax.device_put(jnp.asarray(rng.normal(size=shape), dtype), act)
+                for _ in range(2))
+        _check(model, model.params(), (x, r), dtype, cfg.layers)

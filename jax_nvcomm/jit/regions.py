@@ -16,6 +16,9 @@ their types, and so their shardings, are the ones the program gave them (what ja
 Pure calls (pjit) at the top level are inlined first, so a product in `jnp.einsum` or a norm in
 a jitted helper take part. Higher-order primitives (scan, cond, while, ...) are left as they
 are: a product inside one stays XLA's.
+On Auto axes the products `sharding.auto_reductions` finds are cut the same way, their operands
+given the layouts the program states (in_specs), the sharding constraints the region carries
+applied again to the values that leave it.
 A product `psum_axes` refuses, or one outside any concrete mesh (no `jax.set_mesh`), stays as
 it was; `refused(closed)` lists them for `explain`.
 """
@@ -25,6 +28,7 @@ import contextlib
 import dataclasses
 
 import jax
+import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
 from jax._src import linear_util as lu
@@ -55,6 +59,7 @@ class Region:
     mesh: object               # concrete mesh
     members: list              # eqn indices, in order (start first)
     close: int                 # index of the eqn the region is emitted before (len: at the end)
+    in_specs: dict | None = None  # Auto axes: the product's operands' layouts on `axes`
     inputs: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
 
@@ -70,13 +75,20 @@ def _concrete(abstract):
 
 
 def _holds_product(jaxpr) -> bool:
-    for e in jaxpr.eqns:
-        r = _sh.psum_axes(e)
-        if r is not None:
-            return True
-        if e.primitive.name in _CALLS and _holds_product(_call_jaxpr(e)):
-            return True
-    return False
+    """Whether jaxpr (or a pure call in it) holds a product sharded by type, or both a
+    product and a sharding constraint (Auto axes: `sharding.auto_reductions` decides)."""
+    seen = set()
+
+    def walk(j):
+        for e in j.eqns:
+            if _sh.psum_axes(e) is not None:
+                return True
+            seen.add(e.primitive.name)
+            if e.primitive.name in _CALLS and walk(_call_jaxpr(e)):
+                return True
+        return False
+
+    return walk(jaxpr) or {"dot_general", "sharding_constraint"} <= seen
 
 
 def _call_jaxpr(eqn):
@@ -127,25 +139,39 @@ def _trace(fn, jaxpr):
     return new, list(consts)
 
 
-def _joinable(eqn, inside: set, axes: frozenset) -> bool:
-    if eqn.primitive.name not in LOCAL or _sh.psum_axes(eqn) is not None:
+def _axes(v, known) -> frozenset:
+    """The mesh axes v is sharded on: by its type, or as the program states (Auto axes)."""
+    got = _sh.axes_of(v.aval)
+    if v in known:
+        got = got | {a for e in known[v] for a in _sh.spec_axes(e)}
+    return got
+
+
+def _joinable(eqn, inside: set, axes: frozenset, known: dict) -> bool:
+    name = eqn.primitive.name
+    if name == "sharding_constraint":  # (Auto axes) kept if it names none of the region's axes
+        spec = _sh._constraint_spec(eqn)
+        return spec is not None and not any(set(_sh.spec_axes(e)) & axes for e in spec)
+    if name not in LOCAL or _sh.psum_axes(eqn) is not None:
         return False  # (a sum needing its own all-reduce starts a region of its own)
     for v in list(eqn.invars) + list(eqn.outvars):
         if isinstance(v, core.Literal) or v in inside:
             continue
-        if _sh.axes_of(v.aval) & axes:
+        if _axes(v, known) & axes:
             return False
-    return not any(_sh.axes_of(v.aval) & axes for v in eqn.outvars)
+    return not any(_axes(v, known) & axes for v in eqn.outvars)
 
 
 def plan(jaxpr) -> tuple[list, list]:
     """(the regions of `jaxpr`'s top level, the refused products as (eqn, reason))."""
     eqns = jaxpr.eqns
     regions, refused, taken = [], [], set()
+    known = _sh.known_specs(jaxpr)
+    auto = _sh.auto_reductions(jaxpr, known)
     for i, eqn in enumerate(eqns):
         if i in taken:
             continue
-        red = _sh.psum_axes(eqn)
+        red = _sh.psum_axes(eqn) or auto.get(i)
         if red is None:
             continue
         if red.reason:
@@ -163,14 +189,14 @@ def plan(jaxpr) -> tuple[list, list]:
             e = eqns[k]
             if not any(isinstance(v, core.Var) and v in inside for v in e.invars):
                 continue
-            if k not in taken and _joinable(e, inside, axes):
+            if k not in taken and _joinable(e, inside, axes, known):
                 members.append(k)
                 inside.update(e.outvars)
             else:
                 close = k
                 break
         taken.update(members)
-        regions.append(Region(i, red.axes, mesh, members, close))
+        regions.append(Region(i, red.axes, mesh, members, close, red.in_specs))
     # inputs (defined outside, in first-use order) and outputs (used after) of each region
     for reg in regions:
         mem = set(reg.members)
@@ -216,17 +242,25 @@ def _emit(reg, jaxpr, read):
     """Bind the shard_map of one region; returns {outvar: value}."""
     eqns = jaxpr.eqns
     axes = frozenset(reg.axes)
-    in_specs = tuple(_local_spec(v.aval, axes) for v in reg.inputs)
+    given = reg.in_specs or {}
+    in_specs = tuple(P(*given[v]) if v in given else _local_spec(v.aval, axes)
+                     for v in reg.inputs)
     out_specs = tuple(P() for _ in reg.outputs)
 
     def body(*args):
         env = dict(zip(reg.inputs, args))
 
         def rd(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
+            if isinstance(v, core.Literal):  # a scalar as a Python number: no reshard of it
+                return v.val.item() if np.ndim(v.val) == 0 and hasattr(v.val, "item") \
+                    else v.val                # onto the body's mesh (which hides eps)
+            return env[v]
 
         for k in reg.members:
             e = eqns[k]
+            if e.primitive.name == "sharding_constraint":  # stated again where it leaves
+                env[e.outvars[0]] = rd(e.invars[0])
+                continue
             outs = _bind(e, [rd(v) for v in e.invars], _params_inside(e.params), body=True)
             if k == reg.start:
                 name_stack = source_info_util.current_name_stack() + e.source_info.name_stack
@@ -241,7 +275,12 @@ def _emit(reg, jaxpr, read):
     with source_info_util.user_context(start.source_info.traceback, name_stack=name_stack):
         outs = jax.shard_map(body, mesh=reg.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=axes, check_vma=True)(*[read(v) for v in reg.inputs])
-    return dict(zip(reg.outputs, outs))
+    made = {v: k for k in reg.members for v in eqns[k].outvars}
+    res = {}
+    for v, o in zip(reg.outputs, outs):
+        e = eqns[made[v]]
+        res[v] = _bind(e, [o])[0] if e.primitive.name == "sharding_constraint" else o
+    return res
 
 
 def _evaluate(jaxpr, consts, args, regions):

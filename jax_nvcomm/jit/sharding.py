@@ -10,6 +10,13 @@ XLA's partitioner computes it as a local product and an all-reduce over A; `psum
 The same for `reduce_sum` of floats over dimensions sharded on axes A the output is not sharded
 on (the norm weights' gradient: a sum over the data-sharded tokens).
 
+Auto axes (MaxText's logical rules + with_sharding_constraint: shardings chosen by XLA's
+propagation): `auto_reductions` reads the shardings the program states (the constraints, carried
+through elementwise ops): a product whose lhs is stated sharded on A in its contracting dims and
+whose output reaches a constraint not sharded on A is the same psum over A. Where the output's
+sharding is stated nowhere, XLA chooses it after the trace: the product is listed with that
+reason and left to XLA.
+
 Refused (the product stays XLA's; the reason is what `explain` prints):
   - contracting dims sharded differently on the two operands (XLA moves an operand first);
   - an axis of A held `unreduced` by the output (the user asked for no reduction there);
@@ -21,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax._src import core
 from jax.sharding import AxisType
 
 
@@ -30,6 +38,7 @@ class Reduction:
     axes: tuple
     mesh: object          # the operands' abstract mesh
     reason: str = ""      # non-empty: not cut (the reason explain prints)
+    in_specs: dict | None = None  # Auto axes: operand var -> its spec entries on the axes
 
 
 def spec_axes(entry) -> tuple:
@@ -118,3 +127,115 @@ def _checked(red, mesh, so) -> Reduction:
         return Reduction(red, mesh, f"mesh axes {kind} are not Explicit: their shardings are "
                                     "chosen by XLA after the trace")
     return Reduction(red, mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Auto axes: the shardings the program states (with_sharding_constraint), propagated simply
+
+_SAME_SHAPE = frozenset((
+    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "exp", "log", "tanh", "logistic",
+    "sqrt", "rsqrt", "integer_pow", "square", "erf", "select_n", "convert_element_type",
+    "copy", "copy_p", "reduce_precision", "sign", "pow",
+    "custom_jvp_call", "custom_vjp_call"))  # (activations: jax.nn.relu is a custom_jvp)
+
+
+def _padded(spec, ndim):
+    ents = tuple(spec)[:ndim]
+    return ents + (None,) * (ndim - len(ents))
+
+
+def _constraint_spec(eqn):
+    s = eqn.params.get("sharding")
+    spec = getattr(s, "spec", None)
+    if spec is None or eqn.params.get("unconstrained_dims"):
+        return None
+    return _padded(spec, eqn.outvars[0].aval.ndim)
+
+
+def known_specs(jaxpr) -> dict:
+    """var -> the PartitionSpec entries the program states for it: a with_sharding_constraint's
+    output (and its input), carried forward through same-shape elementwise ops whose known
+    inputs agree. What XLA's propagation would choose for the rest is not guessed."""
+    known: dict = {}
+    for e in jaxpr.eqns:
+        name = e.primitive.name
+        if name == "sharding_constraint":
+            spec = _constraint_spec(e)
+            if spec is not None:
+                known[e.outvars[0]] = spec
+                known.setdefault(e.invars[0], spec)
+        elif name in _SAME_SHAPE and len(e.outvars) == 1:
+            out = e.outvars[0].aval
+            ins = {known[v] for v in e.invars if isinstance(v, core.Var) and v in known
+                   and getattr(v.aval, "shape", None) == out.shape}
+            if len(ins) == 1:
+                known[e.outvars[0]] = ins.pop()
+    return known
+
+
+def _out_spec_after(jaxpr, i, users):
+    """The spec of eqn i's output from the first sharding constraint it reaches through
+    same-shape elementwise ops (None: XLA chooses it)."""
+    v = jaxpr.eqns[i].outvars[0]
+    for _ in range(16):
+        nxt = users.get(v, [])
+        cons = [k for k in nxt if jaxpr.eqns[k].primitive.name == "sharding_constraint"]
+        if cons:
+            return _constraint_spec(jaxpr.eqns[cons[0]])
+        flow = [k for k in nxt if jaxpr.eqns[k].primitive.name in _SAME_SHAPE and
+                jaxpr.eqns[k].outvars[0].aval.shape == v.aval.shape]
+        if len(flow) != 1:
+            return None
+        v = jaxpr.eqns[flow[0]].outvars[0]
+    return None
+
+
+def auto_reductions(jaxpr, known=None) -> dict:
+    """eqn index -> Reduction for the products on Auto mesh axes whose lhs sharding the
+    program states (`known_specs`): contracting dims sharded on axes A, the output's stated
+    sharding without them -> a psum over A (`Reduction.in_specs` names the operands' layouts
+    on A). A product with a stated lhs but no stated output gets a reason (XLA chooses)."""
+    known = known_specs(jaxpr) if known is None else known
+    users: dict = {}
+    for k, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if isinstance(v, core.Var):
+                users.setdefault(v, []).append(k)
+    found = {}
+    for i, e in enumerate(jaxpr.eqns):
+        if e.primitive.name != "dot_general":
+            continue
+        lhs, rhs = e.invars[:2]
+        s = sharding_of(lhs.aval)
+        if s is None or not isinstance(lhs, core.Var) or lhs not in known:
+            continue
+        mesh = s.mesh
+        types = dict(zip(mesh.axis_names, mesh.axis_types))
+        (lc, rc), _ = e.params["dimension_numbers"]
+        ls = known[lhs]
+        A = [a for d in lc for a in spec_axes(ls[d])
+             if types.get(a) == AxisType.Auto and mesh.shape[a] > 1]
+        if not A:
+            continue
+        out = _out_spec_after(jaxpr, i, users)
+        red = tuple(a for a in mesh.axis_names if a in A and
+                    (out is None or a not in {b for x in out for b in spec_axes(x)}))
+        if not red:
+            continue
+        if out is None:
+            found[i] = Reduction(red, mesh, "Auto mesh axes: the product's output sharding is "
+                                            "chosen by XLA (no with_sharding_constraint after "
+                                            "it): whether it all-reduces is not known before")
+            continue
+        keep = set(red)
+
+        def on(ent):
+            axs = tuple(a for a in spec_axes(ent) if a in keep)
+            return None if not axs else axs[0] if len(axs) == 1 else axs
+
+        lspec = [None] * lhs.aval.ndim
+        rspec = [None] * rhs.aval.ndim
+        for dl, dr in zip(lc, rc):
+            lspec[dl] = rspec[dr] = on(ls[dl])
+        found[i] = Reduction(red, mesh, in_specs={lhs: tuple(lspec), rhs: tuple(rspec)})
+    return found

@@ -8,8 +8,8 @@ shard_map, no psum), in the styles of public JAX serving and example code (our o
   - `EinsumStyle`: jax-llm-examples' way: an `einsum(subscripts, *ops, out_sharding=)` helper,
     weights with head dims ([hidden, heads, head_dim]), an Explicit ("x", "y", "z") mesh with
     the batch on "x" and tensor parallelism over ("y", "z").
-  - `NnxStyle`: Flax-NNX-like modules (plain classes; each parameter carries its sharding as an
-    attribute, as nnx.with_partitioning does) on a ("data", "model") mesh.
+  - `MaxTextStyle`: MaxText's dense layers: Auto mesh axes ("data", "tensor"), logical axis
+    names mapped by rules, `with_sharding_constraint` on the activations; XLA chooses the rest.
 
 Each model maps hidden states [batch, seq, hidden] (or [tokens, hidden]) to the next hidden
 states through `layers` decoder layers: attention (heads sharded), the o_proj row-parallel
@@ -176,4 +176,76 @@ class EinsumStyle:
             ff = einsum("btf,fd->btd", jax.nn.silu(g) * u, p["down"], out_sharding=act)
             residual = residual + ff
             x = rms_norm(residual, p["mlp_norm"], cfg.eps)
+        return x, residual
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxText dense style (Auto axes)
+
+RULES = (("activation_batch", "data"), ("activation_embed", None), ("activation_mlp", "tensor"),
+         ("activation_heads", "tensor"), ("embed", None), ("mlp", "tensor"), ("heads", "tensor"),
+         ("kv", None))
+
+
+def logical_to_mesh(names, rules=RULES):
+    """PartitionSpec of logical axis names by the rules (the first rule for a name wins)."""
+    table = {}
+    for k, v in rules:
+        table.setdefault(k, v)
+    return P(*[table.get(n) for n in names])
+
+
+class MaxTextStyle:
+    """Auto mesh axes ("data", "tensor"): weights placed by logical names, activations
+    constrained with `with_sharding_constraint` of logical names; XLA chooses the rest."""
+
+    def __init__(self, cfg, mesh, rng):
+        self.cfg, self.mesh = cfg, mesh
+        H, F, N, D = cfg.hidden, cfg.ffn, cfg.heads, cfg.head_dim
+        s = 1 / np.sqrt(H)
+
+        def put(a, *names):
+            return jax.device_put(a, NamedSharding(mesh, logical_to_mesh(names)))
+
+        self._params = [dict(
+            query=put(_init(rng, (H, N, D), cfg.dtype, s), "embed", "heads", "kv"),
+            key=put(_init(rng, (H, N, D), cfg.dtype, s), "embed", "heads", "kv"),
+            value=put(_init(rng, (H, N, D), cfg.dtype, s), "embed", "heads", "kv"),
+            out=put(_init(rng, (N, D, H), cfg.dtype, s), "heads", "kv", "embed"),
+            wi_0=put(_init(rng, (H, F), cfg.dtype, s), "embed", "mlp"),
+            wi_1=put(_init(rng, (H, F), cfg.dtype, s), "embed", "mlp"),
+            wo=put(_init(rng, (F, H), cfg.dtype, 1 / np.sqrt(F)), "mlp", "embed"),
+            pre_norm=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32),
+            post_norm=jnp.asarray(1 + 0.1 * rng.normal(size=(H,)), jnp.float32))
+            for _ in range(cfg.layers)]
+
+    def params(self):
+        return self._params
+
+    def _c(self, x, *names):
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_mesh(names)))
+
+    def __call__(self, params, x, residual):
+        cfg, c = self.cfg, self._c
+        bte = ("activation_batch", None, "activation_embed")
+        for p in params:
+            q = c(jnp.einsum("btd,dnh->btnh", x, p["query"]), "activation_batch", None,
+                  "activation_heads", None)
+            k = c(jnp.einsum("btd,dnh->btnh", x, p["key"]), "activation_batch", None,
+                  "activation_heads", None)
+            v = c(jnp.einsum("btd,dnh->btnh", x, p["value"]), "activation_batch", None,
+                  "activation_heads", None)
+            w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k).astype(jnp.float32)
+                               / np.sqrt(cfg.head_dim), axis=-1)
+            a = c(jnp.einsum("bnts,bsnh->btnh", w.astype(v.dtype), v), "activation_batch", None,
+                  "activation_heads", None)
+            attn = c(jnp.einsum("btnh,nhd->btd", a, p["out"]), *bte)
+            residual = c(attn + residual, *bte)
+            x = rms_norm(residual, p["post_norm"], cfg.eps)
+            h = jax.nn.silu(jnp.einsum("btd,df->btf", x, p["wi_0"])) * \
+                jnp.einsum("btd,df->btf", x, p["wi_1"])
+            h = c(h, "activation_batch", None, "activation_mlp")
+            mlp = c(jnp.einsum("btf,fd->btd", h, p["wo"]), *bte)
+            residual = c(mlp + residual, *bte)
+            x = rms_norm(residual, p["pre_norm"], cfg.eps)
         return x, residual

@@ -132,3 +132,28 @@ def test_maxtext_style_auto_axes_fused(rng, dtype, batch, seq):
         x, r = (jax.device_put(jnp.asarray(rng.normal(size=shape), dtype), act)
                 for _ in range(2))
         _check(model, model.params(), (x, r), dtype, cfg.layers)
+
+
+def test_auto_product_with_unstated_output_is_explained(rng):
+    """Auto axes, a row-parallel product whose output sharding nothing states: XLA chooses it,
+    so nvc.jit leaves it (values as jax.jit's) and explain's row for XLA's all-reduce there
+    says why."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def f(x, wi, wo):
+        h = jax.lax.with_sharding_constraint(x @ wi, NamedSharding(mesh, P("data", "tensor")))
+        return h @ wo
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(rng.normal(size=(8, 256)), jnp.float32),
+                           NamedSharding(mesh, P("data", None)))
+        wi = jax.device_put(jnp.asarray(rng.normal(size=(256, 512)) / 16, jnp.float32),
+                            NamedSharding(mesh, P(None, "tensor")))
+        wo = jax.device_put(jnp.asarray(rng.normal(size=(512, 256)) / 22, jnp.float32),
+                            NamedSharding(mesh, P("tensor", None)))
+        _close(nvc.jit(f)(x, wi, wo), jax.jit(f)(x, wi, wo), jnp.float32)
+        rows = [r for r in nvc.explain(f, x, wi, wo).rows if r["op"] == "all-reduce"]
+        assert len(rows) == 1, rows
+        assert rows[0]["became"] == "xla (out of reach)"
+        assert "output sharding is chosen by XLA" in rows[0]["reason"], rows[0]

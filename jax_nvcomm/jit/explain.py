@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from . import entry as _jit
+from . import regions as _regions
 
 _HLO_COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"
@@ -166,5 +167,6 @@ def explain(fun, *args, **kwargs) -> Explanation:
         rows.append(dict(op="?", source="?", shape=(), dtype="?", axes=(), became="?",
                          fused_with="", reason=f"the program did not compile here: {e}",
                          fixable=False))
-    rows.extend(hlo_collectives(text))
+    closed = jitted._trace(args, kwargs)[0]  # products sharded by type that were not cut
+    rows.extend(_regions.annotate(hlo_collectives(text), closed))
     return Explanation(rows, text)

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import sharding as _sh
-from .eqn import site_of, source_of
+from .eqn import source_of
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 # equations a region may carry after its product: local on values replicated over its axes
@@ -320,16 +320,23 @@ def cut(closed):
     return core.Jaxpr(new, nconsts) if nconsts else new
 
 
-def refused(closed) -> list[dict]:
-    """The products of `closed` that need an all-reduce and are not cut, with the reason:
-    dicts of Site fields for explain."""
+def refused(closed) -> dict:
+    """{source line: reason} of the products of `closed` (as `cut` left it) that need an
+    all-reduce and were not cut."""
     jaxpr = closed.jaxpr
     if not _holds_product(jaxpr):
-        return []
+        return {}
     consts = list(closed.consts)
     flat, _ = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
     _, ref = plan(flat)
-    return [dict(op="psum", source=source_of(e), shape=tuple(e.outvars[0].aval.shape),
-                 dtype=str(e.outvars[0].aval.dtype), axes=r.axes,
-                 reason=f"all-reduce XLA's partitioner inserts for this product: {r.reason}",
-                 where=site_of(e)) for e, r in ref]
+    return {source_of(e): f"a product sharded by type, left to XLA: {r.reason}" for e, r in ref}
+
+
+def annotate(rows: list, closed) -> list:
+    """explain's rows of the collectives XLA inserted, with the reason for those at the line of
+    a product `cut` refused (in place of the general one)."""
+    why = refused(closed)
+    for r in rows:
+        if r.get("source") in why:
+            r["reason"] = why[r["source"]]
+    return rows

@@ -264,8 +264,11 @@ def jit(fun=None, **jax_jit_kwargs):
     Collectives our ops cannot serve (integers, sizes XLA does better per the strategy table,
     messages over the buffers, axis_index_groups) stay XLA's; `explain(fun, *args)` lists every
     one and why, and a fallback the user can fix warns once per call site
-    (`JAX_NVCOMM_QUIET=1` silences). Collectives XLA's partitioner inserts outside shard_map
-    are out of its reach (`explain` lists them too).
+    (`JAX_NVCOMM_QUIET=1` silences). Programs sharded by type (Explicit mesh axes, or Auto
+    ones with stated constraints) get the same: a product whose contraction XLA would
+    all-reduce becomes a shard_map region (`jit/regions.py`), so it runs on our all-reduce,
+    fused with the add + RMSNorm after it. Other collectives XLA's partitioner inserts outside
+    shard_map are out of its reach (`explain` lists them too).
 
     Communicators are made at the first call with concrete arguments (or `.lower()`), from
     the program's messages, collectively over the job's processes in program order; they are

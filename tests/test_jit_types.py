@@ -157,3 +157,30 @@ def test_auto_product_with_unstated_output_is_explained(rng):
         assert len(rows) == 1, rows
         assert rows[0]["became"] == "xla (out of reach)"
         assert "output sharding is chosen by XLA" in rows[0]["reason"], rows[0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vocab_parallel_embedding_all_reduce_is_ours(rng, dtype):
+    """`table.at[ids].get(out_sharding=...)` of a table sharded on the vocab dim (sglang-jax's
+    embedding): XLA makes it a masked local gather + all-reduce; under nvc.jit that all-reduce
+    is ours. Rows exact (a sum of one row and zeros); the output's type as jax.jit's."""
+    mesh = explicit_mesh((2, 4), ("data", "tensor"))
+    vocab, hidden, tokens = 512, 256, 16
+
+    def embed(table, ids):
+        return table.at[ids].get(out_sharding=NamedSharding(mesh, P("data", None)))
+
+    with jax.set_mesh(mesh):
+        table = jax.device_put(jnp.asarray(rng.normal(size=(vocab, hidden)), dtype),
+                               NamedSharding(mesh, P("tensor", None)))
+        ids = jax.device_put(jnp.asarray(rng.integers(0, vocab, size=tokens), jnp.int32),
+                             NamedSharding(mesh, P("data")))
+        got, want = nvc.jit(embed)(table, ids), jax.jit(embed)(table, ids)
+        assert jax.typeof(got) == jax.typeof(want) and got.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(table, np.float32)[np.asarray(ids)])
+        rows = nvc.explain(embed, table, ids).rows
+        ours = [r for r in rows if r["became"].startswith("all_reduce")]
+        assert len(ours) == 1 and ours[0]["axes"] == ("tensor",), rows
+        # what XLA keeps: nothing of floats (the ids' integer gather, if any, is no op of ours)
+        assert all(r["dtype"].startswith("s") for r in rows if r["became"].startswith("xla")), rows

@@ -48,7 +48,7 @@ LOCAL = frozenset((
     "square", "erf", "sin", "cos", "select_n", "clamp", "convert_element_type",
     "reduce_precision", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "reduce_sum",
     "reduce_max", "reduce_min", "slice", "copy", "copy_p", "transpose", "stop_gradient",
-    "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "round", "floor", "ceil",
+    "eq", "ne", "lt", "le", "gt", "ge", "is_finite", "round", "floor", "ceil", "reshard",
 ))
 
 
@@ -60,6 +60,8 @@ class Region:
     members: list              # eqn indices, in order (start first)
     close: int                 # index of the eqn the region is emitted before (len: at the end)
     in_specs: dict | None = None  # Auto axes: the product's operands' layouts on `axes`
+    table: object = None          # the embedding form: the vocab-sharded table var
+    drop: int | None = None       # ... and its reshard's eqn index (neither emitted)
     inputs: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
 
@@ -88,7 +90,8 @@ def _holds_product(jaxpr) -> bool:
                 return True
         return False
 
-    return walk(jaxpr) or {"dot_general", "sharding_constraint"} <= seen
+    return walk(jaxpr) or {"dot_general", "sharding_constraint"} <= seen or \
+        {"gather", "reshard"} <= seen  # (the embedding form)
 
 
 def _call_jaxpr(eqn):
@@ -168,10 +171,23 @@ def plan(jaxpr) -> tuple[list, list]:
     regions, refused, taken = [], [], set()
     known = _sh.known_specs(jaxpr)
     auto = _sh.auto_reductions(jaxpr, known)
+    made_by = {v: k for k, e in enumerate(eqns) for v in e.outvars}
+    nusers: dict = {}
+    for e in eqns:
+        for v in e.invars:
+            if isinstance(v, core.Var):
+                nusers[v] = nusers.get(v, 0) + 1
     for i, eqn in enumerate(eqns):
         if i in taken:
             continue
-        red = _sh.psum_axes(eqn) or auto.get(i)
+        emb = _sh.embedding_axes(eqn, lambda v: eqns[made_by[v]] if v in made_by else None)
+        if emb is not None and nusers.get(eqn.invars[0], 0) == 1 and \
+                eqn.invars[0] not in jaxpr.outvars:
+            axes_e, table, rs = emb
+            red = _sh.Reduction(axes_e, table.aval.sharding.mesh)
+        else:
+            emb = None
+            red = _sh.psum_axes(eqn) or auto.get(i)
         if red is None:
             continue
         if red.reason:
@@ -196,20 +212,26 @@ def plan(jaxpr) -> tuple[list, list]:
                 close = k
                 break
         taken.update(members)
-        regions.append(Region(i, red.axes, mesh, members, close, red.in_specs))
+        reg = Region(i, red.axes, mesh, members, close, red.in_specs)
+        if emb is not None:
+            reg.table, reg.drop = emb[1], made_by[eqn.invars[0]]
+            taken.add(reg.drop)
+        regions.append(reg)
     # inputs (defined outside, in first-use order) and outputs (used after) of each region
     for reg in regions:
         mem = set(reg.members)
         made = {v for k in reg.members for v in eqns[k].outvars}
-        seen = []
+        seen = [reg.table] if reg.table is not None else []
         for k in reg.members:
-            for v in eqns[k].invars:
+            for j, v in enumerate(eqns[k].invars):
+                if k == reg.start and j == 0 and reg.table is not None:
+                    continue
                 if isinstance(v, core.Var) and v not in made and v not in seen:
                     seen.append(v)
         reg.inputs = seen
         used_after = set(v for v in jaxpr.outvars if isinstance(v, core.Var))
         for k, e in enumerate(eqns):
-            if k not in mem:
+            if k not in mem and k != reg.drop:
                 used_after.update(v for v in e.invars if isinstance(v, core.Var))
         reg.outputs = [v for k in reg.members for v in eqns[k].outvars
                        if v in used_after]
@@ -238,6 +260,17 @@ def _params_inside(params):
     return out
 
 
+def _masked_rows(eqn, table, idx, axis):
+    """This rank's part of the rows of a vocab-sharded table: rows it holds, zero elsewhere
+    (the psum after it adds the parts)."""
+    import jax.numpy as jnp
+    rows = table.shape[0]
+    loc = idx[..., 0] - lax.axis_index(axis).astype(idx.dtype) * rows
+    ok = (loc >= 0) & (loc < rows)
+    got = jnp.take(table, jnp.clip(loc, 0, rows - 1), axis=0)
+    return jnp.where(ok[..., None], got, jnp.zeros((), got.dtype)).astype(eqn.outvars[0].aval.dtype)
+
+
 def _emit(reg, jaxpr, read):
     """Bind the shard_map of one region; returns {outvar: value}."""
     eqns = jaxpr.eqns
@@ -261,7 +294,10 @@ def _emit(reg, jaxpr, read):
             if e.primitive.name == "sharding_constraint":  # stated again where it leaves
                 env[e.outvars[0]] = rd(e.invars[0])
                 continue
-            outs = _bind(e, [rd(v) for v in e.invars], _params_inside(e.params), body=True)
+            if k == reg.start and reg.table is not None:
+                outs = [_masked_rows(e, env[reg.table], rd(e.invars[1]), reg.axes[0])]
+            else:
+                outs = _bind(e, [rd(v) for v in e.invars], _params_inside(e.params), body=True)
             if k == reg.start:
                 name_stack = source_info_util.current_name_stack() + e.source_info.name_stack
                 with source_info_util.user_context(e.source_info.traceback,
@@ -293,7 +329,8 @@ def _evaluate(jaxpr, consts, args, regions):
     at = {}
     for reg in regions:
         at.setdefault(reg.close, []).append(reg)
-    member = {k for reg in regions for k in reg.members}
+    member = {k for reg in regions for k in reg.members} | \
+        {reg.drop for reg in regions if reg.drop is not None}
     for i, eqn in enumerate(jaxpr.eqns):
         for reg in at.get(i, ()):
             env.update(_emit(reg, jaxpr, read))

@@ -239,3 +239,38 @@ def auto_reductions(jaxpr, known=None) -> dict:
             lspec[dl] = rspec[dr] = on(ls[dl])
         found[i] = Reduction(red, mesh, in_specs={lhs: tuple(lspec), rhs: tuple(rspec)})
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# the vocab-parallel embedding: table.at[ids].get(out_sharding=...) of a vocab-sharded table
+
+def embedding_axes(eqn, producer) -> tuple | None:
+    """For a row `gather` (ids -> rows of a [V, H] table) whose table is a `reshard` that
+    removes one Explicit axis A from the vocab dim (jax writes `.at[ids].get(out_sharding=)` of
+    a vocab-sharded table so; XLA makes it a masked local gather + all-reduce over A):
+    (A, the table before the reshard, the reshard's eqn). None otherwise. `producer(var)` is
+    the eqn that made var, or None."""
+    if eqn.primitive.name != "gather":
+        return None
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    table, idx = eqn.invars[:2]
+    if (dn.collapsed_slice_dims != (0,) or dn.start_index_map != (0,) or
+            dn.operand_batching_dims or table.aval.ndim != 2 or
+            tuple(p["slice_sizes"]) != (1, table.aval.shape[1]) or
+            "PROMISE_IN_BOUNDS" not in str(p["mode"]) or idx.aval.shape[-1:] != (1,)):
+        return None
+    rs = producer(table)
+    if rs is None or rs.primitive.name != "reshard":
+        return None
+    src = rs.invars[0]
+    s = sharding_of(src.aval)
+    if s is None or axes_of(table.aval) or axes_of(idx.aval):
+        return None
+    vocab = spec_axes(s.spec[0]) if len(s.spec) else ()
+    rest = {a for e in tuple(s.spec)[1:] for a in spec_axes(e)}
+    types = dict(zip(s.mesh.axis_names, s.mesh.axis_types))
+    if len(vocab) != 1 or rest or types[vocab[0]] != AxisType.Explicit or \
+            s.mesh.shape[vocab[0]] <= 1 or src.aval.shape[0] % s.mesh.shape[vocab[0]]:
+        return None
+    return vocab, src, rs

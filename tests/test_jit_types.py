@@ -184,3 +184,39 @@ def test_vocab_parallel_embedding_all_reduce_is_ours(rng, dtype):
         assert len(ours) == 1 and ours[0]["axes"] == ("tensor",), rows
         # what XLA keeps: nothing of floats (the ids' integer gather, if any, is no op of ours)
         assert all(r["dtype"].startswith("s") for r in rows if r["became"].startswith("xla")), rows
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sequence_parallel_gather_and_scatter_are_ours(rng, dtype):
+    """Sequence parallelism by type: tokens sharded on "tensor" are gathered by a `reshard`
+    (XLA: all-gather) before the column-parallel product, and the row-parallel product's
+    out_sharding puts the tokens back on "tensor" (XLA: reduce-scatter). Under nvc.jit both are
+    ours (all_gather, reduce_scatter_v); values and output types as jax.jit's."""
+    from jax.sharding import reshard
+    from jax_nvcomm.models.typed_decoder import rms_norm
+    mesh = explicit_mesh((2, 4), ("data", "tensor"))
+
+    def f(x, wi, wo, g):
+        xs = reshard(x, P(None, None))
+        h = jax.nn.silu(jax.lax.dot_general(xs, wi, (((1,), (0,)), ((), ())),
+                                            out_sharding=P(None, "tensor")))
+        o = jax.lax.dot_general(h, wo, (((1,), (0,)), ((), ())),
+                                out_sharding=P("tensor", None))
+        r = o + x
+        return r, rms_norm(r, g, 1e-6)
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(rng.normal(size=(64, 256)), dtype),
+                           NamedSharding(mesh, P("tensor", None)))
+        wi = jax.device_put(jnp.asarray(rng.normal(size=(256, 512)) / 16, dtype),
+                            NamedSharding(mesh, P(None, "tensor")))
+        wo = jax.device_put(jnp.asarray(rng.normal(size=(512, 256)) / 22, dtype),
+                            NamedSharding(mesh, P("tensor", None)))
+        g = jnp.asarray(1 + 0.1 * rng.normal(size=(256,)), jnp.float32)
+        got, want = nvc.jit(f)(x, wi, wo, g), jax.jit(f)(x, wi, wo, g)
+        for a, b in zip(got, want):
+            assert jax.typeof(a) == jax.typeof(b) and a.sharding == b.sharding
+            _close(a, b, dtype)
+        became = sorted(r["became"] for r in nvc.explain(f, x, wi, wo, g).rows)
+        assert became == ["all_gather", "reduce_scatter_v"], became
+        assert _hlo_collectives(nvc.jit(f).lower(x, wi, wo, g).compile().as_text()) == []

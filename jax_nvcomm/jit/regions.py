@@ -60,6 +60,8 @@ class Region:
     members: list              # eqn indices, in order (start first)
     close: int                 # index of the eqn the region is emitted before (len: at the end)
     in_specs: dict | None = None  # Auto axes: the product's operands' layouts on `axes`
+    scatter_dim: int | None = None  # a reduce-scatter region (the product alone)
+    gather_dim: int | None = None   # an all-gather region (the reshard alone)
     table: object = None          # the embedding form: the vocab-sharded table var
     drop: int | None = None       # ... and its reshard's eqn index (neither emitted)
     inputs: list = dataclasses.field(default_factory=list)
@@ -83,7 +85,7 @@ def _holds_product(jaxpr) -> bool:
 
     def walk(j):
         for e in j.eqns:
-            if _sh.psum_axes(e) is not None:
+            if _sh.psum_axes(e) is not None or _sh.gather_axes(e) is not None:
                 return True
             seen.add(e.primitive.name)
             if e.primitive.name in _CALLS and walk(_call_jaxpr(e)):
@@ -150,6 +152,13 @@ def _axes(v, known) -> frozenset:
     return got
 
 
+def _first_reader(eqns, i) -> int:
+    outs = set(eqns[i].outvars)
+    return next((k for k in range(i + 1, len(eqns))
+                 if any(isinstance(v, core.Var) and v in outs for v in eqns[k].invars)),
+                len(eqns))
+
+
 def _joinable(eqn, inside: set, axes: frozenset, known: dict) -> bool:
     name = eqn.primitive.name
     if name == "sharding_constraint":  # (Auto axes) kept if it names none of the region's axes
@@ -188,6 +197,12 @@ def plan(jaxpr) -> tuple[list, list]:
         else:
             emb = None
             red = _sh.psum_axes(eqn) or auto.get(i)
+            ag = _sh.gather_axes(eqn) if red is None else None
+            if ag is not None and _concrete(eqn.invars[0].aval.sharding.mesh) is not None:
+                regions.append(Region(i, (ag[0],), _concrete(eqn.invars[0].aval.sharding.mesh),
+                                      [i], _first_reader(eqns, i), gather_dim=ag[1]))
+                taken.add(i)
+                continue
         if red is None:
             continue
         if red.reason:
@@ -205,14 +220,15 @@ def plan(jaxpr) -> tuple[list, list]:
             e = eqns[k]
             if not any(isinstance(v, core.Var) and v in inside for v in e.invars):
                 continue
-            if k not in taken and _joinable(e, inside, axes, known):
+            if k not in taken and red.scatter_dim is None and \
+                    _joinable(e, inside, axes, known):
                 members.append(k)
                 inside.update(e.outvars)
             else:
                 close = k
                 break
         taken.update(members)
-        reg = Region(i, red.axes, mesh, members, close, red.in_specs)
+        reg = Region(i, red.axes, mesh, members, close, red.in_specs, red.scatter_dim)
         if emb is not None:
             reg.table, reg.drop = emb[1], made_by[eqn.invars[0]]
             taken.add(reg.drop)
@@ -279,6 +295,10 @@ def _emit(reg, jaxpr, read):
     in_specs = tuple(P(*given[v]) if v in given else _local_spec(v.aval, axes)
                      for v in reg.inputs)
     out_specs = tuple(P() for _ in reg.outputs)
+    if reg.scatter_dim is not None:  # the product alone, sharded on the axis along that dim
+        ents = [None] * eqns[reg.start].outvars[0].aval.ndim
+        ents[reg.scatter_dim] = reg.axes[0]
+        out_specs = (P(*ents),)
 
     def body(*args):
         env = dict(zip(reg.inputs, args))
@@ -289,6 +309,9 @@ def _emit(reg, jaxpr, read):
                     else v.val                # onto the body's mesh (which hides eps)
             return env[v]
 
+        if reg.gather_dim is not None:
+            (x,) = args
+            return (lax.all_gather(x, reg.axes[0], axis=reg.gather_dim, tiled=True),)
         for k in reg.members:
             e = eqns[k]
             if e.primitive.name == "sharding_constraint":  # stated again where it leaves
@@ -302,7 +325,9 @@ def _emit(reg, jaxpr, read):
                 name_stack = source_info_util.current_name_stack() + e.source_info.name_stack
                 with source_info_util.user_context(e.source_info.traceback,
                                                    name_stack=name_stack):
-                    outs = [lax.psum(outs[0], reg.axes)]
+                    outs = [lax.psum(outs[0], reg.axes) if reg.scatter_dim is None else
+                            lax.psum_scatter(outs[0], reg.axes[0], tiled=True,
+                                             scatter_dimension=reg.scatter_dim)]
             env.update(zip(e.outvars, outs))
         return tuple(env[v] for v in reg.outputs)
 
@@ -310,7 +335,8 @@ def _emit(reg, jaxpr, read):
     name_stack = source_info_util.current_name_stack() + start.source_info.name_stack
     with source_info_util.user_context(start.source_info.traceback, name_stack=name_stack):
         outs = jax.shard_map(body, mesh=reg.mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=axes, check_vma=True)(*[read(v) for v in reg.inputs])
+                             axis_names=axes,  # (all_gather's result is typed varying)
+                             check_vma=reg.gather_dim is None)(*[read(v) for v in reg.inputs])
     made = {v: k for k in reg.members for v in eqns[k].outvars}
     res = {}
     for v, o in zip(reg.outputs, outs):

@@ -39,6 +39,7 @@ class Reduction:
     mesh: object          # the operands' abstract mesh
     reason: str = ""      # non-empty: not cut (the reason explain prints)
     in_specs: dict | None = None  # Auto axes: operand var -> its spec entries on the axes
+    scatter_dim: int | None = None  # a reduce-scatter: the output dim sharded on the axes
 
 
 def spec_axes(entry) -> tuple:
@@ -93,11 +94,27 @@ def psum_axes(eqn) -> Reduction | None:
     red = tuple(a for a in mesh.axis_names if a in contracted and a not in out_axes
                 and mesh.shape[a] > 1)
     if not red:
-        return None
+        return _scatter(contracted, so, mesh, la, ra, out)
     if la != ra:
         return Reduction(red, mesh, f"contracting dimensions sharded differently "
                                     f"({sl.spec} . {sr.spec}): XLA moves an operand first")
     return _checked(red, mesh, so)
+
+
+def _scatter(contracted, so, mesh, la, ra, out) -> Reduction | None:
+    """A product whose output is sharded, along one dim, on exactly the one contracted axis
+    (sequence parallelism: tokens sharded on the tensor axis): a reduce-scatter there."""
+    axes = {a for a in contracted if mesh.shape[a] > 1}
+    if len(axes) != 1 or la != ra:
+        return None
+    (a,) = axes
+    dims = [d for d, e in enumerate(tuple(so.spec)[:out.ndim]) if a in spec_axes(e)]
+    if len(dims) != 1 or spec_axes(so.spec[dims[0]]) != (a,):
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if types[a] != AxisType.Explicit or out.shape[dims[0]] % mesh.shape[a]:
+        return None
+    return Reduction((a,), mesh, scatter_dim=dims[0])
 
 
 def _sum_axes(eqn) -> Reduction | None:
@@ -274,3 +291,28 @@ def embedding_axes(eqn, producer) -> tuple | None:
             s.mesh.shape[vocab[0]] <= 1 or src.aval.shape[0] % s.mesh.shape[vocab[0]]:
         return None
     return vocab, src, rs
+
+
+def gather_axes(eqn) -> tuple | None:
+    """For a `reshard` that only removes one Explicit axis A from one dim d (the all-gather
+    that sequence parallelism's out_sharding / reshard implies): (A, d). None otherwise."""
+    if eqn.primitive.name != "reshard":
+        return None
+    x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+    sx, so = sharding_of(x), sharding_of(out)
+    if sx is None or so is None or x.ndim == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return None  # (floats: what our all_gather is for here)
+    a_in = _padded(sx.spec, x.ndim)
+    a_out = _padded(so.spec, out.ndim)
+    diff = [d for d in range(x.ndim) if spec_axes(a_in[d]) != spec_axes(a_out[d])]
+    if len(diff) != 1:
+        return None
+    d = diff[0]
+    if spec_axes(a_in[d]) == () or len(spec_axes(a_in[d])) != 1 or spec_axes(a_out[d]):
+        return None
+    (a,) = spec_axes(a_in[d])
+    types = dict(zip(sx.mesh.axis_names, sx.mesh.axis_types))
+    if types[a] != AxisType.Explicit or sx.mesh.shape[a] <= 1 or \
+            getattr(so.spec, "unreduced", None):
+        return None
+    return a, d

@@ -16,6 +16,9 @@ their types, and so their shardings, are the ones the program gave them (what ja
 Pure calls (pjit) at the top level are inlined first, so a product in `jnp.einsum` or a norm in
 a jitted helper take part. Higher-order primitives (scan, cond, while, ...) are left as they
 are: a product inside one stays XLA's.
+Also cut, each alone: a float `reshard` that removes one axis from one dim (an all-gather
+region), a product whose output is sharded on its one contracted axis (a reduce-scatter region),
+and the vocab-parallel embedding (a masked local gather + psum).
 On Auto axes the products `sharding.auto_reductions` finds are cut the same way, their operands
 given the layouts the program states (in_specs), the sharding constraints the region carries
 applied again to the values that leave it.

@@ -10,6 +10,11 @@ XLA's partitioner computes it as a local product and an all-reduce over A; `psum
 The same for `reduce_sum` of floats over dimensions sharded on axes A the output is not sharded
 on (the norm weights' gradient: a sum over the data-sharded tokens).
 
+Also found: a product whose output is sharded along one dim on exactly the one axis it
+contracts (a reduce-scatter: `Reduction.scatter_dim`), a float `reshard` that only removes one
+axis from one dim (an all-gather: `gather_axes`), and the vocab-parallel embedding's row gather
+from a table resharded off its vocab axis (`embedding_axes`).
+
 Auto axes (MaxText's logical rules + with_sharding_constraint: shardings chosen by XLA's
 propagation): `auto_reductions` reads the shardings the program states (the constraints, carried
 through elementwise ops): a product whose lhs is stated sharded on A in its contracting dims and

@@ -220,3 +220,26 @@ def test_sequence_parallel_gather_and_scatter_are_ours(rng, dtype):
         became = sorted(r["became"] for r in nvc.explain(f, x, wi, wo, g).rows)
         assert became == ["all_gather", "reduce_scatter_v"], became
         assert _hlo_collectives(nvc.jit(f).lower(x, wi, wo, g).compile().as_text()) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nnx_style_row_parallel_fused(rng, dtype):
+    """Flax-NNX-style modules (parameters with sharding metadata, `jnp.dot(...,
+    out_sharding=)`): one fused call per block (its MLP's down projection)."""
+    from jax_nvcomm.models.typed_decoder import NnxStyle
+    cfg = Config(dtype=dtype)
+    mesh = explicit_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = NnxStyle(cfg, mesh, rng)
+        act = NamedSharding(mesh, P("data", None))
+        x, r = (jax.device_put(jnp.asarray(rng.normal(size=(8, cfg.hidden)), dtype), act)
+                for _ in range(2))
+        params = model.params()
+        ref = jax.jit(model.__call__)(params, x, r)
+        got = nvc.jit(model.__call__)(params, x, r)
+        for a, b in zip(got, ref):
+            assert jax.typeof(a) == jax.typeof(b) and a.sharding == b.sharding
+            _close(a, b, dtype)
+        text = nvc.jit(model.__call__).lower(params, x, r).compile().as_text()
+        assert _hlo_collectives(text) == []
+        assert _fused_calls(text) == cfg.layers

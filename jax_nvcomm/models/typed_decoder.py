@@ -8,6 +8,9 @@ shard_map, no psum), in the styles of public JAX serving and example code (our o
   - `EinsumStyle`: jax-llm-examples' way: an `einsum(subscripts, *ops, out_sharding=)` helper,
     weights with head dims ([hidden, heads, head_dim]), an Explicit ("x", "y", "z") mesh with
     the batch on "x" and tensor parallelism over ("y", "z").
+  - `NnxStyle`: Flax-NNX-like modules (plain classes, no flax; parameters carry their sharding
+    as metadata, as nnx.with_partitioning does), `jnp.dot(..., out_sharding=)`, a ("data",
+    "model") mesh.
   - `MaxTextStyle`: MaxText's dense layers: Auto mesh axes ("data", "tensor"), logical axis
     names mapped by rules, `with_sharding_constraint` on the activations; XLA chooses the rest.
 
@@ -248,4 +251,58 @@ class MaxTextStyle:
             mlp = c(jnp.einsum("btf,fd->btd", h, p["wo"]), *bte)
             residual = c(mlp + residual, *bte)
             x = rms_norm(residual, p["pre_norm"], cfg.eps)
+        return x, residual
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax-NNX style (no flax: plain classes; each parameter carries its sharding as metadata)
+
+class Param:
+    """A parameter with its logical sharding as metadata (nnx.Param + nnx.with_partitioning)."""
+
+    def __init__(self, value, sharding):
+        self.value, self.sharding = value, sharding
+
+
+class NnxLinear:
+    def __init__(self, mesh, rng, din, dout, dtype, sharding, out_sharding):
+        self.kernel = Param(jax.device_put(_init(rng, (din, dout), dtype, 1 / np.sqrt(din)),
+                                           NamedSharding(mesh, P(*sharding))), sharding)
+        self.out_sharding = NamedSharding(mesh, P(*out_sharding))
+
+    def __call__(self, x, kernel=None):  # (kernel: the value to use, as nnx.split/merge gives)
+        k = self.kernel.value if kernel is None else kernel
+        return jnp.dot(x, k, out_sharding=self.out_sharding)
+
+
+class NnxRMSNorm:
+    def __init__(self, dim, eps, rng):
+        self.scale = Param(jnp.asarray(1 + 0.1 * rng.normal(size=(dim,)), jnp.float32),
+                           (None,))
+        self.eps = eps
+
+    def __call__(self, x, scale=None):
+        return rms_norm(x, self.scale.value if scale is None else scale, self.eps)
+
+
+class NnxStyle:
+    """A ("data", "model") mesh; an MLP block per layer: up (column-parallel), down
+    (row-parallel), `x = x + mlp(norm(x))`-style residual with the norm after the add."""
+
+    def __init__(self, cfg, mesh, rng):
+        self.cfg = cfg
+        H, F, dt = cfg.hidden, cfg.ffn, cfg.dtype
+        self.blocks = [dict(
+            up=NnxLinear(mesh, rng, H, F, dt, (None, "model"), ("data", "model")),
+            down=NnxLinear(mesh, rng, F, H, dt, ("model", None), ("data", None)),
+            norm=NnxRMSNorm(H, cfg.eps, rng)) for _ in range(cfg.layers)]
+
+    def params(self):
+        return [{k: (v.kernel.value if isinstance(v, NnxLinear) else v.scale.value)
+                 for k, v in b.items()} for b in self.blocks]
+
+    def __call__(self, params, x, residual):
+        for b, p in zip(self.blocks, params):
+            residual = b["down"](jax.nn.gelu(b["up"](x, p["up"])), p["down"]) + residual
+            x = b["norm"](residual, p["norm"])
         return x, residual

@@ -243,3 +243,38 @@ def test_nnx_style_row_parallel_fused(rng, dtype):
         text = nvc.jit(model.__call__).lower(params, x, r).compile().as_text()
         assert _hlo_collectives(text) == []
         assert _fused_calls(text) == cfg.layers
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scanned_layers_are_cut_inside_the_scan(rng, dtype):
+    """Layers under lax.scan (stacked weights, as MaxText's scan_layers): the scan body's
+    row-parallel product + add + norm is one fused call (once in the body), nothing XLA's
+    left; values and shardings as jax.jit's."""
+    from jax_nvcomm.models.typed_decoder import rms_norm
+    mesh = explicit_mesh((2, 4), ("data", "tensor"))
+    L, H, F = 3, 256, 512
+    dot = (((1,), (0,)), ((), ()))
+
+    def f(ws, x, r):
+        def layer(carry, w):
+            x, r = carry
+            h = jax.nn.silu(jax.lax.dot_general(x, w["up"], dot, out_sharding=P("data", "tensor")))
+            r = jax.lax.dot_general(h, w["down"], dot, out_sharding=P("data", None)) + r
+            return (rms_norm(r, w["g"], 1e-6), r), None
+        return jax.lax.scan(layer, (x, r), ws)[0]
+
+    with jax.set_mesh(mesh):
+        ws = dict(up=jax.device_put(jnp.asarray(rng.normal(size=(L, H, F)) / 16, dtype),
+                                    NamedSharding(mesh, P(None, None, "tensor"))),
+                  down=jax.device_put(jnp.asarray(rng.normal(size=(L, F, H)) / 22, dtype),
+                                      NamedSharding(mesh, P(None, "tensor", None))),
+                  g=jnp.asarray(1 + 0.1 * rng.normal(size=(L, H)), jnp.float32))
+        x, r = (jax.device_put(jnp.asarray(rng.normal(size=(8, H)), dtype),
+                               NamedSharding(mesh, P("data", None))) for _ in range(2))
+        got, want = nvc.jit(f)(ws, x, r), jax.jit(f)(ws, x, r)
+        for a, b in zip(got, want):
+            assert jax.typeof(a) == jax.typeof(b) and a.sharding == b.sharding
+            _close(a, b, dtype)
+        text = nvc.jit(f).lower(ws, x, r).compile().as_text()
+        assert _hlo_collectives(text) == []
+        assert _fused_calls(text) == 1

@@ -14,8 +14,8 @@ A region ends at the first equation that reads one of its values and cannot join
 product, a gather, a collective, a call). Values leave it with out_specs replicated over A:
 their types, and so their shardings, are the ones the program gave them (what jax.jit gives).
 Pure calls (pjit) at the top level are inlined first, so a product in `jnp.einsum` or a norm in
-a jitted helper take part. Higher-order primitives (scan, cond, while, ...) are left as they
-are: a product inside one stays XLA's.
+a jitted helper take part. The bodies of higher-order primitives (scan, cond, while, remat)
+that hold a product are cut the same way (`_cut_bodies`).
 Also cut, each alone: a float `reshard` that removes one axis from one dim (an all-gather
 region), a product whose output is sharded on its one contracted axis (a reduce-scatter region),
 and the vocab-parallel embedding (a masked local gather + psum).
@@ -92,6 +92,11 @@ def _holds_product(jaxpr) -> bool:
                 return True
             seen.add(e.primitive.name)
             if e.primitive.name in _CALLS and walk(_call_jaxpr(e)):
+                return True
+            if e.primitive.name not in ("shard_map",) + _CALLS and any(
+                    isinstance(j, core.Jaxpr) and _holds_product(j)
+                    for v in e.params.values()
+                    for j in (v if isinstance(v, (tuple, list)) else (v,))):
                 return True
         return False
 
@@ -348,6 +353,23 @@ def _emit(reg, jaxpr, read):
     return res
 
 
+def _cut_bodies(eqn):
+    """eqn's parameters with the bodies of a scan / cond / while / remat that hold a product
+    sharded by type cut too (None: nothing to cut)."""
+    if eqn.primitive.name in ("shard_map",) + _CALLS:
+        return None
+    params, changed = dict(eqn.params), False
+    for k, v in eqn.params.items():
+        subs = v if isinstance(v, (tuple, list)) else (v,)
+        if not all(isinstance(j, core.Jaxpr) for j in subs) or not subs:
+            continue
+        new = [cut(j) if _holds_product(j) else j for j in subs]
+        if any(n is not j for n, j in zip(new, subs)):
+            params[k] = type(v)(new) if isinstance(v, (tuple, list)) else new[0]
+            changed = True
+    return params if changed else None
+
+
 def _evaluate(jaxpr, consts, args, regions):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
@@ -365,7 +387,8 @@ def _evaluate(jaxpr, consts, args, regions):
             env.update(_emit(reg, jaxpr, read))
         if i in member:
             continue
-        env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])))
+        env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars],
+                                          _cut_bodies(eqn))))
     for reg in at.get(len(jaxpr.eqns), ()):
         env.update(_emit(reg, jaxpr, read))
     return [read(v) for v in jaxpr.outvars]
@@ -380,7 +403,7 @@ def cut(closed):
     consts = list(closed.consts)
     flat, fconsts = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
     regions, _ = plan(flat)
-    if not regions:
+    if not regions and not any(_cut_bodies(e) is not None for e in flat.eqns):
         return closed
     new, nconsts = _trace(lambda *a: _evaluate(flat, fconsts, a, regions), flat)
     return core.Jaxpr(new, nconsts) if nconsts else new

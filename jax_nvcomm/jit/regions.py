@@ -401,7 +401,10 @@ def cut(closed):
     if not _holds_product(jaxpr):
         return closed
     consts = list(closed.consts)
-    flat, fconsts = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
+    if any(e.primitive.name in _CALLS and _holds_product(_call_jaxpr(e)) for e in jaxpr.eqns):
+        flat, fconsts = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
+    else:  # nothing to inline: one trace fewer
+        flat, fconsts = jaxpr, consts
     regions, _ = plan(flat)
     if not regions and not any(_cut_bodies(e) is not None for e in flat.eqns):
         return closed

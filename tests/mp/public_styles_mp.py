@@ -38,6 +38,8 @@ ME = jax.process_index()
 SOLO = jax.process_count() == 1
 W = len(jax.devices())
 GPU = jax.devices()[0].platform == "gpu"
+if GPU:  # float32 products in float32 (XLA's GPU default is TF32: 1e-3 off the float64 model)
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def say(*a):

@@ -20,91 +20,20 @@
 namespace nvc {
 namespace {
 
-std::string dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::S32: return "int32";
-    default: return "dtype code " + std::to_string(int(t));
-  }
-}
-
-ffi::Error bad(const char* what, const std::string& arg, const std::string& expected,
-               const std::string& got) {
-  return precondition(std::string("jax_nvcomm: ") + what + ": " + arg + ": expected " +
-                      expected + ", got " + got);
-}
-
-// The scale operand `name` for `mode` and weights [g, k, n].
-ffi::Error check_scale(const char* what, const char* name, const ffi::AnyBuffer& s, int64_t mode,
-                       int64_t g, int64_t k, int64_t n) {
-  if (s.element_type() != ffi::DataType::F32)
-    return bad(what, name, "float32", dtype_name(s.element_type()));
-  std::vector<int64_t> want;
-  if (mode == 0) want = {1};
-  else if (mode == 1) want = {g, n};
-  else want = {g, (k + 127) / 128, (n + 127) / 128};
-  auto d = s.dimensions();
-  bool same = d.size() == want.size();
-  for (size_t i = 0; same && i < want.size(); ++i) same = d[i] == want[i];
-  if (!same && mode == 0 && s.element_count() == 1) same = true;
-  if (!same)
-    return bad(what, name,
-               rd_shape(ffi::Span<const int64_t>(want.data(), want.size())) +
-                   " for scale_mode " + std::to_string(mode),
-               rd_shape(d));
-  return ffi::Error::Success();
-}
-
 ffi::Error run(cudaStream_t stream, const char* what, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                const ffi::AnyBuffer* rhs2, ffi::AnyBuffer scale, const ffi::AnyBuffer* scale2,
                ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
                ffi::Result<ffi::AnyBuffer> ws, int64_t scale_mode) {
-  const bool swiglu = rhs2 != nullptr;
-  const char* wname = swiglu ? "w_gate" : "rhs";
-  auto ld = lhs.dimensions(), rdm = rhs.dimensions(), od = out->dimensions();
-  if (ld.size() != 2) return bad(what, "lhs", "[M, K]", rd_shape(ld));
-  const ffi::DataType lt = lhs.element_type();
-  if (lt != ffi::DataType::BF16 && lt != ffi::DataType::F16)
-    return bad(what, "lhs", "bfloat16 or float16", dtype_name(lt));
-  if (rdm.size() != 3 || rdm[1] != ld[1])
-    return bad(what, wname, "[G, K, N] with K = " + std::to_string(ld[1]), rd_shape(rdm));
-  if (rdm[0] < 1) return bad(what, wname, "at least one group", rd_shape(rdm));
-  const ffi::DataType wt = rhs.element_type();
-  if (wt != ffi::DataType::S8 && wt != ffi::DataType::F8E4M3FN)
-    return bad(what, wname, "int8 or float8_e4m3fn", dtype_name(wt));
-  if (swiglu) {
-    auto ud = rhs2->dimensions();
-    if (ud.size() != 3 || ud[0] != rdm[0] || ud[1] != rdm[1] || ud[2] != rdm[2])
-      return bad(what, "w_up", "w_gate's shape " + rd_shape(rdm), rd_shape(ud));
-    if (rhs2->element_type() != wt)
-      return bad(what, "w_up", "w_gate's dtype " + dtype_name(wt),
-                 dtype_name(rhs2->element_type()));
-  }
-  if (scale_mode < 0 || scale_mode > 2)
-    return bad(what, "scale_mode", "0, 1 or 2", std::to_string(scale_mode));
-  const int64_t g = rdm[0], k = rdm[1], n = rdm[2];
-  if (auto e = check_scale(what, swiglu ? "gate_scale" : "rhs_scale", scale, scale_mode, g, k, n);
+  if (auto e = w8::check(what, lhs, rhs, rhs2, scale, scale2, group_sizes, *out, scale_mode);
       e.failure())
     return e;
-  if (swiglu)
-    if (auto e = check_scale(what, "up_scale", *scale2, scale_mode, g, k, n); e.failure())
-      return e;
-  if (int64_t(group_sizes.element_count()) != g)
-    return bad(what, "group_sizes", "[" + std::to_string(g) + "] int32",
-               "[" + std::to_string(group_sizes.element_count()) + "]");
-  if (od.size() != 2 || od[0] != ld[0] || od[1] != n)
-    return bad(what, "out", "[" + std::to_string(ld[0]) + ", " + std::to_string(n) + "]",
-               rd_shape(od));
-  const ffi::DataType ot = out->element_type();
-  if (ot != lt && ot != ffi::DataType::F32)
-    return bad(what, "out", dtype_name(lt) + " or float32", dtype_name(ot));
+  const bool swiglu = rhs2 != nullptr;
+  auto ld = lhs.dimensions(), rdm = rhs.dimensions();
+  const int64_t g = rdm[0], k = rdm[1], n = rdm[2];
+  const ffi::DataType lt = lhs.element_type(), ot = out->element_type(), wt = rhs.element_type();
   // the kernel's own multiples (the Python op checks them first: ragged_dot.py W8_CUDA_MULTIPLE)
-  if (k % 16 != 0) return bad(what, "K", "a multiple of 16", std::to_string(k));
-  if (n % 16 != 0) return bad(what, "N", "a multiple of 16", std::to_string(n));
+  if (k % 16 != 0) return w8::bad(what, "K", "a multiple of 16", std::to_string(k));
+  if (n % 16 != 0) return w8::bad(what, "N", "a multiple of 16", std::to_string(n));
   cuda::RaggedDotArgs a;
   a.lhs = lhs.untyped_data();
   a.rhs = rhs.untyped_data();

@@ -30,26 +30,62 @@ namespace rdot_launch {
 namespace o = dev::rdot;
 
 // The package's tile for each tile kind of ragged_dot.h (RaggedDotTile) and family; TW: the
-// weights' element type (T; 8-bit weights take the same tiles, their TMA boxes converted into
-// the 16-bit tile in shared memory: kernels/ragged_dot.cuh "8-bit weights").
-template <class T, class TO, int KIND, bool SW, class TW = T>
+// weights' element type (T, or 8 bits: W8Tile below).
+template <class T, class TO, int KIND, bool SW, class TW = T, bool W8 = sizeof(TW) == 1>
 struct DefaultTile;
 template <class T, class TO, class TW>
-struct DefaultTile<T, TO, kRows16, false, TW> {
+struct DefaultTile<T, TO, kRows16, false, TW, false> {
   using K = Kernel<T, TO, 256, 64, 16, 4, 2, false,
                    o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
-struct DefaultTile<T, TO, kRows64, false, TW> {
+struct DefaultTile<T, TO, kRows64, false, TW, false> {
   using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
-struct DefaultTile<T, TO, kRows16, true, TW> {
+struct DefaultTile<T, TO, kRows16, true, TW, false> {
   using K = Kernel<T, TO, 128, 64, 16, 4, 1, true,
                    o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
-struct DefaultTile<T, TO, kRows64, true, TW> {
+struct DefaultTile<T, TO, kRows64, true, TW, false> {
+  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+};
+
+// 8-bit weights (kernels/ragged_dot.cuh "8-bit weights": operands converted in registers; boxes
+// of 128 columns). A stage of BN x BK bytes is half the 16-bit one, so the decode tile takes
+// K steps of W8_BK rows (one 128-row scale block at 128) to keep the bytes a stage streams;
+// the swiglu decode tile streams two weights of BN 256 x 64 (the 16-bit one: two of 128 x 64).
+// The macros exist for the kernel harness's A/B builds (-D...); the package builds the defaults.
+#ifndef NVC_W8_BK
+#define NVC_W8_BK 128
+#endif
+#ifndef NVC_W8_STAGES
+#define NVC_W8_STAGES 4
+#endif
+#ifndef NVC_W8_SWIGLU_BN
+#define NVC_W8_SWIGLU_BN 256
+#endif
+#ifndef NVC_W8_SWIGLU_BK
+#define NVC_W8_SWIGLU_BK 64
+#endif
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows16, false, TW, true> {
+  using K = Kernel<T, TO, 256, NVC_W8_BK, 16, NVC_W8_STAGES, 2, false,
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
+};
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows64, false, TW, true> {
+  using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+};
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows16, true, TW, true> {
+  using K = Kernel<T, TO, NVC_W8_SWIGLU_BN, NVC_W8_SWIGLU_BK, 16, NVC_W8_STAGES,
+                   NVC_W8_SWIGLU_BN / 128, true,
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
+};
+template <class T, class TO, class TW>
+struct DefaultTile<T, TO, kRows64, true, TW, true> {
   using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 

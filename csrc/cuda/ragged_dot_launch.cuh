@@ -52,18 +52,18 @@ inline bool encode_weights(CUtensorMap* map, const void* w, int dtype, int64_t g
 }
 
 // 8-bit weights [g, k, n] (int8 or float8_e4m3fn, as bytes) as a 3-d tensor map with boxes of
-// 64 columns (64 B) x bk rows x 1 group, no swizzle (the kernel converts each box into the
-// swizzled 16-bit layout itself). n % 16 == 0 (the map's row stride is a multiple of 16 B).
+// 128 columns (128 B) x bk rows x 1 group and the 128-byte swizzle (kernels/ragged_dot.cuh
+// "8-bit weights", w8_off). n % 16 == 0 (the map's row stride is a multiple of 16 B).
 inline bool encode_weights8(CUtensorMap* map, const void* w, int64_t g, int64_t k, int64_t n,
                             int bk) {
   PFN_cuTensorMapEncodeTiled_v12000 enc = tensor_map_encoder();
   if (enc == nullptr) return false;
   const cuuint64_t dims[3] = {cuuint64_t(n), cuuint64_t(k), cuuint64_t(g)};
   const cuuint64_t strides[2] = {cuuint64_t(n), cuuint64_t(k) * cuuint64_t(n)};
-  const cuuint32_t box[3] = {64, cuuint32_t(bk), 1};
+  const cuuint32_t box[3] = {128, cuuint32_t(bk), 1};
   const cuuint32_t estr[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(w), dims, strides, box,
-             estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
          CUDA_SUCCESS;
 }

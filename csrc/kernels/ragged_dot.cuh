@@ -110,28 +110,34 @@
 // the instructions, commit, wait_group 0 (the slot is free at the next barrier). In balanced
 // mode a whole warpgroup skips its MMAs when its box lies past the piece's width.
 //
-// 8-bit weights (template argument TW = int8_t or __nv_fp8_e4m3; Tile WB = 1; kTma, mma.sync):
-// the same work list, tiles, split-K units, round robin and graph capture as the 16-bit
-// kernel; only the weight stream and the accumulation change. TMA brings each 64-column box
-// as [BK rows][64 B] (no swizzle; half the bytes of the 16-bit box, so a stage is ~half the
-// shared memory of the 16-bit one at the same BK). After the stage's mbarrier wait every
-// thread converts 16-byte pieces (16 weights) into the one dequantised buffer, laid out as
-// the 16-bit TMA tile (128-byte swizzle, w_off), exactly: int8 -> float -> T and e4m3 ->
-// f16 -> float -> T are exact for bf16 and f16 (|int8| <= 128 needs 8 significant bits; e4m3
-// has 4 and exponents 2^-9 .. 2^8); a block barrier, then the unchanged ldmatrix + mma.sync
-// path reads it. The MMAs accumulate the products of one 128-row K block of scales (BK
-// divides 128, so a stage lies in one block) into float32 tmp; at the block's end (or the
-// unit's) acc += s x tmp per column (one FFMA) and tmp = 0: s = 1 (scale_mode 0),
-// scale[g, n] (1), scale[g, k / 128, n / 128] (2) -- DeepGEMM's promotion of a float32
-// partial, exact up to float32 summation order for every mode (no rounding of w x s to 16
-// bits). The epilogue (split-K sums, swiglu, rounding once) is the 16-bit kernel's. The
-// design was chosen for correctness first: the conversion costs ALU work and one extra block
-// barrier per stage, and the dequantised buffer is read from shared memory as the 16-bit
-// kernel reads its stages; the weight bytes from HBM are halved. Measured (one H100,
-// docs/perf/ragged_dot.md "8-bit weights v1"): 2.5-4.1x the 8-bit bound, slower than the
-// 16-bit kernel on 16-bit weights (0.55-0.86x): the conversion (conversion units, serialised
-// with the MMAs by the barrier) bounds it, not the stream. Needs K % 16 == 0 and N % 16 == 0
-// (the map's 16-byte row stride; ragged_dot_check).
+// 8-bit weights (template argument TW = int8_t or __nv_fp8_e4m3; Tile WB = 1; kTma, mma.sync,
+// the per-count loop, round robin): the same work list, split-K units and graph capture as the
+// 16-bit kernel; the weight stream, the MMA operands and the accumulation change.
+//   Stream: TMA boxes of 128 columns (128 B) x BK rows, 128-byte swizzle (w8_off): half the
+//   bytes of the 16-bit stage at the same BN x BK.
+//   Operands, in registers (no dequantised copy in shared memory, no extra barrier): the mma's
+//   m16 rows are tile columns in a thread-owned order. A warp owns columns [col0, col0 + 16 MT)
+//   as before; thread (g = lane / 4, t = lane % 4) owns the 2 MT consecutive columns
+//   [w8c, w8c + 2 MT), w8c = col0 + 2 MT g, and byte b of them is m row g + 8 (b % 2) of
+//   m16 tile b / 2 (mcol). A k16 step reads, per weight, the thread's bytes of rows 2t, 2t + 1,
+//   2t + 8, 2t + 9 (one 32-bit load a row for MT 2, 16-bit for MT 1: conflict-free, w8_off),
+//   and w8_pair turns byte pairs of rows (2t, 2t + 1) and (2t + 8, 2t + 9) into the 16-bit
+//   pairs of the A fragment by integer and half-precision bit tricks, exactly (int8 -> T and
+//   e4m3 -> T are exact for bf16 and f16: |int8| <= 128 needs 8 significant bits; e4m3 has 4
+//   and exponents 2^-9 .. 2^8). The k order of the fragment is the mma's own, so the lhs
+//   rows' ldmatrix is unchanged.
+//   Accumulation: the MMAs of one 128-row K block of scales accumulate into float32 tmp
+//   (BK divides 128, so a stage lies in one block); at the block's end (or the unit's) acc +=
+//   s x tmp per column (one FFMA) and tmp = 0: s = 1 (scale_mode 0), scale[g, n] (1),
+//   scale[g, k / 128, n / 128] (2) -- DeepGEMM's promotion of a float32 partial, exact up to
+//   float32 summation order for every mode (no rounding of w x s to 16 bits). The epilogue
+//   (split-K sums, swiglu, rounding once) is the 16-bit kernel's, with the 8-bit column order
+//   (mcol). Needs K % 16 == 0 and N % 16 == 0 (the map's 16-byte row stride;
+//   ragged_dot_check).
+// History (docs/perf/ragged_dot.md "8-bit weights v1"): the first version converted each stage
+// into a 16-bit swizzled copy in shared memory behind a block barrier (conversion units:
+// I2F, f8 -> f16 -> f32 -> T) and ran the 16-bit ldmatrix path on it: 2.5-4.1x the 8-bit
+// bound, the conversion and its barrier the limit.
 //
 // Reduction of the split-K partials: deterministic, through distributed shared memory. Each
 // block writes its float32 partial [rows x BN] to its own shared memory; cluster barrier; block
@@ -144,8 +150,7 @@
 // blocks cost more than the balance it bought at the decode shapes: cuda/ragged_dot_family.cuh.)
 //
 // Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
-// (8-bit weights: W [BN/64][BK][64] bytes, then after the stages the dequantised 16-bit tile,
-// NW x [BN/64][BK][64] T swizzled) then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
+// (8-bit weights: W [BN/128][BK][128] bytes, swizzled) then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
 // istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
 // the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
 // rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
@@ -241,19 +246,19 @@ struct Tile {
   static constexpr int kWBytes = BK * kWStride * 2;
   static constexpr int kLBytes = R * kLStride * 2;
   static constexpr int kAlign = kTmaW ? 1024 : 16;  // TMA: 128-byte-swizzle atoms of 1 KB
-  // 8-bit weights (WB == 1): a stage holds the [BN / 64][BK][64] byte boxes as TMA brings
-  // them (kW8Box bytes a row); the 16-bit tile the MMAs read (kWBytes a weight) is one buffer
-  // after the stages (kDBytes), written by the dequantise step of each stage
+  // 8-bit weights (WB == 1): a stage holds the [BN / 128][BK][128] byte boxes as TMA brings
+  // them (128-byte swizzle), read by the MMA loop straight into registers (no other buffer)
   static constexpr bool kW8 = WB == 1;
   static constexpr int kWSBytes = kW8 ? BK * BN : kWBytes;  // one weight's tile in a stage
-  static constexpr int kDBytes = kW8 ? kNW * kWBytes : 0;
   static constexpr int kStageBytes = (kNW * kWSBytes + kLBytes + kAlign - 1) / kAlign * kAlign;
   static constexpr int kPBytes = kNW * R * kPStride * 4;
   // TMA: up to 1 KB to align the stages, and one 8-byte mbarrier per stage
-  static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes + kDBytes +
+  static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes +
                                kPBytes + 2 * (kMaxGroups + 1) * 4;
-  static_assert(WB == 2 || (WB == 1 && kTmaW && !kWg && 128 % BK == 0),
-                "8-bit weights: TMA, mma.sync, K steps within one 128-row scale block");
+  static_assert(WB == 2 || (WB == 1 && kTmaW && !kWg && 128 % BK == 0 && BN % 128 == 0 &&
+                            (MT == 1 || MT == 2) && (OPT & 3) == 2),
+                "8-bit weights: TMA boxes of 128 columns, mma.sync of 1 or 2 m16 tiles a warp, "
+                "the per-count loop, round robin, K steps within one 128-row scale block");
   static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
   static_assert(!kTmaW || (BN % 64 == 0 && BK <= 256), "TMA boxes of 64 columns, BK rows");
   static_assert(!kWg || (kTmaW && MT == 1 && R <= 64), "wgmma: TMA weights, a warpgroup a box");
@@ -364,38 +369,56 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float4 v
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// 8-bit weights: two of them (the low 16 bits of `two`, first in the low byte) as floats,
-// exactly (int8: |v| <= 128; e4m3 through its exact f16 conversion).
-template <class TW> __device__ __forceinline__ float2 w8_pair(uint32_t two);
-template <> __device__ __forceinline__ float2 w8_pair<int8_t>(uint32_t two) {
-  return make_float2(float(int8_t(two & 0xffu)), float(int8_t((two >> 8) & 0xffu)));
+// 8-bit weights straight into mma.sync A fragments (see "8-bit weights"). w8_prep: a loaded
+// word of four weights, before w8_pair (int8 with bf16: each byte + 128, i.e. x ^ 0x80, once per
+// word). w8_pair<T, TW>(a, b, J): the pair of T (low half: byte J of a, high half: byte J of b),
+// exactly (J a constant after unrolling: PRMT immediates).
+//   f16 x int8:  0x6400 | (byte ^ 0x80) is the f16 1024 + u (u = v + 128 < 1024: step 1), one
+//                LOP3 builds both halves; minus 1152 (HADD2) is v.
+//   bf16 x int8: 0x4B0000uu is the float 2^23 + u (FADD - (2^23 + 128) gives v exactly); v has
+//                at most 8 significant bits, so its bf16 is the float's high half (PRMT 0x7632).
+//   f16 x e4m3:  cvt.rn.f16x2.e4m3x2 (exact: f16 holds every e4m3 value).
+//   bf16 x e4m3: s.eeee.mmm -> s | eeeemmm << 4 is the bf16 whose value is v x 2^-120 for every
+//                v, subnormals included (bias 127 against 7; e4m3 subnormal m x 2^-9 lands on
+//                the bf16 subnormal m x 2^-129); x 2^120 (HMUL2, exact: a power of two, the
+//                result normal) gives v.
+template <class T, class TW> __device__ __forceinline__ uint32_t w8_prep(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && std::is_same_v<TW, int8_t>)
+    return w ^ 0x80808080u;
+  else
+    return w;
 }
-template <> __device__ __forceinline__ float2 w8_pair<__nv_fp8_e4m3>(uint32_t two) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<__half2*>(&h));
-}
-// two floats as a 16-bit pair of T (exact for the values above: bf16 and f16 hold every int8
-// and every e4m3 value)
-template <class T> __device__ __forceinline__ uint32_t pack2(float2 v);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float2 v) {
-  __nv_bfloat162 b = __floats2bfloat162_rn(v.x, v.y);
-  return *reinterpret_cast<uint32_t*>(&b);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float2 v) {
-  __half2 b = __floats2half2_rn(v.x, v.y);
-  return *reinterpret_cast<uint32_t*>(&b);
-}
-// 16 weights of 8 bits -> 16 of T: the first 8 in lo, the next 8 in hi
 template <class T, class TW>
-__device__ __forceinline__ void dequant16(uint4 raw, uint4& lo, uint4& hi) {
-  lo.x = pack2<T>(w8_pair<TW>(raw.x));
-  lo.y = pack2<T>(w8_pair<TW>(raw.x >> 16));
-  lo.z = pack2<T>(w8_pair<TW>(raw.y));
-  lo.w = pack2<T>(w8_pair<TW>(raw.y >> 16));
-  hi.x = pack2<T>(w8_pair<TW>(raw.z));
-  hi.y = pack2<T>(w8_pair<TW>(raw.z >> 16));
-  hi.z = pack2<T>(w8_pair<TW>(raw.w));
-  hi.w = pack2<T>(w8_pair<TW>(raw.w >> 16));
+__device__ __forceinline__ uint32_t w8_pair(uint32_t a, uint32_t b, int j) {
+  // bytes 0 and 1 of the result: byte j of a, byte j of b (2 and 3: the same again)
+  const uint32_t lo_hi = uint32_t(j) | (uint32_t(j + 4) << 4) | (uint32_t(j) << 8) |
+                         (uint32_t(j + 4) << 12);
+  // bytes 0 and 1: byte j of a; bytes 2 and 3: byte j of b (each 16-bit half holds its
+  // weight in both bytes; the conversions keep the byte they need and mask the other)
+  const uint32_t dup = uint32_t(j) | (uint32_t(j) << 4) | (uint32_t(j + 4) << 8) |
+                       (uint32_t(j + 4) << 12);
+  if constexpr (std::is_same_v<TW, int8_t> && std::is_same_v<T, __half>) {
+    const uint32_t x = (__byte_perm(a, b, dup) & 0x00ff00ffu) ^ 0x64806480u;
+    const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&x),
+                              __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else if constexpr (std::is_same_v<TW, int8_t>) {
+    const uint32_t sel = uint32_t(j) | (4u << 4) | (4u << 8) | (7u << 12);
+    const float fa = __uint_as_float(__byte_perm(a, 0x4B000000u, sel)) - 8388736.f;
+    const float fb = __uint_as_float(__byte_perm(b, 0x4B000000u, sel)) - 8388736.f;
+    return __byte_perm(__float_as_uint(fa), __float_as_uint(fb), 0x7632);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        __nv_fp8x2_storage_t(__byte_perm(a, b, lo_hi) & 0xffffu), __NV_E4M3);
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const uint32_t x = __byte_perm(a, b, dup);
+    const uint32_t y = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
+    const __nv_bfloat162 r =
+        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&y),
+                __nv_bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80)));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
 }
 
 // Exclusive prefix of v over the block, one element per thread per call (any block size that
@@ -491,6 +514,17 @@ __device__ __forceinline__ uint32_t w_off(int k, int n) {
     return uint32_t((k * Tl::kWStride + n) * 2);
 }
 
+// 8-bit weights: byte offset of weight (k row, n column) in a stage's tile of one weight: TMA
+// boxes of BK rows x 128 B, one per 128 columns, each 16-byte chunk c of row k stored at chunk
+// c ^ (k % 8) (128-byte swizzle; boxes 1 KB aligned). The MMA loop's loads (rows 2t, 2t + 1,
+// 2t + 8, 2t + 9 of a k16 step, 2 x MT bytes at column w8c) are then free of bank conflicts:
+// the four rows' XORs 2t differ in bits 1-2 of the chunk, the eight lanes' columns in the rest.
+template <int BK>
+__device__ __forceinline__ uint32_t w8_off(int k, int n) {
+  return uint32_t((n >> 7) * (BK * 128) + k * 128 + ((((n & 127) >> 4) ^ (k & 7)) << 4) +
+                  (n & 15));
+}
+
 // Calls f(std::integral_constant<int, n>) for the runtime n in [1, N] (nothing for other n).
 template <int N, class F>
 __device__ __forceinline__ void with_count(int n, F&& f) {
@@ -505,7 +539,7 @@ __device__ __forceinline__ void with_count(int n, F&& f) {
 
 template <class T, class TO, int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0,
           class TW = T>
-__global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThreads, 1)
+__global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     ragged_dot_kernel(const __grid_constant__ Params p, int cs) {
   using Tl = Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT, int(sizeof(TW))>;
   static_assert(sizeof(TW) == 2 ? std::is_same_v<TW, T> : Tl::kW8, "weights: T or 8 bits");
@@ -521,11 +555,9 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // TMA: the stages start on a 1 KB boundary (the 128-byte swizzle repeats every 8 rows x 128 B)
   unsigned char* smem = smem_raw + (kT ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
-  // 8-bit weights: the dequantised 16-bit tile (kDBytes; none for 16-bit weights)
-  unsigned char* const dq = smem + STAGES * Tl::kStageBytes;
-  float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes + Tl::kDBytes);
+  float* part = reinterpret_cast<float*>(smem + STAGES * Tl::kStageBytes);
   int* gstart =
-      reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kDBytes + Tl::kPBytes);
+      reinterpret_cast<int*>(smem + STAGES * Tl::kStageBytes + Tl::kPBytes);
   int* istart = gstart + (kMaxGroups + 1);
   // TMA: full[s], the mbarrier of slot s (8-byte aligned: the sections above are 16-byte)
   const uint32_t full0 = smem_u32(istart + (kMaxGroups + 1));
@@ -590,7 +622,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   if constexpr (kSplit) {
     TL = total_items % ncl;
     if (TL > 0 && TL <= p.counters_n) {
-      const float e = 98304.f / (float(K) * float(BN) * 2.f * float(Tl::kNW));
+      const float e = 98304.f / (float(K) * float(BN) * float(sizeof(TW)) * float(Tl::kNW));
       float best = 1.f;
       for (int k2 = 2; k2 <= p.ks_max && KT / k2 >= 4; ++k2) {
         const float c = float((TL * k2 + ncl - 1) / ncl) * (1.f / float(k2) + e);
@@ -692,17 +724,18 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     constexpr int kWChunks = BK * (BN / 8);
     const int nend = min(it.n0 + it.nw, N);
     if constexpr (kT) {
-      // boxes of 64 columns that hold columns of the item; rows past K and columns past N
+      // boxes (64 columns, 8-bit weights 128) that hold columns of the item; rows past K and
+      // columns past N
       // arrive as zeros (out of the map's bounds) and still count as box bytes
       if (tid == 0) {
-        const int nb = (nend - it.n0 + 63) / 64;
+        constexpr int kBoxC = Tl::kW8 ? 128 : 64;  // columns of one box (rows of 128 B)
+        const int nb = (nend - it.n0 + kBoxC - 1) / kBoxC;
         const uint32_t bar = full0 + 8 * (q % STAGES);
-        constexpr int kRowB = Tl::kW8 ? 64 : 128;  // bytes of one box row
-        mbar_expect_tx(bar, uint32_t(nb * BK * kRowB * Tl::kNW));
+        mbar_expect_tx(bar, uint32_t(nb * BK * 128 * Tl::kNW));
         for (int w = 0; w < Tl::kNW; ++w)
           for (int bx = 0; bx < nb; ++bx)
-            tma_3d(smem_u32(st + w * Tl::kWSBytes + bx * BK * kRowB), &p.tmap[w],
-                   it.n0 + bx * 64, k0, it.g, bar);
+            tma_3d(smem_u32(st + w * Tl::kWSBytes + bx * BK * 128), &p.tmap[w],
+                   it.n0 + bx * kBoxC, k0, it.g, bar);
       }
     } else {
 #pragma unroll
@@ -778,6 +811,12 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
   Cursor cc;
   first(cc);
   const int col0 = warp * MT * 16;  // this warp's first column in the tile
+  // the tile column of accumulator half h (0: elements 0, 1; 1: elements 2, 3) of m16 tile i:
+  // 16-bit weights, the ldmatrix fragment's m row (lane / 4 + 8 h); 8-bit weights, the
+  // thread's byte 2i + h of its columns (w8_col)
+  auto mcol = [&](int i, int h) {
+    return Tl::kW8 ? col0 + 2 * MT * (lane >> 2) + 2 * i + h : col0 + i * 16 + (lane >> 2) + 8 * h;
+  };
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
     if constexpr (Tl::kWg) wg::proxy_fence();  // this thread's lhs rows, before wgmma reads them
@@ -793,28 +832,9 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
     const int nrt = (cur.rows + 7) >> 3;
     const unsigned char* st = smem + (q % STAGES) * Tl::kStageBytes;
     const uint32_t lbase = smem_u32(st + Tl::kNW * Tl::kWSBytes);
-    // the 16-bit weight tile the MMAs read: the stage's (16-bit weights) or, for 8-bit
-    // weights, the stage's bytes converted (exactly) into the dequantised buffer, laid out as
-    // the 16-bit TMA tile (w_off); boxes past the item's columns are left as they were (their
-    // columns are never stored)
-    const unsigned char* wt = st;
-    if constexpr (Tl::kW8) {
-      const int nb = (min(cur.n0 + cur.nw, N) - cur.n0 + 63) / 64;
-      constexpr int kPieces = BK * 4;  // 16-byte pieces of one box
-      for (int c = tid; c < Tl::kNW * nb * kPieces; c += Tl::kThreads) {
-        const int w = c / (nb * kPieces), r = c - w * nb * kPieces;
-        const int bx = r / kPieces, kr = (r % kPieces) >> 2, pc = r & 3;
-        const uint4 raw = *reinterpret_cast<const uint4*>(st + w * Tl::kWSBytes + bx * BK * 64 +
-                                                          kr * 64 + pc * 16);
-        uint4 lo, hi;
-        dequant16<T, TW>(raw, lo, hi);
-        unsigned char* d = dq + w * Tl::kWBytes;
-        *reinterpret_cast<uint4*>(d + w_off<Tl, BK>(kr, bx * 64 + pc * 16)) = lo;
-        *reinterpret_cast<uint4*>(d + w_off<Tl, BK>(kr, bx * 64 + pc * 16 + 8)) = hi;
-      }
-      __syncthreads();
-      wt = dq;
-    }
+    // 8-bit weights: this thread's 2 x MT columns of the tile, [w8c, w8c + 2 MT) (see
+    // w8_col), bytes of one row in one load
+    const int w8c = col0 + 2 * MT * (lane >> 2);
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
       constexpr int NRT = decltype(nrt_c)::value;
@@ -823,13 +843,34 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
         uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w) {
-          const uint32_t wbase = smem_u32(wt + w * Tl::kWBytes);
+          if constexpr (Tl::kW8) {
+            // rows 2t, 2t + 1, 2t + 8, 2t + 9 of this k16 step (t = lane % 4), the thread's
+            // columns: A fragment i of tile i takes bytes 2i (m row g) and 2i + 1 (m row g + 8)
+            const unsigned char* wb = st + w * Tl::kWSBytes;
+            uint32_t r[4];
 #pragma unroll
-          for (int i = 0; i < MT; ++i) {
-            const int mi = lane >> 3, rr = lane & 7;
-            const int krow = kk * 16 + rr + ((mi >> 1) << 3);
-            const int ncol = col0 + i * 16 + ((mi & 1) << 3);
-            ldsm_x4_trans(a[w][i], wbase + w_off<Tl, BK>(krow, ncol));
+            for (int x = 0; x < 4; ++x) {
+              const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
+              const unsigned char* src = wb + w8_off<BK>(krow, w8c);
+              r[x] = w8_prep<T, TW>(MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
+                                            : uint32_t(*reinterpret_cast<const uint16_t*>(src)));
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              a[w][i][0] = w8_pair<T, TW>(r[0], r[1], 2 * i);
+              a[w][i][1] = w8_pair<T, TW>(r[0], r[1], 2 * i + 1);
+              a[w][i][2] = w8_pair<T, TW>(r[2], r[3], 2 * i);
+              a[w][i][3] = w8_pair<T, TW>(r[2], r[3], 2 * i + 1);
+            }
+          } else {
+            const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              const int mi = lane >> 3, rr = lane & 7;
+              const int krow = kk * 16 + rr + ((mi >> 1) << 3);
+              const int ncol = col0 + i * 16 + ((mi & 1) << 3);
+              ldsm_x4_trans(a[w][i], wbase + w_off<Tl, BK>(krow, ncol));
+            }
           }
         }
 #pragma unroll
@@ -862,7 +903,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
           uint32_t a[Tl::kNW][MT][4];
 #pragma unroll
           for (int w = 0; w < Tl::kNW; ++w) {
-            const uint32_t wbase = smem_u32(wt + w * Tl::kWBytes);
+            const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
               const int mi = lane >> 3, rr = lane & 7;
@@ -902,7 +943,7 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
           for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int n = cur.n0 + col0 + i * 16 + (lane >> 2) + 8 * h;
+              const int n = cur.n0 + mcol(i, h);
               float sv = 1.f;
               if (mode == 1) sv = n < N ? __ldg(sc + size_t(cur.g) * N + n) : 0.f;
               else if (mode == 2)
@@ -931,11 +972,11 @@ __global__ void __launch_bounds__(Tile<BN, BK, R, STAGES, MT, SWIGLU, OPT>::kThr
           for (int j = 0; j < R / 8; ++j) {
             if (j < nrt) {
               float* pw = part + w * R * Tl::kPStride;
-              const int row = j * 8 + 2 * (lane & 3), col = col0 + i * 16 + (lane >> 2);
-              pw[row * Tl::kPStride + col] = acc[w][i][j][0];
-              pw[(row + 1) * Tl::kPStride + col] = acc[w][i][j][1];
-              pw[row * Tl::kPStride + col + 8] = acc[w][i][j][2];
-              pw[(row + 1) * Tl::kPStride + col + 8] = acc[w][i][j][3];
+              const int row = j * 8 + 2 * (lane & 3), c0 = mcol(i, 0), c1 = mcol(i, 1);
+              pw[row * Tl::kPStride + c0] = acc[w][i][j][0];
+              pw[(row + 1) * Tl::kPStride + c0] = acc[w][i][j][1];
+              pw[row * Tl::kPStride + c1] = acc[w][i][j][2];
+              pw[(row + 1) * Tl::kPStride + c1] = acc[w][i][j][3];
             }
           }
       zero_acc();

@@ -130,13 +130,21 @@ static void run_case(const Case& c, uint64_t seed, const char* tag) {
   // lhs of order 1, or 1/127 where nothing scales int8 weights down (scale_mode 0): a product
   // of unscaled int8 weights overflows f16 (swiglu: ~1e6), which the kernel then rightly
   // rounds to inf
-  const float lmag = c.mode == 0 && c.wd == nvc::cuda::kWInt8 ? 1.f / 127.f : 1.f;
+  const float lmag = c.mode != 0 ? 1.f : c.wd == nvc::cuda::kWInt8 ? 1.f / 127.f : 1.f / 64.f;
   std::vector<uint16_t> lhs(size_t(c.m * c.k));
   for (auto& x : lhs) x = to16(c.dt, u(rng) * lmag);
-  // weights: int8 over the full range; e4m3 of order 1 (scaled below)
+  // weights: int8 over the full range; e4m3 of order 1 (scaled below), and one in eight any
+  // byte but NaN (every code: subnormals, -0, up to +-448; the in-register conversion's edges)
   std::vector<std::vector<uint8_t>> w(nw, std::vector<uint8_t>(size_t(g * c.k * c.n)));
+  std::uniform_int_distribution<int> byte(0, 255), eighth(0, 7);
   for (auto& v : w)
-    for (auto& x : v) x = to8(c.wd, c.wd == nvc::cuda::kWInt8 ? u(rng) * 127.f : u(rng) * 2.f);
+    for (auto& x : v) {
+      x = to8(c.wd, c.wd == nvc::cuda::kWInt8 ? u(rng) * 127.f : u(rng) * 2.f);
+      if (c.wd != nvc::cuda::kWInt8 && eighth(rng) == 0) {
+        const int b = byte(rng);
+        if ((b & 0x7f) != 0x7f) x = uint8_t(b);
+      }
+    }
   // scales: outputs of order 1
   const double wmag = c.wd == nvc::cuda::kWInt8 ? 127.0 : 1.0;
   const float base = float(1.0 / (wmag * std::sqrt(double(c.k))));

@@ -69,6 +69,12 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #ifndef NVC_W8_SWIGLU_BK
 #define NVC_W8_SWIGLU_BK 64
 #endif
+#ifndef NVC_W8_R64_BK
+#define NVC_W8_R64_BK 64
+#endif
+#ifndef NVC_W8_R64_STAGES
+#define NVC_W8_R64_STAGES 3
+#endif
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, false, TW, true> {
   using K = Kernel<T, TO, 256, NVC_W8_BK, 16, NVC_W8_STAGES, 2, false,
@@ -76,7 +82,8 @@ struct DefaultTile<T, TO, kRows16, false, TW, true> {
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows64, false, TW, true> {
-  using K = Kernel<T, TO, 256, 64, 64, 3, 2, false, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+  using K = Kernel<T, TO, 256, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, 2, false,
+                   o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, true, TW, true> {
@@ -86,7 +93,8 @@ struct DefaultTile<T, TO, kRows16, true, TW, true> {
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows64, true, TW, true> {
-  using K = Kernel<T, TO, 128, 64, 64, 3, 1, true, o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+  using K = Kernel<T, TO, 128, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, 1, true,
+                   o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 
 template <class T, class TO, int KIND, bool SW, class TW = T>

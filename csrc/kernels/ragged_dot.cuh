@@ -126,11 +126,13 @@
 //   e4m3 -> T are exact for bf16 and f16: |int8| <= 128 needs 8 significant bits; e4m3 has 4
 //   and exponents 2^-9 .. 2^8). The k order of the fragment is the mma's own, so the lhs
 //   rows' ldmatrix is unchanged.
-//   Accumulation: the MMAs of one 128-row K block of scales accumulate into float32 tmp
-//   (BK divides 128, so a stage lies in one block); at the block's end (or the unit's) acc +=
-//   s x tmp per column (one FFMA) and tmp = 0: s = 1 (scale_mode 0), scale[g, n] (1),
-//   scale[g, k / 128, n / 128] (2) -- DeepGEMM's promotion of a float32 partial, exact up to
-//   float32 summation order for every mode (no rounding of w x s to 16 bits). The epilogue
+//   Accumulation: the MMAs accumulate into float32 tmp; a promotion acc += s x tmp per column
+//   (one FFMA), tmp = 0, comes at the end of each 128-row K block of scales for scale_mode 2
+//   (s = scale[g, k / 128, n / 128]; BK divides 128, so a stage lies in one block: DeepGEMM's
+//   promotion of a float32 partial) and at the end of the unit for modes 0 (s = 1) and 1
+//   (s = scale[g, n], applied once). The stage that promotes loads its scales before its MMAs
+//   (their latency hidden behind them). Exact up to float32 summation order for every mode (no
+//   rounding of w x s to 16 bits). The epilogue
 //   (split-K sums, swiglu, rounding once) is the 16-bit kernel's, with the 8-bit column order
 //   (mcol). Needs K % 16 == 0 and N % 16 == 0 (the map's 16-byte row stride;
 //   ragged_dot_check).
@@ -835,6 +837,37 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     // 8-bit weights: this thread's 2 x MT columns of the tile, [w8c, w8c + 2 MT) (see
     // w8_col), bytes of one row in one load
     const int w8c = col0 + 2 * MT * (lane >> 2);
+    // 8-bit weights: whether this stage ends a promotion of tmp into acc (scale_mode 2: a
+    // 128-row K block of scales, or the unit; modes 0 and 1: the unit only, the per-column scale
+    // applied once), and the scales sv it applies, loaded here so that their latency hides
+    // behind the stage's MMAs: mode 0: 1; 1: scale[g, n]; 2: scale[g, k / 128, n / 128] (one
+    // value a weight: the thread's 2 MT columns lie in one 128-column block)
+    bool promote = false;
+    float sv[Tl::kNW][MT][2];
+    if constexpr (Tl::kW8) {
+      const int mode = p.scale_mode;
+      const int kstep = cc.kb + cc.step - 1;  // this stage's K step
+      promote = last_step || (mode == 2 && ((kstep + 1) * BK) % 128 == 0);
+      if (promote) {
+        const int KB = (K + 127) >> 7, NB = (N + 127) >> 7, kblk = (kstep * BK) >> 7;
+#pragma unroll
+        for (int w = 0; w < Tl::kNW; ++w) {
+          const float* sc = w == 0 ? p.scale : p.scale2;
+          const int nb = cur.n0 + w8c;
+          const float s2 = mode == 2 && nb < N
+                               ? __ldg(sc + (size_t(cur.g) * KB + kblk) * NB + (nb >> 7)) : 0.f;
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int n = cur.n0 + mcol(i, h);
+              sv[w][i][h] = mode == 0 ? 1.f
+                            : mode == 2 ? s2
+                            : n < N ? __ldg(sc + size_t(cur.g) * N + n) : 0.f;
+            }
+        }
+      }
+    }
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
       constexpr int NRT = decltype(nrt_c)::value;
@@ -930,33 +963,21 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     }
 
     if constexpr (Tl::kW8) {
-      // the end of a 128-row K block of scales, or of the unit: acc += scale x tmp per column
-      // (mode 0: 1; 1: scale[g, n]; 2: scale[g, k / 128, n / 128]), tmp zeroed
-      const int kstep = cc.kb + cc.step - 1;  // this stage's K step
-      if (last_step || ((kstep + 1) * BK) % 128 == 0) {
-        const int KB = (K + 127) >> 7, NB = (N + 127) >> 7, kblk = (kstep * BK) >> 7;
-        const int mode = p.scale_mode;
+      // the promotion (sv loaded before the MMAs): acc += sv x tmp per column, tmp zeroed
+      if (promote) {
 #pragma unroll
-        for (int w = 0; w < Tl::kNW; ++w) {
-          const float* sc = w == 0 ? p.scale : p.scale2;
+        for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
           for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int n = cur.n0 + mcol(i, h);
-              float sv = 1.f;
-              if (mode == 1) sv = n < N ? __ldg(sc + size_t(cur.g) * N + n) : 0.f;
-              else if (mode == 2)
-                sv = n < N ? __ldg(sc + (size_t(cur.g) * KB + kblk) * NB + (n >> 7)) : 0.f;
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
               for (int j = 0; j < R / 8; ++j)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                  acc[w][i][j][e] = fmaf(sv, tmp[w][i][j][e], acc[w][i][j][e]);
+                  acc[w][i][j][e] = fmaf(sv[w][i][h], tmp[w][i][j][e], acc[w][i][j][e]);
                   tmp[w][i][j][e] = 0.f;
                 }
-            }
-        }
       }
     }
 

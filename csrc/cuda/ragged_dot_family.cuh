@@ -66,6 +66,9 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #ifndef NVC_W8_SWIGLU_BN
 #define NVC_W8_SWIGLU_BN 256
 #endif
+#ifndef NVC_W8_SWIGLU_STAGES
+#define NVC_W8_SWIGLU_STAGES NVC_W8_STAGES
+#endif
 #ifndef NVC_W8_SWIGLU_BK
 #define NVC_W8_SWIGLU_BK 64
 #endif
@@ -87,7 +90,7 @@ struct DefaultTile<T, TO, kRows64, false, TW, true> {
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, true, TW, true> {
-  using K = Kernel<T, TO, NVC_W8_SWIGLU_BN, NVC_W8_SWIGLU_BK, 16, NVC_W8_STAGES,
+  using K = Kernel<T, TO, NVC_W8_SWIGLU_BN, NVC_W8_SWIGLU_BK, 16, NVC_W8_SWIGLU_STAGES,
                    NVC_W8_SWIGLU_BN / 128, true,
                    o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };

@@ -61,7 +61,7 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #define NVC_W8_BK 128
 #endif
 #ifndef NVC_W8_STAGES
-#define NVC_W8_STAGES 4
+#define NVC_W8_STAGES 5
 #endif
 #ifndef NVC_W8_SWIGLU_BN
 #define NVC_W8_SWIGLU_BN 256
@@ -72,26 +72,32 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #ifndef NVC_W8_SWIGLU_BK
 #define NVC_W8_SWIGLU_BK 64
 #endif
+#ifndef NVC_W8_MT
+#define NVC_W8_MT 2
+#endif
 #ifndef NVC_W8_R64_BK
-#define NVC_W8_R64_BK 64
+#define NVC_W8_R64_BK 128
 #endif
 #ifndef NVC_W8_R64_STAGES
 #define NVC_W8_R64_STAGES 3
 #endif
+#ifndef NVC_W8_R64_MT
+#define NVC_W8_R64_MT 2
+#endif
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, false, TW, true> {
-  using K = Kernel<T, TO, 256, NVC_W8_BK, 16, NVC_W8_STAGES, 2, false,
+  using K = Kernel<T, TO, 256, NVC_W8_BK, 16, NVC_W8_STAGES, NVC_W8_MT, false,
                    o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows64, false, TW, true> {
-  using K = Kernel<T, TO, 256, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, 2, false,
+  using K = Kernel<T, TO, 256, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, NVC_W8_R64_MT, false,
                    o::kSpecRows | o::kTma | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, true, TW, true> {
   using K = Kernel<T, TO, NVC_W8_SWIGLU_BN, NVC_W8_SWIGLU_BK, 16, NVC_W8_SWIGLU_STAGES,
-                   NVC_W8_SWIGLU_BN / 128, true,
+                   NVC_W8_MT * NVC_W8_SWIGLU_BN / 256, true,
                    o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
 };
 template <class T, class TO, class TW>

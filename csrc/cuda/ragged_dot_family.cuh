@@ -67,7 +67,7 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #define NVC_W8_SWIGLU_BN 256
 #endif
 #ifndef NVC_W8_SWIGLU_STAGES
-#define NVC_W8_SWIGLU_STAGES NVC_W8_STAGES
+#define NVC_W8_SWIGLU_STAGES 4
 #endif
 #ifndef NVC_W8_SWIGLU_BK
 #define NVC_W8_SWIGLU_BK 64

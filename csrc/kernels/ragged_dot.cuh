@@ -130,9 +130,11 @@
 //   (one FFMA), tmp = 0, comes at the end of each 128-row K block of scales for scale_mode 2
 //   (s = scale[g, k / 128, n / 128]; BK divides 128, so a stage lies in one block: DeepGEMM's
 //   promotion of a float32 partial) and at the end of the unit for modes 0 (s = 1) and 1
-//   (s = scale[g, n], applied once). The stage that promotes loads its scales before its MMAs
-//   (their latency hidden behind them). Exact up to float32 summation order for every mode (no
-//   rounding of w x s to 16 bits). The epilogue
+//   (s = scale[g, n], applied once). The scales come into the stage's shared memory by
+//   cp.async with its lhs rows, STAGES - 1 stages before their use (mode 2: [NW][BN / 128] every
+//   stage; mode 1: [NW][BN] at the unit's last stage; measured: a block scale read from global
+//   memory at the promotion cost an L2 round trip a stage, ~+0.3 x the bound). Exact up to
+//   float32 summation order for every mode (no rounding of w x s to 16 bits). The epilogue
 //   (split-K sums, swiglu, rounding once) is the 16-bit kernel's, with the 8-bit column order
 //   (mcol). Needs K % 16 == 0 and N % 16 == 0 (the map's 16-byte row stride;
 //   ragged_dot_check).
@@ -152,7 +154,7 @@
 // blocks cost more than the balance it bought at the decode shapes: cuda/ragged_dot_family.cuh.)
 //
 // Shared memory (dynamic, one block): STAGES x { W [BK][BN+8] T (x2 for swiglu), L [R][BK+8] T }
-// (8-bit weights: W [BN/128][BK][128] bytes, swizzled) then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
+// (8-bit weights: W [BN/128][BK][128] bytes, swizzled; after L the scales [NW][BN] float32) then P [NW][R][BN+4] float32 (NW = 2 for swiglu), then int32 gstart[kMaxGroups+1],
 // istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
 // the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
 // rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
@@ -252,7 +254,11 @@ struct Tile {
   // them (128-byte swizzle), read by the MMA loop straight into registers (no other buffer)
   static constexpr bool kW8 = WB == 1;
   static constexpr int kWSBytes = kW8 ? BK * BN : kWBytes;  // one weight's tile in a stage
-  static constexpr int kStageBytes = (kNW * kWSBytes + kLBytes + kAlign - 1) / kAlign * kAlign;
+  // 8-bit weights: the stage's scales after its lhs rows (see "8-bit weights"): [kNW][BN]
+  // float32 (scale_mode 1, the unit's last stage) or [kNW][BN / 128] (mode 2, every stage)
+  static constexpr int kSBytes = kW8 ? kNW * BN * 4 : 0;
+  static constexpr int kStageBytes =
+      (kNW * kWSBytes + kLBytes + kSBytes + kAlign - 1) / kAlign * kAlign;
   static constexpr int kPBytes = kNW * R * kPStride * 4;
   // TMA: up to 1 KB to align the stages, and one 8-byte mbarrier per stage
   static constexpr int kSmem = (kTmaW ? 1024 + STAGES * 8 : 0) + STAGES * kStageBytes +
@@ -297,6 +303,10 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool valid) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp16_pf(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
@@ -327,14 +337,6 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap* map, int
       " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
-}
-// A read-only global load issued where it is written (volatile: the compiler keeps it before
-// the MMAs that follow it, instead of sinking it to its use; measured: a sunk scale load cost
-// an L2 round trip a stage)
-__device__ __forceinline__ float ldg_early(const float* ptr) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
-  return v;
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -379,25 +381,19 @@ template <> __device__ __forceinline__ void store4<__half>(__half* dst, float4 v
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// 8-bit weights straight into mma.sync A fragments (see "8-bit weights"). w8_prep: a loaded
-// word of four weights, before w8_pair (int8 with bf16: each byte + 128, i.e. x ^ 0x80, once per
-// word). w8_pair<T, TW>(a, b, J): the pair of T (low half: byte J of a, high half: byte J of b),
-// exactly (J a constant after unrolling: PRMT immediates).
+// 8-bit weights straight into mma.sync A fragments (see "8-bit weights"). w8_pair<T, TW>(a, b,
+// J): the pair of T (low half: byte J of a, high half: byte J of b), exactly (J a constant after
+// unrolling: PRMT immediates); 3-5 integer / half-precision operations a pair.
 //   f16 x int8:  0x6400 | (byte ^ 0x80) is the f16 1024 + u (u = v + 128 < 1024: step 1), one
 //                LOP3 builds both halves; minus 1152 (HADD2) is v.
-//   bf16 x int8: 0x4B0000uu is the float 2^23 + u (FADD - (2^23 + 128) gives v exactly); v has
-//                at most 8 significant bits, so its bf16 is the float's high half (PRMT 0x7632).
+//   bf16 x int8: v = (v & 0x7f) - 128 s (s its sign bit): 0x4300 | (v & 0x7f) is the bf16
+//                128 + (v & 0x7f) (step 1 in [128, 256)), 0x4300 | (s << 7) is 128 + 128 s; their
+//                difference (HSUB2; both exact integers, the result has <= 8 bits) is v.
 //   f16 x e4m3:  cvt.rn.f16x2.e4m3x2 (exact: f16 holds every e4m3 value).
 //   bf16 x e4m3: s.eeee.mmm -> s | eeeemmm << 4 is the bf16 whose value is v x 2^-120 for every
 //                v, subnormals included (bias 127 against 7; e4m3 subnormal m x 2^-9 lands on
 //                the bf16 subnormal m x 2^-129); x 2^120 (HMUL2, exact: a power of two, the
 //                result normal) gives v.
-template <class T, class TW> __device__ __forceinline__ uint32_t w8_prep(uint32_t w) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && std::is_same_v<TW, int8_t>)
-    return w ^ 0x80808080u;
-  else
-    return w;
-}
 template <class T, class TW>
 __device__ __forceinline__ uint32_t w8_pair(uint32_t a, uint32_t b, int j) {
   // bytes 0 and 1 of the result: byte j of a, byte j of b (2 and 3: the same again)
@@ -413,10 +409,11 @@ __device__ __forceinline__ uint32_t w8_pair(uint32_t a, uint32_t b, int j) {
                               __half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
     return *reinterpret_cast<const uint32_t*>(&h);
   } else if constexpr (std::is_same_v<TW, int8_t>) {
-    const uint32_t sel = uint32_t(j) | (4u << 4) | (4u << 8) | (7u << 12);
-    const float fa = __uint_as_float(__byte_perm(a, 0x4B000000u, sel)) - 8388736.f;
-    const float fb = __uint_as_float(__byte_perm(b, 0x4B000000u, sel)) - 8388736.f;
-    return __byte_perm(__float_as_uint(fa), __float_as_uint(fb), 0x7632);
+    const uint32_t x = __byte_perm(a, b, dup);
+    const uint32_t lo7 = (x & 0x007f007fu) | 0x43004300u, sgn = (x & 0x00800080u) | 0x43004300u;
+    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&lo7),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&sgn));
+    return *reinterpret_cast<const uint32_t*>(&r);
   } else if constexpr (std::is_same_v<T, __half>) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
         __nv_fp8x2_storage_t(__byte_perm(a, b, lo_hi) & 0xffffu), __NV_E4M3);
@@ -782,6 +779,30 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
              lhs + (ok ? size_t(it.r0 + row) * K + k0 + col : 0), ok);
       }
     }
+    if constexpr (Tl::kW8) {
+      // the scales this stage's promotion applies, with its lhs rows (STAGES - 1 stages ahead
+      // of their use): mode 2, block scales [w][BN / 128] of K block k0 / 128, every stage;
+      // mode 1, the unit's column scales [w][BN] at its last stage (16 B a copy: N % 16 == 0)
+      const uint32_t sdst = ldst + Tl::kLBytes;
+      const int mode = p.scale_mode;
+      if (mode == 2) {
+        constexpr int kSB = BN / 128;
+        if (tid < Tl::kNW * kSB) {
+          const int w = tid / kSB, n = it.n0 + (tid % kSB) * 128;
+          const int KB = (K + 127) >> 7, NB = (N + 127) >> 7;
+          const float* sc = w == 0 ? p.scale : p.scale2;
+          const bool ok = n < N;
+          cp4(sdst + tid * 4, ok ? sc + (size_t(it.g) * KB + (k0 >> 7)) * NB + (n >> 7) : sc, ok);
+        }
+      } else if (mode == 1 && lc.step == lc.ke - lc.kb) {
+        for (int c = tid; c < Tl::kNW * (BN / 4); c += Tl::kThreads) {
+          const int w = c / (BN / 4), n = it.n0 + (c % (BN / 4)) * 4;
+          const float* sc = w == 0 ? p.scale : p.scale2;
+          const bool ok = n < N;
+          cp16(sdst + c * 16, ok ? sc + size_t(it.g) * N + n : sc, ok);
+        }
+      }
+    }
   };
 
   float acc[Tl::kNW][MT][R / 8][4];
@@ -851,31 +872,9 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     // behind the stage's MMAs: mode 0: 1; 1: scale[g, n]; 2: scale[g, k / 128, n / 128] (one
     // value a weight: the thread's 2 MT columns lie in one 128-column block)
     bool promote = false;
-    float sv[Tl::kNW][MT][2];
     if constexpr (Tl::kW8) {
-      const int mode = p.scale_mode;
       const int kstep = cc.kb + cc.step - 1;  // this stage's K step
-      promote = last_step || (mode == 2 && ((kstep + 1) * BK) % 128 == 0);
-      if (promote) {
-        const int KB = (K + 127) >> 7, NB = (N + 127) >> 7, kblk = (kstep * BK) >> 7;
-#pragma unroll
-        for (int w = 0; w < Tl::kNW; ++w) {
-          const float* sc = w == 0 ? p.scale : p.scale2;
-          const int nb = cur.n0 + w8c;
-          const float s2 = mode == 2 && nb < N
-                               ? ldg_early(sc + (size_t(cur.g) * KB + kblk) * NB + (nb >> 7))
-                               : 0.f;
-#pragma unroll
-          for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int n = cur.n0 + mcol(i, h);
-              sv[w][i][h] = mode == 0 ? 1.f
-                            : mode == 2 ? s2
-                            : n < N ? ldg_early(sc + size_t(cur.g) * N + n) : 0.f;
-            }
-        }
-      }
+      promote = last_step || (p.scale_mode == 2 && ((kstep + 1) * BK) % 128 == 0);
     }
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
@@ -894,8 +893,8 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
             for (int x = 0; x < 4; ++x) {
               const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
               const unsigned char* src = wb + w8_off<BK>(krow, w8c);
-              r[x] = w8_prep<T, TW>(MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
-                                            : uint32_t(*reinterpret_cast<const uint16_t*>(src)));
+              r[x] = MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
+                             : uint32_t(*reinterpret_cast<const uint16_t*>(src));
             }
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -972,8 +971,21 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     }
 
     if constexpr (Tl::kW8) {
-      // the promotion (sv loaded before the MMAs): acc += sv x tmp per column, tmp zeroed
+      // the promotion: acc += sv x tmp per column, tmp zeroed; sv from the stage's scales
       if (promote) {
+        const float* ss = reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes +
+                                                         Tl::kLBytes);
+        const int mode = p.scale_mode;
+        float sv[Tl::kNW][MT][2];
+#pragma unroll
+        for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              sv[w][i][h] = mode == 0   ? 1.f
+                            : mode == 2 ? ss[w * (BN / 128) + (w8c >> 7)]
+                                        : ss[w * BN + mcol(i, h)];
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll

@@ -337,6 +337,27 @@ def test_llm_examples_runs_under_nvc_jit(name):
     check_runs(case, f"llm-examples {name}")
 
 
+def test_llm_examples_quant_moe_products_ours():
+    """quant_moe=True: `_moe_gmm` writes `lax.ragged_dot(x_bf16, w.quant_int8, sizes) *
+    gathered scale`; under nvc.jit each of those mixed-dtype products (gate, up, down of every
+    MoE layer) is our 8-bit-weight call, explain lists it at that line, and the model's
+    results equal jax.jit's (and the float64 model's)."""
+    case, cfg = le_case("moe_quant_decode_bf16")
+    products = 3 * (cfg.num_layers - len(cfg.mlp_layer_idxs))
+    names = [t for t in OUR_TARGETS.findall(case.text) if "ragged_dot" in t]
+    assert len(names) == products and all(re.fullmatch(
+        r"nvc_(cuda_)?ragged_dot_w8(_nograph)?", t) for t in names), names
+    rows = [r for r in case.explanation.rows if r["op"] == "ragged_dot"]
+    assert [(r["became"], r["dtype"]) for r in rows] == [
+        ("ragged_dot_w8 (int8, no scale)", "bfloat16 x int8")] * products, rows
+    line = inspect.getsourcelines(le._moe_gmm)
+    gmm_lines = range(line[1], line[1] + len(line[0]))
+    for r in rows:
+        path, _, at = str(r["source"]).rpartition(":")
+        assert path.endswith("llm_examples_style.py") and int(at) in gmm_lines, r["source"]
+    check_runs(case, "llm-examples quant_moe")
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_llm_examples_rms_norm_fused_in_shard_map(dtype):
     """Its `rms_norm` (`gamma * x / sqrt(mean(f32(x) ** 2) + eps)`, the weight before the

@@ -12,7 +12,8 @@ Processes sharing one GPU have no NCCL (it refuses two ranks on one GPU), so the
 programs whose collectives are all ours can run: a model whose compiled program keeps an XLA
 collective prints SKIP naming those collectives (only with several processes on a GPU).
 
-    python tests/mp/public_styles_mp.py                                   # world 1 (GPU) or 8 CPU devices
+    python tests/mp/public_styles_mp.py              # world 1 on a GPU, or 8 CPU devices
+    python -m jax_nvcomm.launch -n 2 tests/mp/public_styles_mp.py   # CPU: one device a process
     python -m jax_nvcomm.launch -n 2 --share-gpu tests/mp/public_styles_mp.py
     python -m jax_nvcomm.launch -n 4 --share-gpu tests/mp/public_styles_mp.py
 """
@@ -96,12 +97,14 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
         with jax.set_mesh(mesh):
             j = nvc.jit(f)
             ours, xla = counts(j.lower(*args).compile().as_text())
-            line = f"{name}: W={W} {ours} of our calls, {len(xla)} XLA collectives"
+            kinds = ", ".join(f"{k} x{xla.count(k)}" for k in sorted(set(xla)))
+            line = f"{name}: W={W} {ours} of our calls, {len(xla)} XLA collectives" + \
+                   (f" ({kinds})" if xla else "")
             if xla and GPU and not SOLO:
                 # NCCL refuses ranks sharing a GPU: any XLA collective would fail here
                 say(line)
-                say(f"public_styles {name}: SKIP (XLA collectives left: "
-                    f"{', '.join(sorted(set(xla)))}; processes sharing a GPU have no NCCL)")
+                say(f"public_styles {name}: SKIP (XLA collectives left: {kinds}; processes "
+                    f"sharing a GPU have no NCCL)")
                 return None
             out = jax.tree.leaves(j(*args))[0]
             err = max_rel(out, ref_fn())
@@ -119,6 +122,8 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
             traceback.print_exc()
         say(f"{name}: error {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     say(f"public_styles {name}: {status}")
+    if ME != 0 and status != "PASS":   # process 0 speaks for all; a failure elsewhere too
+        print(f"[p{ME}] public_styles {name}: {status} on this process's shards", flush=True)
     return status == "PASS"
 
 

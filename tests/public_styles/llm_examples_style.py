@@ -156,19 +156,21 @@ _MOE = {"w_router": ("moe_e_up_embed", None),
         "we_down": ("moe_e_experts", "moe_e_down_ffw", "moe_e_down_embed")}
 
 
-def init_weights(key, cfg: Config):
-    """{"embedding", "gamma_final", "lm_head", "layers": [{attn..., ffw...}]} placed by the
-    rules on cfg.mesh (MoE weights int8 QuantArrays with `quant_moe`)."""
+def init_weights_host(key, cfg: Config):
+    """init_weights' values as numpy arrays, and the NamedSharding of each (two trees of the
+    same structure): the same in every process, made without a collective (call it outside a
+    mesh context); place them with `jax.make_array_from_callback` or `jax.device_put`."""
     d, h, q = cfg.embed, cfg.q_heads, cfg.head_dim
     keys = iter(jax.random.split(key, 8 + 16 * cfg.num_layers))
 
     def put(shape, logical, scale, dtype=None):
         host = np.asarray(jax.random.normal(next(keys), shape, jnp.float32)) * scale
         sh = jax.sharding.NamedSharding(cfg.mesh, logical_to_physical(logical, cfg.rules))
-        return jax.device_put(host.astype(dtype or cfg.dtype), sh)
+        return host.astype(dtype or cfg.dtype), sh
 
     def gamma(n, logical):
-        return put((n,), logical, 0.1) + jnp.ones((), cfg.dtype)
+        host, sh = put((n,), logical, 0.1)
+        return host + np.ones((), cfg.dtype), sh
 
     shapes = {"q": (d, h, q), "k": (d, h, q), "v": (d, h, q), "o": (h, q, d)}
     w = {"embedding": put((cfg.vocab_size, d), ("vocab_in", "act_embed"), 1.0),
@@ -194,16 +196,23 @@ def init_weights(key, cfg: Config):
                    "we_down": put((e, f, d), _MOE["we_down"], f ** -0.5)}
             if cfg.quant_moe:
                 for k in ("we_gate", "we_up", "we_down"):
-                    quant, scale = quantize(ffw[k], 1)
+                    host, sh = ffw[k]
+                    quant, scale = (np.asarray(a) for a in quantize(jnp.asarray(host), 1))
                     logical = _MOE[k]
-                    ffw[k] = QuantArray(
-                        jax.device_put(quant, ffw[k].sharding),
-                        jax.device_put(scale, jax.sharding.NamedSharding(
-                            cfg.mesh, logical_to_physical((logical[0], logical[2]),
-                                                          cfg.rules))))
+                    scale_sh = jax.sharding.NamedSharding(
+                        cfg.mesh, logical_to_physical((logical[0], logical[2]), cfg.rules))
+                    ffw[k] = QuantArray(quant, scale), QuantArray(sh, scale_sh)
             lp["ffw"] = ffw
         w["layers"].append(lp)
-    return w
+    pair = lambda a: isinstance(a, tuple) and len(a) == 2 and not isinstance(a[0], tuple)
+    return (jax.tree.map(lambda a: a[0], w, is_leaf=pair),
+            jax.tree.map(lambda a: a[1], w, is_leaf=pair))
+
+
+def init_weights(key, cfg: Config):
+    """{"embedding", "gamma_final", "lm_head", "layers": [{attn..., ffw...}]} placed by the
+    rules on cfg.mesh (MoE weights int8 QuantArrays with `quant_moe`)."""
+    return jax.tree.map(jax.device_put, *init_weights_host(key, cfg))
 
 
 # --------------------------------------------------------------------------- the model

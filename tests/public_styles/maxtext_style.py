@@ -88,7 +88,9 @@ def _param_table(cfg: Config):
             "wo": ((m, d), ("mlp", "embed"))}
 
 
-def init_params(key, cfg: Config, mesh):
+def init_params_host(key, cfg: Config, mesh):
+    """init_params' values as numpy arrays and the NamedSharding of each (two trees of the same
+    structure), made without a collective (call it outside a mesh context)."""
     table = _param_table(cfg)
     keys = iter(jax.random.split(key, len(table) * cfg.num_layers + 1))
 
@@ -98,11 +100,17 @@ def init_params(key, cfg: Config, mesh):
         else:
             fan_in = shape[0] if names[0] != "heads" else shape[0] * shape[1]
             host = np.asarray(jax.random.normal(next(keys), shape, jnp.float32)) * fan_in ** -.5
-        return jax.device_put(host.astype(cfg.weight_dtype),
-                              NamedSharding(mesh, logical_to_mesh_axes(names)))
+        return host.astype(cfg.weight_dtype), NamedSharding(mesh, logical_to_mesh_axes(names))
 
-    return {"decoder_norm": make((cfg.emb_dim,), ("norm",)),
-            "layers": [{n: make(*v) for n, v in table.items()} for _ in range(cfg.num_layers)]}
+    p = {"decoder_norm": make((cfg.emb_dim,), ("norm",)),
+         "layers": [{n: make(*v) for n, v in table.items()} for _ in range(cfg.num_layers)]}
+    pair = lambda a: isinstance(a, tuple)
+    return (jax.tree.map(lambda a: a[0], p, is_leaf=pair),
+            jax.tree.map(lambda a: a[1], p, is_leaf=pair))
+
+
+def init_params(key, cfg: Config, mesh):
+    return jax.tree.map(jax.device_put, *init_params_host(key, cfg, mesh))
 
 
 # --------------------------------------------------------------------------- layers

@@ -67,13 +67,26 @@ def _moe_mesh(mesh, ep_size):
                              axis_types=(AxisType.Explicit, AxisType.Explicit))
 
 
+class _Host(tuple):
+    """(numpy value, NamedSharding) of one weight; `+ 1` adds to the value."""
+
+    def __add__(self, one):
+        return _Host((self[0] + np.asarray(one, self[0].dtype), self[1]))
+
+
 def _normal(key, shape, dtype, sharding, scale):
     host = np.asarray(jax.random.normal(key, shape, jnp.float32) * scale)
-    return jax.device_put(host.astype(dtype), sharding)
+    return _Host((host.astype(dtype), sharding))
 
 
 def init_params(key, cfg: Config, mesh):
     """The weights as the modules hold them, each placed with its layer's sharding."""
+    return jax.tree.map(jax.device_put, *init_params_host(key, cfg, mesh))
+
+
+def init_params_host(key, cfg: Config, mesh):
+    """init_params' values as numpy arrays and the NamedSharding of each (two trees of the same
+    structure), made without a collective (call it outside a mesh context)."""
     ns = lambda *spec: NamedSharding(mesh, P(*spec))
     moe_mesh = _moe_mesh(mesh, cfg.ep_size)
     ms = lambda *spec: NamedSharding(moe_mesh, P(*spec))
@@ -107,7 +120,9 @@ def init_params(key, cfg: Config, mesh):
             lp["up_proj"] = _normal(next(keys), (H, F), wd, ns(None, "tensor"), H ** -0.5)
             lp["down_proj"] = _normal(next(keys), (F, H), wd, ns("tensor", None), F ** -0.5)
         p["layers"].append(lp)
-    return p
+    pair = lambda a: isinstance(a, _Host)
+    return (jax.tree.map(lambda a: a[0], p, is_leaf=pair),
+            jax.tree.map(lambda a: a[1], p, is_leaf=pair))
 
 
 # --------------------------------------------------------------------------- layers

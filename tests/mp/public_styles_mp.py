@@ -16,10 +16,17 @@ collective prints SKIP naming those collectives (only with several processes on 
     python -m jax_nvcomm.launch -n 2 tests/mp/public_styles_mp.py   # CPU: one device a process
     python -m jax_nvcomm.launch -n 2 --share-gpu tests/mp/public_styles_mp.py
     python -m jax_nvcomm.launch -n 4 --share-gpu tests/mp/public_styles_mp.py
+    python tests/mp/public_styles_mp.py --time       # + loop time per call, jax.jit vs nvc.jit
+
+--time (one process only): each model's call time under jax.jit and under nvc.jit, the same
+inputs called 20 times back to back then one wait, median of 9 runs, the two taking turns
+model by model; the ratio nvc.jit / jax.jit per model and the worst. A loop-level number
+(Python dispatch included, which at these small sizes may be most of it).
 """
 import os
 import re
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -77,6 +84,24 @@ def place(host, shardings):
 
 REP = jax.sharding.PartitionSpec()
 
+# --time (world 1): each model's call time under jax.jit and nvc.jit, loop level (the same
+# inputs called `calls` times back to back, then one wait; median over `reps` runs, the two
+# functions taking turns run by run)
+TIME = "--time" in sys.argv
+TIMES = []
+
+
+def loop_us(fn, args, calls=20, reps=9):
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            r = fn(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t) / calls * 1e6)
+    return float(np.median(out))
+
 
 def max_rel(out, ref):
     """max |out - ref| / max |ref| over this process's shards of `out`."""
@@ -111,10 +136,16 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
             line += f"; vs float64 rel {err:.2e}"
             ok = err <= tol
             if SOLO:
-                want = jax.tree.leaves(jax.jit(f)(*args))[0]
+                jj = jax.jit(f)
+                want = jax.tree.leaves(jj(*args))[0]
                 d = max_rel(out, np.asarray(jax.device_get(want)).astype(np.float64))
                 line += f"; vs jax.jit rel {d:.2e}"
                 ok &= d <= (3e-2 if low else 1e-5)
+                if TIME:
+                    tj, tn = loop_us(jj, args), loop_us(j, args)
+                    TIMES.append((name, tj, tn))
+                    line += f"; loop us per call jax.jit {tj:.1f}, nvc.jit {tn:.1f} " \
+                            f"(ratio {tn / tj:.3f})"
         say(line)
         status = "PASS" if ok else "FAIL"
     except Exception as e:  # noqa: BLE001 - reported as this model's FAIL
@@ -187,4 +218,8 @@ for dt in (jnp.bfloat16, jnp.float32):
 nvc.close_all()
 ran = [r for r in results if r is not None]
 say(f"public_styles: {sum(ran)} of {len(ran)} PASS, {len(results) - len(ran)} SKIP")
+if TIMES:
+    name, tj, tn = max(TIMES, key=lambda r: r[2] / r[1])
+    say(f"public_styles --time: worst nvc.jit / jax.jit loop time {tn / tj:.3f} ({name}); "
+        f"median over models {float(np.median([r[2] / r[1] for r in TIMES])):.3f}")
 sys.exit(0 if all(ran) else 1)

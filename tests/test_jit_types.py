@@ -117,6 +117,35 @@ def test_gradients_equal_jax_jit(rng, style, dtype):
         assert _fused_calls(text) == 2 * cfg.layers
 
 
+def test_fused_residual_is_jax_jits_bit_for_bit(rng):
+    """A row-parallel product by type, the residual add and an RMSNorm in bf16: the residual
+    nvc.jit returns is jax.jit's bit for bit (XLA rounds the all-reduce's float32 sum, then the
+    add), the norm within one rounding of it (the kernel norms the float32 r). A last-bit
+    difference in the residual is enough to flip a top-k router fed by the norm."""
+    from jax_nvcomm.models.typed_decoder import rms_norm
+    mesh = explicit_mesh((2, 4), ("data", "tensor"))
+    dtype = jnp.bfloat16
+
+    def f(x, w, res, g):
+        h = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), out_sharding=P("data", None))
+        r = h + res
+        return rms_norm(r, g, 1e-6), r
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(rng.normal(size=(64, 1024)), dtype),
+                           NamedSharding(mesh, P("data", "tensor")))
+        w = jax.device_put(jnp.asarray(rng.normal(size=(1024, 512)) / 32, dtype),
+                           NamedSharding(mesh, P("tensor", None)))
+        res = jax.device_put(jnp.asarray(rng.normal(size=(64, 512)), dtype),
+                             NamedSharding(mesh, P("data", None)))
+        g = jnp.asarray(1 + 0.1 * rng.normal(size=(512,)), jnp.float32)
+        assert _fused_calls(nvc.jit(f).lower(x, w, res, g).compile().as_text()) == 1
+        (n, r), (n0, r0) = nvc.jit(f)(x, w, res, g), jax.jit(f)(x, w, res, g)
+        np.testing.assert_array_equal(np.asarray(r, np.float32), np.asarray(r0, np.float32))
+        np.testing.assert_allclose(np.asarray(n, np.float64), np.asarray(n0, np.float64),
+                                   rtol=2.0 ** -7, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch,seq", [(8, 1), (2, 64)])
 def test_maxtext_style_auto_axes_fused(rng, dtype, batch, seq):

@@ -275,7 +275,7 @@ def explain(fun, *args, **kwargs) -> Explanation:
                          stack=()))
     devices = getattr(getattr(lowered, "_lowering", None), "_device_list", None)
     ids = [d.id for d in devices] if devices is not None else None
-    closed = jitted._trace(args, kwargs)[0]  # products sharded by type that were not cut
+    closed = jitted._p()._trace(args, kwargs)[0]  # products sharded by type not cut
     rows.extend(_regions.annotate(
         hlo_collectives(text, ids, _meshes(sites, args, kwargs, lowered), sites), closed))
     return Explanation(rows, text)

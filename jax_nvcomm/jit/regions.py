@@ -69,6 +69,7 @@ class Region:
     drop: int | None = None       # ... and its reshard's eqn index (neither emitted)
     inputs: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
+    consts: list = dataclasses.field(default_factory=list)  # eqns made again in the body
 
 
 def _concrete(abstract):
@@ -119,9 +120,29 @@ def _bind(eqn, invals, params=None, body=False):
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     ctx = contextlib.nullcontext() if body else eqn.ctx.manager
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          ctx):
+          ctx, _typed_mesh(eqn, body)):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _typed_mesh(eqn, body):
+    """The avals' mesh as the context mesh where the equation recorded the same mesh with other
+    axis types (a transpose made under jax.grad records Auto axes for Explicit-typed values,
+    which binding it again refuses); no change otherwise."""
+    rec = eqn.ctx.cur_abstract_mesh
+    if body or rec is None or rec.empty:
+        return contextlib.nullcontext()
+    for v in list(eqn.outvars) + list(eqn.invars):
+        s = _sh.sharding_of(getattr(v, "aval", None))
+        if s is None:
+            continue
+        m = s.mesh
+        if tuple(m.axis_names) == tuple(rec.axis_names) and \
+                tuple(m.axis_sizes) == tuple(rec.axis_sizes) and \
+                tuple(m.axis_types) != tuple(rec.axis_types):
+            return mesh_lib.use_abstract_mesh(m)
+        break
+    return contextlib.nullcontext()
 
 
 def _inlined(jaxpr, consts, args):
@@ -174,12 +195,40 @@ def _joinable(eqn, inside: set, axes: frozenset, known: dict) -> bool:
         return spec is not None and not any(set(_sh.spec_axes(e)) & axes for e in spec)
     if name not in LOCAL or _sh.psum_axes(eqn) is not None:
         return False  # (a sum needing its own all-reduce starts a region of its own)
+    if len({_mesh_types(v) for v in list(eqn.invars) + list(eqn.outvars)} - {None}) > 1:
+        return False  # (a reshard onto other axis types, as jax.grad's transposes write:
+        #               the body's mesh would retype its result)
     for v in list(eqn.invars) + list(eqn.outvars):
         if isinstance(v, core.Literal) or v in inside:
             continue
         if _axes(v, known) & axes:
             return False
     return not any(_axes(v, known) & axes for v in eqn.outvars)
+
+
+def _mesh_types(v):
+    s = _sh.sharding_of(getattr(v, "aval", None))
+    return None if s is None else tuple(s.mesh.axis_types)
+
+
+_FROM_LITERALS = ("broadcast_in_dim", "convert_element_type", "reshape")
+
+
+def _from_literals(eqns, made_by, v, depth=0) -> list:
+    """The eqns (in order) that make v from literals alone through broadcasts, converts and
+    reshapes (`jnp.zeros_like(...).reshape(...)`); [] when v is not made so."""
+    k = made_by.get(v)
+    if k is None or depth > 4 or eqns[k].primitive.name not in _FROM_LITERALS:
+        return []
+    chain = []
+    for a in eqns[k].invars:
+        if isinstance(a, core.Literal):
+            continue
+        sub = _from_literals(eqns, made_by, a, depth + 1)
+        if not sub:
+            return []
+        chain.extend(sub)
+    return chain + [k]
 
 
 def plan(jaxpr) -> tuple[list, list]:
@@ -251,7 +300,12 @@ def plan(jaxpr) -> tuple[list, list]:
                 if k == reg.start and j == 0 and reg.table is not None:
                     continue
                 if isinstance(v, core.Var) and v not in made and v not in seen:
-                    seen.append(v)
+                    chain = _from_literals(eqns, made_by, v)
+                    if chain:  # (a zero mean: the matcher sees it as the literal it is)
+                        reg.consts.extend(k2 for k2 in chain if k2 not in reg.consts)
+                        made.update(o for k2 in chain for o in eqns[k2].outvars)
+                    else:
+                        seen.append(v)
         reg.inputs = seen
         used_after = set(v for v in jaxpr.outvars if isinstance(v, core.Var))
         for k, e in enumerate(eqns):
@@ -320,6 +374,10 @@ def _emit(reg, jaxpr, read):
         if reg.gather_dim is not None:
             (x,) = args
             return (lax.all_gather(x, reg.axes[0], axis=reg.gather_dim, tiled=True),)
+        for k in reg.consts:
+            e = eqns[k]
+            env.update(zip(e.outvars, _bind(e, [rd(v) for v in e.invars],
+                                            _params_inside(e.params), body=True)))
         for k in reg.members:
             e = eqns[k]
             if e.primitive.name == "sharding_constraint":  # stated again where it leaves

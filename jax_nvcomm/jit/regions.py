@@ -120,29 +120,9 @@ def _bind(eqn, invals, params=None, body=False):
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     ctx = contextlib.nullcontext() if body else eqn.ctx.manager
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          ctx, _typed_mesh(eqn, body)):
+          ctx):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _typed_mesh(eqn, body):
-    """The avals' mesh as the context mesh where the equation recorded the same mesh with other
-    axis types (a transpose made under jax.grad records Auto axes for Explicit-typed values,
-    which binding it again refuses); no change otherwise."""
-    rec = eqn.ctx.cur_abstract_mesh
-    if body or rec is None or rec.empty:
-        return contextlib.nullcontext()
-    for v in list(eqn.outvars) + list(eqn.invars):
-        s = _sh.sharding_of(getattr(v, "aval", None))
-        if s is None:
-            continue
-        m = s.mesh
-        if tuple(m.axis_names) == tuple(rec.axis_names) and \
-                tuple(m.axis_sizes) == tuple(rec.axis_sizes) and \
-                tuple(m.axis_types) != tuple(rec.axis_types):
-            return mesh_lib.use_abstract_mesh(m)
-        break
-    return contextlib.nullcontext()
 
 
 def _inlined(jaxpr, consts, args):

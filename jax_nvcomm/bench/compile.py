@@ -20,10 +20,11 @@ import time
 
 def add_arguments(s):
     """The flags of `bench compile`."""
-    s.add_argument("--layers", type=int, default=2, help="decoder layers per model (2)")
-    s.add_argument("--hidden", type=int, default=512, help="hidden size (512)")
-    s.add_argument("--reps", type=int, default=3, help="timed repetitions per row (3)")
-    s.add_argument("--styles", default="sglang,einsum", help="models: sglang,einsum")
+    s.add_argument("--layers", type=int, default=2, help="decoder layers per model (default 2)")
+    s.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions per row (default 3)")
+    s.add_argument("--styles", default="sglang,einsum",
+                   help="models, comma-separated (default: sglang,einsum)")
     s.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
 
 

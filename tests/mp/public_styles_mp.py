@@ -54,32 +54,36 @@ def counts(text):
     return len(ours), len(xla)
 
 
-def max_rel(out, ref):
-    """max |out - ref| / max |ref| over this process's shards of `out`."""
+def max_rel(out, ref, keep=None):
+    """max |out - ref| / max |ref| over this process's shards of `out` (where `keep`, a bool
+    array of out's shape, is True)."""
     err = 0.0
     for s in out.addressable_shards:
         got = np.asarray(s.data).astype(np.float64)
-        err = max(err, float(np.abs(got - ref[s.index]).max()))
+        d = np.abs(got - ref[s.index])
+        err = max(err, float((d if keep is None else d * keep[s.index]).max(initial=0.0)))
     return err / max(float(np.abs(ref).max()), 1e-30)
 
 
-def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
-    """ref_dtype: the precision the model computes in, where lower than its dtype's."""
+def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None, keep_fn=None):
+    """ref_dtype: the precision the model computes in, where lower than its dtype's; keep_fn:
+    () -> the output's elements compared (tokens whose MoE routing is decided)."""
     tol = 1e-4 if (ref_dtype or dtype) == jnp.float32 else 3e-2
     try:
         with jax.set_mesh(mesh):
             j = nvc.jit(f)
             out = jax.tree.leaves(j(*args))[0]
             ours, xla = counts(j.lower(*args).compile().as_text())
-            err = max_rel(out, ref_fn())
+            keep = None if keep_fn is None else keep_fn()
+            err = max_rel(out, ref_fn(), keep)
             line = f"{name}: W={W} {ours} of our calls, {xla} XLA collectives; vs float64 " \
                    f"rel {err:.2e}"
             ok = err <= tol
             if SOLO:
                 want = jax.tree.leaves(jax.jit(f)(*args))[0]
-                d = max_rel(out, np.asarray(jax.device_get(want)).astype(np.float64))
+                d = max_rel(out, np.asarray(jax.device_get(want)).astype(np.float64), keep)
                 line += f"; vs jax.jit rel {d:.2e}"
-                ok &= d <= (1e-5 if dtype == jnp.float32 else 3e-2)
+                ok &= d <= (1e-5 if (ref_dtype or dtype) == jnp.float32 else 3e-2)
         say(line)
     except Exception as e:  # noqa: BLE001 - reported as this model's FAIL
         if ME == 0:
@@ -104,6 +108,23 @@ def sglang(moe, dtype):
                lambda: sg.dense_reference(params, ids, cfg), dtype)
 
 
+NEAR_TIE = 2.0 ** -5   # as tests/test_public_styles.py: a router-score gap within the rounding
+
+
+def decided(tok, seg, weights, cfg, shape):
+    """(the float64 logits, a 0/1 array of their shape: the tokens whose output no near-tied
+    routing reaches: not one of this token's MoE layers, nor one of an earlier token's before
+    the last layer (causal attention carries it on); a near tie is either expert)."""
+    margins = []
+    ref = le.dense_reference(tok, seg, weights, cfg, margins=margins)
+    ties = [m < NEAR_TIE for m in margins]
+    last = ties.pop() if (cfg.num_layers - 1) not in cfg.mlp_layer_idxs else False
+    earlier = np.any(ties, axis=0) if ties else np.zeros(shape[:2], bool)
+    reached = np.logical_or.accumulate(earlier, axis=1) | last  # (the last layer's: its own)
+    say(f"  {int((~reached).sum())} of {reached.size} tokens with decided routing compared")
+    return ref, np.broadcast_to((~reached)[..., None], shape).astype(np.float64)
+
+
 def llm_examples(dense, dtype):
     mesh = le.make_mesh()
     cfg = le.Config(mesh=mesh, dtype=dtype, mlp_layer_idxs=(0, 1) if dense else (),
@@ -113,10 +134,26 @@ def llm_examples(dense, dtype):
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         tok = jax.device_put((np.arange(16, dtype=np.int32).reshape(2, 8) * 31) % 511 + 1, rep)
         seg = jax.device_put(np.ones((2, 8), np.int32), rep)
+    ref, keep = decided(tok, seg, weights, cfg, (2, 8, cfg.vocab_size))
     return run(f"llm_examples_{'dense' if dense else 'moe'}_{jnp.dtype(dtype).name}", mesh,
                lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights),
-               lambda: le.dense_reference(tok, seg, weights, cfg), dtype,
-               ref_dtype=jnp.bfloat16)   # its rms_norm returns bfloat16 always
+               lambda: ref, dtype, ref_dtype=jnp.bfloat16,   # its rms_norm returns bfloat16
+               keep_fn=lambda: keep)
+
+
+def llm_examples_moe_prefill():
+    """One MoE layer at prefill (64 tokens, bf16), the tokens with decided routing."""
+    mesh = le.make_mesh()
+    cfg = le.Config(mesh=mesh, num_layers=1, dtype=jnp.bfloat16, moe_num_experts=max(8, W))
+    with jax.set_mesh(mesh):
+        weights = le.init_weights(jax.random.key(7), cfg)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        tok = jax.device_put((np.arange(64, dtype=np.int32).reshape(1, 64) * 29) % 511 + 1, rep)
+        seg = jax.device_put(np.ones((1, 64), np.int32), rep)
+    ref, keep = decided(tok, seg, weights, cfg, (1, 64, cfg.vocab_size))
+    return run("llm_examples_moe_prefill_bfloat16", mesh,
+               lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights), lambda: ref,
+               jnp.bfloat16, keep_fn=lambda: keep)
 
 
 def nnx(form, dtype):
@@ -146,6 +183,7 @@ for dt in (jnp.bfloat16, jnp.float32):
     results += [nnx("shard_map", dt), nnx("annotated", dt), maxtext(dt),
                 sglang(False, dt), sglang(True, dt), llm_examples(True, dt),
                 llm_examples(False, dt)]
+results.append(llm_examples_moe_prefill())
 nvc.close_all()
 say(f"public_styles: {sum(results)} of {len(results)} PASS")
 sys.exit(0 if all(results) else 1)

@@ -108,6 +108,36 @@ def test_fused_matches_reference(comms, rng, world, dtype, strategy, tokens, hid
         assert rel_err(got_n, rms_ref(rr, f64(w), eps)) < 2 * tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_fused_rounds_the_sum_before_the_residual_add(comms, rng, dtype):
+    """The fused call's new residual is bitwise `lax.psum(x) + residual` in x's dtype: the sum
+    (float32, rank order) rounded to the dtype, then the add rounded again (the documented
+    semantics, the CUDA kernels' and XLA:CPU's for bfloat16). Rounding once after the add differs in the last bit of ~1 element in 10, and a
+    top-k router after the norm can turn such a bit into another expert."""
+    c = comms[8]
+    tokens, hidden = 16, 512
+    x = jnp.asarray(rng.standard_normal((8 * tokens, hidden)), dtype)
+    res = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal((hidden,)), dtype)
+
+    def fused(v, r, ww):
+        return nvc.all_reduce_rms_norm(v, r, ww, c, eps=1e-6)[1]
+
+    def plain(v, r):
+        return lax.psum(v, "x") + r
+
+    got = run_sharded(fused, c.mesh, (P("x"), P(), P()), P(), x, res, w)
+    want = run_sharded(plain, c.mesh, (P("x"), P()), P(), x, res)
+    acc = np.zeros((tokens, hidden), np.float32)
+    for part in np.asarray(x, np.float32).reshape(8, tokens, hidden):
+        acc = acc + part
+    emulated = jnp.asarray(np.asarray(jnp.asarray(acc, dtype), np.float32)
+                           + np.asarray(res, np.float32), dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(emulated, np.float32))
+    if dtype == jnp.bfloat16:  # XLA:CPU sums bf16 so too (float16 it sums in float16)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_hidden_16384_and_capacity(rng):
     """Largest hidden in the contract; tokens at the capacity of max_message_bytes."""
     mesh = mesh1d(4)

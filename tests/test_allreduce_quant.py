@@ -67,12 +67,16 @@ def test_matches_reference(comms, rng, world, dtype, strategy, tokens, hidden):
     np.testing.assert_array_equal(ro.view(np.uint8), ro2.view(np.uint8))
     parts = f64(x).reshape(world, tokens, hidden)
     res64 = f64(res).reshape(world, tokens, hidden)
-    # the "xla" strategy adds the residual to lax.psum(x), rounded to x.dtype (the reference
-    # takes that sum from lax.psum); the host protocol sums in float32
+    # every strategy adds the residual to the sum rounded to x.dtype: the "xla" strategy to
+    # lax.psum(x) (the reference takes it from lax.psum), the kernels to their float32 sum in
+    # rank order rounded (XLA:CPU sums float16 in float16: another rounding)
     xla = (strategy if strategy != "auto" else
            nvc.select_strategy(c, (tokens, hidden), dtype,
                                op="all_reduce_rms_norm_quant")) == "xla"
-    sums = f64(psum[0]) if xla else parts.sum(0)
+    acc = np.zeros((tokens, hidden), np.float32)
+    for part in np.asarray(jnp.asarray(x, jnp.float32)).reshape(world, tokens, hidden):
+        acc = acc + part
+    sums = f64(psum[0]) if xla else f64(jnp.asarray(acc, dtype))
     for rank in range(world):
         r64 = sums + res64[rank]
         n64 = r64 / np.sqrt(np.mean(r64 * r64, -1, keepdims=True) + eps) * f64(w)

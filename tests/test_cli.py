@@ -56,8 +56,8 @@ def test_bench_help_describes_every_subcommand_and_flag():
     assert _undescribed(p) == []
     sub = _subcommands(p)
     listed = {a.dest: a.help for a in sub._choices_actions}
-    assert set(listed) == set(sub.choices) == {"allreduce", "moe", "moelayer", "varlen", "ragged",
-                                               "step", "inline"}
+    assert set(listed) == set(sub.choices) == {"allreduce", "compile", "moe", "moelayer",
+                                               "varlen", "ragged", "step", "inline"}
     for name, parser in sub.choices.items():
         assert listed[name], f"bench {name}: no line in the list of subcommands"
         assert parser.description and f"bench {name}" in parser.description, name

@@ -1,7 +1,8 @@
 """The README's first ```python block (its quickstart) runs as written, in a fresh process
 outside the checkout, on the 8 CPU devices it asks for, and prints what the README says it
-prints: the custom call of our fused kernel in the nvc.jit program, agreement with jax.jit of
-the same lax code, and explain's account of the psum."""
+prints: the custom call of our fused kernel in the nvc.jit program of a product sharded by type
+(the all-reduce XLA would insert, fused with the add and the RMSNorm), the output's sharding as
+jax.jit's, agreement with jax.jit of the same code, and explain's account of the all-reduce."""
 from __future__ import annotations
 
 import os
@@ -26,10 +27,11 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     assert "all_reduce_rms_norm (oneshot)" in out.stdout, out.stdout           # explain's row
     assert ("1 collectives: 1 on jax_nvcomm's kernels (1 fused with add + RMSNorm), 0 XLA's"
             in out.stdout), out.stdout
-    err = float(re.search(r"max \|ours - lax\|: (\S+)", out.stdout).group(1))
+    assert "sharding: P('data', None) as jax.jit's: True" in out.stdout, out.stdout
+    err = float(re.search(r"max \|ours - xla\|: (\S+)", out.stdout).group(1))
     assert err < 1e-4
     # the README shows this output
     readme = (ROOT / "README.md").read_text()
     for line in out.stdout.splitlines()[:1]:
         assert line in readme, line
-    assert "max |ours - lax|: " in readme
+    assert "max |ours - xla|: " in readme

@@ -60,9 +60,11 @@ std::string all_reduce(const CommView& v, const AllReduceArgs& a) {
       for (int64_t h = 0; h < a.hidden; ++h) store_f32(a.out, a.dtype, base + h, row[h]);
       continue;
     }
+    // The sum is rounded to x's dtype before the residual add, as the CUDA kernels do
+    // (kernels/rmsnorm.cuh) and as `lax.psum(x) + residual` computes it.
     float ss = 0.0f;
     for (int64_t h = 0; h < a.hidden; ++h) {
-      float r = row[h] + load_f32(a.residual, a.dtype, base + h);
+      float r = round_to(a.dtype, row[h]) + load_f32(a.residual, a.dtype, base + h);
       row[h] = r;
       ss += r * r;
       store_f32(a.residual_out, a.dtype, base + h, r);

@@ -33,5 +33,14 @@ inline void store_f32(void* p, int dt, size_t i, float v) {
   }
 }
 
+// v rounded to dt and widened again (what a store then a load gives).
+inline float round_to(int dt, float v) {
+  switch (dt) {
+    case kF32: return v;
+    case kBF16: return bf16_to_f32(f32_to_bf16(v));
+    default: return f16_to_f32(f32_to_f16(v));
+  }
+}
+
 }  // namespace host
 }  // namespace nvc

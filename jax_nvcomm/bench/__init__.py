@@ -13,6 +13,8 @@
              no-communication bound
   inline     the per-call cost of jax_nvcomm.jit(f, **kw)(x) written inline (made anew at
              each call) against the same inline jax.jit
+  compile    compile time (trace + lower + compile) of dense layers sharded by type, nvc.jit
+             against jax.jit, and their ratio
 
 Runs on every device of the job: one process driving all local devices (mesh over
 `jax.devices()`), or the processes of `python -m jax_nvcomm.launch -n N` (rank 0 reports).

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from . import __doc__ as _DOC
-from . import allreduce, inline, moe, moelayer, moelayer_layer, ragged, step, varlen
+from . import allreduce, compile as compile_, inline, moe, moelayer, moelayer_layer, ragged, step, \
+    varlen
 from .common import _setup_env, loop_defaults
 
 # name -> (module, one line for the list of subcommands)
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
                        "benchmark)"),
     "moelayer": (moelayer, "an MoE layer's expert compute at decode shapes on one device: "
                            "nvc.ragged_dot vs lax.ragged_dot, each with its weight-read bound"),
+    "compile": (compile_, "compile time of dense layers sharded by type: nvc.jit vs jax.jit"),
     "step": (step, "whole jitted steps of the example model, jax_nvcomm vs XLA's collectives"),
     "inline": (inline, "per-call time of jax_nvcomm.jit(f, **kw)(x) made anew at every call vs "
                        "the same inline jax.jit"),
@@ -52,6 +54,8 @@ def main(argv=None):
     a = _parser().parse_args(argv)
     if a.what == "step":
         return step.run_step(a)
+    if a.what == "compile":
+        return compile_.run_compile(a)
     _setup_env()
     if a.what == "inline":
         return inline.run_inline(a)

@@ -4,6 +4,10 @@ unchanged model code.
 One module per job (each states at its top what it matches and what it refuses):
   entry.py    the `jit` entry point and its caches (`Jitted`)
   rewrite.py  the jaxpr walk: re-binds every equation, our ops in place of XLA's collectives
+  sharding.py which products outside shard_map need an all-reduce, from the avals' shardings
+              (Explicit axes) or the stated constraints (Auto axes)
+  regions.py  cuts those into shard_map regions (product, psum, the add + norm after it) that
+              the rewrite then serves
   norm.py     the psum -> add -> RMSNorm pattern (the fused all-reduce)
   pool.py     the communicators the pass makes (one per mesh and axes), made outside traces
   gather_scatter.py  all_gather / psum_scatter (any dim) / all_to_all / ragged_all_to_all

@@ -19,7 +19,7 @@ from jax._src import core
 from jax._src.interpreters import ad
 
 from .. import _registry
-from . import pool as _pool, rewrite as _rewrite
+from . import pool as _pool, regions as _regions, rewrite as _rewrite
 
 
 _MAX_RETRACES = 8  # traces of a call that may each find communicators missing (one per
@@ -150,10 +150,12 @@ class _Program:
             return last[1], last[2], dyn
         with _registry.on_miss(_op_without_communicator):
             closed, shape = jax.make_jaxpr(g, return_shape=True)(*dyn)
+        closed = _regions.cut(closed)  # products sharded by type -> shard_map regions
         tree = jax.tree.structure(shape)
         if key is not None and not any(isinstance(c, core.Tracer) for c in closed.consts):
             # the next trace of the same signature (the retry after the communicators were
             # made, or `lower` after `_prepare`) takes this jaxpr instead of tracing fun again
+            # (and cutting its regions again)
             self._last = (key, closed, tree)
         return closed, tree, dyn
 
@@ -453,8 +455,11 @@ def jit(fun=None, **jax_jit_kwargs):
     Collectives our ops cannot serve (integers, sizes XLA does better per the strategy table,
     messages over the buffers, axis_index_groups) stay XLA's; `explain(fun, *args)` lists every
     one and why, and a fallback the user can fix warns once per call site
-    (`JAX_NVCOMM_QUIET=1` silences). Collectives XLA's partitioner inserts outside shard_map
-    are out of its reach (`explain` lists them too).
+    (`JAX_NVCOMM_QUIET=1` silences). Programs sharded by type (Explicit mesh axes, or Auto
+    ones with stated constraints) get the same: a product whose contraction XLA would
+    all-reduce becomes a shard_map region (`jit/regions.py`), so it runs on our all-reduce,
+    fused with the add + RMSNorm after it. Other collectives XLA's partitioner inserts outside
+    shard_map are out of its reach (`explain` lists them too).
 
     Written inline, `jit(f, **kw)(x)` at every call, it costs what `jax.jit(f, **kw)(x)` does:
     what was traced and compiled is cached on the function (held weakly: the cache keeps no

@@ -16,6 +16,7 @@ import re
 from . import entry as _jit
 from . import userline
 from .axes import attribute, groups_of, match, mesh_label
+from . import regions as _regions
 
 _HLO_COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|all-gather|reduce-scatter|"
@@ -274,7 +275,9 @@ def explain(fun, *args, **kwargs) -> Explanation:
                          stack=()))
     devices = getattr(getattr(lowered, "_lowering", None), "_device_list", None)
     ids = [d.id for d in devices] if devices is not None else None
-    rows.extend(hlo_collectives(text, ids, _meshes(sites, args, kwargs, lowered), sites))
+    closed = jitted._p()._trace(args, kwargs)[0]  # products sharded by type not cut
+    rows.extend(_regions.annotate(
+        hlo_collectives(text, ids, _meshes(sites, args, kwargs, lowered), sites), closed))
     return Explanation(rows, text)
 
 

@@ -84,8 +84,10 @@ def choose(frames: list[tuple[Frame, bool]]) -> tuple[Frame | None, tuple[Frame,
     return frames[users[k]][0], stack
 
 
+@functools.lru_cache(maxsize=4096)
 def is_thin_helper(frame: Frame, caller: Frame) -> bool:
-    """Conditions 1-3 of the module docstring for `frame` called from `caller`."""
+    """Conditions 1-3 of the module docstring for `frame` called from `caller` (cached: every
+    trace of a model asks again for the same lines)."""
     name = frame.function.rsplit(".", 1)[-1]
     if not name.isidentifier():            # <lambda>, <module>, <genexpr>
         return False
@@ -123,12 +125,23 @@ def _tree(file: str):
         return None
 
 
+@functools.lru_cache(maxsize=256)
+def _nodes(tree) -> tuple[tuple, tuple]:
+    """(the defs, the other statements) of `tree`, walked once."""
+    defs, stmts = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.append(node)
+        elif isinstance(node, ast.stmt) and not isinstance(node, ast.ClassDef):
+            stmts.append(node)
+    return tuple(defs), tuple(stmts)
+
+
 def _function_at(tree, name: str, line: int):
     """The innermost `def name` whose lines hold `line`."""
     best = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name \
-                and node.lineno <= line <= (node.end_lineno or node.lineno):
+    for node in _nodes(tree)[0]:
+        if node.name == name and node.lineno <= line <= (node.end_lineno or node.lineno):
             if best is None or node.lineno >= best.lineno:
                 best = node
     return best
@@ -137,10 +150,8 @@ def _function_at(tree, name: str, line: int):
 def _statement_at(tree, line: int):
     """The innermost statement (not a def or class) of `tree` whose lines hold `line`."""
     best = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt) and not isinstance(
-                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
-                node.lineno <= line <= (node.end_lineno or node.lineno):
+    for node in _nodes(tree)[1]:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
             if best is None or (node.end_lineno - node.lineno) <= (best.end_lineno -
                                                                     best.lineno):
                 best = node

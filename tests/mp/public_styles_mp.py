@@ -103,18 +103,21 @@ def loop_us(fn, args, calls=20, reps=9):
     return float(np.median(out))
 
 
-def max_rel(out, ref):
-    """max |out - ref| / max |ref| over this process's shards of `out`."""
+def max_rel(out, ref, keep=None):
+    """max |out - ref| / max |ref| over this process's shards of `out` (where `keep`, a bool
+    array of out's shape, is True)."""
     err = 0.0
     for s in out.addressable_shards:
         got = np.asarray(s.data).astype(np.float64)
-        err = max(err, float(np.abs(got - ref[s.index]).max()))
+        d = np.abs(got - ref[s.index])
+        err = max(err, float((d if keep is None else d * keep[s.index]).max(initial=0.0)))
     return err / max(float(np.abs(ref).max()), 1e-30)
 
 
-def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
+def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None, keep_fn=None):
     """ref_dtype: the precision the model computes in, where lower than its dtype's (both
-    comparisons, float64 and jax.jit, are then at that precision's tolerance)."""
+    comparisons, float64 and jax.jit, are then at that precision's tolerance); keep_fn: () ->
+    the output's elements compared (tokens whose MoE routing is decided)."""
     low = (ref_dtype or dtype) != jnp.float32
     tol = 3e-2 if low else 1e-4
     status = "FAIL"
@@ -132,13 +135,14 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None):
                     f"sharing a GPU have no NCCL)")
                 return None
             out = jax.tree.leaves(j(*args))[0]
-            err = max_rel(out, ref_fn())
+            keep = None if keep_fn is None else keep_fn()
+            err = max_rel(out, ref_fn(), keep)
             line += f"; vs float64 rel {err:.2e}"
             ok = err <= tol
             if SOLO:
                 jj = jax.jit(f)
                 want = jax.tree.leaves(jj(*args))[0]
-                d = max_rel(out, np.asarray(jax.device_get(want)).astype(np.float64))
+                d = max_rel(out, np.asarray(jax.device_get(want)).astype(np.float64), keep)
                 line += f"; vs jax.jit rel {d:.2e}"
                 ok &= d <= (3e-2 if low else 1e-5)
                 if TIME:
@@ -171,6 +175,23 @@ def sglang(moe, dtype):
                lambda: sg.dense_reference(host[0], ids_host, cfg), dtype)
 
 
+NEAR_TIE = 2.0 ** -5   # as tests/test_public_styles.py: a router-score gap within the rounding
+
+
+def decided(tok, seg, weights, cfg, shape):
+    """(the float64 logits, a 0/1 array of their shape: the tokens whose output no near-tied
+    routing reaches: not one of this token's MoE layers, nor one of an earlier token's before
+    the last layer (causal attention carries it on); a near tie is either expert)."""
+    margins = []
+    ref = le.dense_reference(tok, seg, weights, cfg, margins=margins)
+    ties = [m < NEAR_TIE for m in margins]
+    last = ties.pop() if (cfg.num_layers - 1) not in cfg.mlp_layer_idxs else False
+    earlier = np.any(ties, axis=0) if ties else np.zeros(shape[:2], bool)
+    reached = np.logical_or.accumulate(earlier, axis=1) | last  # (the last layer's: its own)
+    say(f"  {int((~reached).sum())} of {reached.size} tokens with decided routing compared")
+    return ref, np.broadcast_to((~reached)[..., None], shape).astype(np.float64)
+
+
 def llm_examples(dense, dtype):
     mesh = le.make_mesh()
     cfg = le.Config(mesh=mesh, dtype=dtype, mlp_layer_idxs=(0, 1) if dense else (),
@@ -180,12 +201,27 @@ def llm_examples(dense, dtype):
     seg_host = np.ones((2, 8), np.int32)
     weights = place(*host)
     tok, seg = on_mesh(mesh, tok_host, REP), on_mesh(mesh, seg_host, REP)
+    ref, keep = decided(tok_host, seg_host, host[0], cfg, (2, 8, cfg.vocab_size))
     # its rms_norm returns bfloat16 whatever the dtype, so the model computes in bfloat16:
     # both comparisons (float64 and jax.jit) at bfloat16's tolerance
     return run(f"llm_examples_{'dense' if dense else 'moe'}_{jnp.dtype(dtype).name}", mesh,
                lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights),
-               lambda: le.dense_reference(tok_host, seg_host, host[0], cfg), dtype,
-               ref_dtype=jnp.bfloat16)
+               lambda: ref, dtype, ref_dtype=jnp.bfloat16, keep_fn=lambda: keep)
+
+
+def llm_examples_moe_prefill():
+    """One MoE layer at prefill (64 tokens, bf16), the tokens with decided routing."""
+    mesh = le.make_mesh()
+    cfg = le.Config(mesh=mesh, num_layers=1, dtype=jnp.bfloat16, moe_num_experts=max(8, W))
+    host = le.init_weights_host(jax.random.key(7), cfg)
+    tok_host = (np.arange(64, dtype=np.int32).reshape(1, 64) * 29) % 511 + 1
+    seg_host = np.ones((1, 64), np.int32)
+    weights = place(*host)
+    tok, seg = on_mesh(mesh, tok_host, REP), on_mesh(mesh, seg_host, REP)
+    ref, keep = decided(tok_host, seg_host, host[0], cfg, (1, 64, cfg.vocab_size))
+    return run("llm_examples_moe_prefill_bfloat16", mesh,
+               lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights), lambda: ref,
+               jnp.bfloat16, keep_fn=lambda: keep)
 
 
 def nnx(form, dtype):
@@ -215,6 +251,7 @@ for dt in (jnp.bfloat16, jnp.float32):
     results += [nnx("shard_map", dt), nnx("annotated", dt), maxtext(dt),
                 sglang(False, dt), sglang(True, dt), llm_examples(True, dt),
                 llm_examples(False, dt)]
+results.append(llm_examples_moe_prefill())
 nvc.close_all()
 ran = [r for r in results if r is not None]
 say(f"public_styles: {sum(ran)} of {len(ran)} PASS, {len(results) - len(ran)} SKIP")

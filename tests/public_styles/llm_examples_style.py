@@ -460,8 +460,11 @@ def prefill(tokens, weights, cfg: Config, pad_id: int = PAD_ID, jit=jax.jit):
     return next_tokens, logits, cache
 
 
-def dense_reference(tokens, segment_ids, weights, cfg: Config):
-    """forward's logits in float64 numpy on the host (no mesh, no collective; not quantized)."""
+def dense_reference(tokens, segment_ids, weights, cfg: Config, margins=None):
+    """forward's logits in float64 numpy on the host (no mesh, no collective; not quantized).
+    margins: a list that gets, per MoE layer, each token's router-score gap between its last
+    chosen expert and the best one left out ([B, T]): where it is below the model's own bf16
+    rounding of the scores, a last-bit difference upstream may choose another expert."""
     def f(a):
         if isinstance(a, QuantArray):  # int8 [e, k, n] and its scale [e, n]
             return f(a.quant) * f(a.scale)[:, None, :]
@@ -500,6 +503,10 @@ def dense_reference(tokens, segment_ids, weights, cfg: Config):
             pr = np.exp(sc - sc.max(-1, keepdims=True))
             pr = pr / pr.sum(-1, keepdims=True)
             ids = np.argsort(-pr, -1, kind="stable")[:, :cfg.moe_experts_per_tok]
+            if margins is not None:
+                top = -np.sort(-sc, -1)
+                k = cfg.moe_experts_per_tok
+                margins.append((top[:, k - 1] - top[:, k]).reshape(h.shape[:-1]))
             wts = np.take_along_axis(pr, ids, -1)
             wts = wts / wts.sum(-1, keepdims=True)
             out = np.zeros_like(hf)

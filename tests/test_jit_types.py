@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nvcomm as nvc
-from jax_nvcomm.models.typed_decoder import (Config, EinsumStyle, MaxTextStyle, SglStyle,
-                                             explicit_mesh)
+from jax_nvcomm.models.typed_decoder import Config, EinsumStyle, MaxTextStyle, SglStyle
+from jax_nvcomm.models.typed_decoder import explicit_mesh as _explicit_mesh
 
 XLA_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all)(-start)?\(")
 
@@ -25,7 +25,22 @@ def _hlo_collectives(text):
 
 
 def _fused_calls(text):
-    return text.count('custom_call_target="nvc_all_reduce_rms"')
+    # host target nvc_all_reduce_rms, CUDA nvc_cuda_all_reduce_rms[_nograph]
+    return len(re.findall(r'custom_call_target="nvc_(?:cuda_)?all_reduce_rms(?:_nograph)?"', text))
+
+
+def explicit_mesh(shape, names):
+    """The models' Explicit mesh, or a skip where the job has fewer devices (one GPU)."""
+    if len(jax.devices()) < int(np.prod(shape)):
+        pytest.skip(f"needs {int(np.prod(shape))} devices, have {len(jax.devices())}")
+    return _explicit_mesh(shape, names)
+
+
+def auto_mesh(shape, names):
+    """A mesh of Auto axes, or a skip where the job has fewer devices."""
+    if len(jax.devices()) < int(np.prod(shape)):
+        pytest.skip(f"needs {int(np.prod(shape))} devices, have {len(jax.devices())}")
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 
 
 def _close(a, b, dtype):
@@ -152,8 +167,7 @@ def test_maxtext_style_auto_axes_fused(rng, dtype, batch, seq):
     """Auto axes: the shardings come from the weights' placement and the constraints; the
     products whose lhs and output shardings the program states are cut the same way."""
     cfg = Config(dtype=dtype)
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = auto_mesh((2, 4), ("data", "tensor"))
     with jax.set_mesh(mesh):
         model = MaxTextStyle(cfg, mesh, rng)
         act = NamedSharding(mesh, P("data", None, None))
@@ -167,8 +181,7 @@ def test_auto_product_with_unstated_output_is_explained(rng):
     """Auto axes, a row-parallel product whose output sharding nothing states: XLA chooses it,
     so nvc.jit leaves it (values as jax.jit's) and explain's row for XLA's all-reduce there
     says why."""
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = auto_mesh((2, 4), ("data", "tensor"))
 
     def f(x, wi, wo):
         h = jax.lax.with_sharding_constraint(x @ wi, NamedSharding(mesh, P("data", "tensor")))

@@ -20,7 +20,7 @@ collective prints SKIP naming those collectives (only with several processes on 
 
 --time (one process only): each model's call time under jax.jit and under nvc.jit, the same
 inputs called 20 times back to back then one wait, median of 9 runs, the two taking turns
-model by model; the ratio nvc.jit / jax.jit per model and the worst. A loop-level number
+run by run; the ratio nvc.jit / jax.jit per model and the worst. A loop-level number
 (Python dispatch included, which at these small sizes may be most of it).
 """
 import os
@@ -91,16 +91,20 @@ TIME = "--time" in sys.argv
 TIMES = []
 
 
-def loop_us(fn, args, calls=20, reps=9):
-    jax.block_until_ready(fn(*args))
-    out = []
+def loop_us(fns, args, calls=20, reps=9):
+    """Median us per call of each function in `fns`, their runs alternating (a, b, a, b, ...:
+    a drift of the device's clocks falls on both)."""
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    out = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(calls):
-            r = fn(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t) / calls * 1e6)
-    return float(np.median(out))
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            for _ in range(calls):
+                r = fn(*args)
+            jax.block_until_ready(r)
+            out[i].append((time.perf_counter() - t) / calls * 1e6)
+    return [float(np.median(o)) for o in out]
 
 
 def max_rel(out, ref, keep=None):
@@ -146,7 +150,7 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None, keep_fn=None):
                 line += f"; vs jax.jit rel {d:.2e}"
                 ok &= d <= (3e-2 if low else 1e-5)
                 if TIME:
-                    tj, tn = loop_us(jj, args), loop_us(j, args)
+                    tj, tn = loop_us((jj, j), args)
                     TIMES.append((name, tj, tn))
                     line += f"; loop us per call jax.jit {tj:.1f}, nvc.jit {tn:.1f} " \
                             f"(ratio {tn / tj:.3f})"

@@ -68,22 +68,30 @@ def _latest_alive(trace):
     return entry[1]
 
 
+def _parent(trace):
+    """The trace an AD trace (JAX's JVP / linearize traces) builds on, else None."""
+    return getattr(trace, "parent_trace", None)
+
+
 def token(axis_name):
-    """The order token for the next call traced in the current trace: the latest call's, or a
-    fresh one (float32[1], varying over `axis_name`) for the trace's first call."""
+    """The order token for the next call traced in the current trace: the latest call's (of
+    this trace, or of the trace an AD trace builds on: a value of the parent trace is a valid
+    input here), or a fresh one (float32[1], varying over `axis_name`) for a chain's first
+    call."""
     from . import _shard
-    trace = _current_trace()
-    tok = None if trace is None else _latest_alive(trace)
-    if tok is None or not _is_tracer_of(tok, trace):
+    t, tok = _current_trace(), None
+    while t is not None:
+        cand = _latest_alive(t)
+        if cand is not None and _is_tracer_of(cand, t):
+            tok = cand
+            break
+        t = _parent(t)
+    if tok is None:
         tok = jnp.zeros((1,), jnp.float32)
     return _shard.varying(tok, axis_name)
 
 
-def record(tok):
-    """Make `tok` (a call's order-token result) the one the next call of this trace takes."""
-    trace = _current_trace()
-    if trace is None or not _is_tracer_of(tok, trace):  # eager: nothing to order
-        return
+def _put(trace, tok):
     try:
         _latest[id(trace)] = (weakref.ref(trace), tok)
     except TypeError:
@@ -91,6 +99,23 @@ def record(tok):
     _latest.move_to_end(id(trace))
     while len(_latest) > _MAX_TRACES:
         _latest.popitem(last=False)
+
+
+def record(tok):
+    """Make `tok` (a call's order-token result) the one the next call of this trace takes; in
+    an AD trace its primal also becomes the parent trace's latest (and so on down), so the calls
+    traced after the AD scope (a psum of the gradients) follow the calls traced in it."""
+    trace = _current_trace()
+    if trace is None or not _is_tracer_of(tok, trace):  # eager: nothing to order
+        return
+    _put(trace, tok)
+    t, x = trace, tok
+    while (parent := _parent(t)) is not None:
+        x = getattr(x, "primal", None)
+        if x is None or not _is_tracer_of(x, parent):
+            break
+        _put(parent, x)
+        t = parent
 
 
 def zero_tangent(tok):

@@ -73,19 +73,33 @@ def _parent(trace):
     return getattr(trace, "parent_trace", None)
 
 
+def _lineage(trace):
+    """trace, its parent, the parent's parent, ... (the traces whose values are valid inputs of
+    an op bound in `trace`)."""
+    out = []
+    while trace is not None:
+        out.append(trace)
+        trace = _parent(trace)
+    return out
+
+
+def _of_any(x, traces) -> bool:
+    return any(_is_tracer_of(x, t) for t in traces)
+
+
 def token(axis_name):
-    """The order token for the next call traced in the current trace: the latest call's (of
-    this trace, or of the trace an AD trace builds on: a value of the parent trace is a valid
-    input here), or a fresh one (float32[1], varying over `axis_name`) for a chain's first
-    call."""
+    """The order token for the next call traced in the current trace: the latest call's (kept
+    for this trace or, where it has none, for a trace an AD trace builds on: a value of a parent
+    trace is a valid input here), or a fresh one (float32[1], varying over `axis_name`) for a
+    chain's first call."""
     from . import _shard
-    t, tok = _current_trace(), None
-    while t is not None:
+    lineage = _lineage(_current_trace())
+    tok = None
+    for t in lineage:
         cand = _latest_alive(t)
-        if cand is not None and _is_tracer_of(cand, t):
+        if cand is not None and _of_any(cand, lineage):
             tok = cand
             break
-        t = _parent(t)
     if tok is None:
         tok = jnp.zeros((1,), jnp.float32)
     return _shard.varying(tok, axis_name)
@@ -102,20 +116,23 @@ def _put(trace, tok):
 
 
 def record(tok):
-    """Make `tok` (a call's order-token result) the one the next call of this trace takes; in
-    an AD trace its primal also becomes the parent trace's latest (and so on down), so the calls
-    traced after the AD scope (a psum of the gradients) follow the calls traced in it."""
-    trace = _current_trace()
-    if trace is None or not _is_tracer_of(tok, trace):  # eager: nothing to order
+    """Make `tok` (a call's order-token result) the one the next call of this trace takes.
+    Under JAX's AD traces: a call whose inputs carry no tangent is evaluated in the parent
+    trace, so its token is the parent's (kept for the current trace and the parent both); a
+    token of the AD trace passes its primal down to the parent (and so on), so the calls traced
+    after the AD scope (a psum of the gradients) follow the calls traced in it."""
+    lineage = _lineage(_current_trace())
+    owner = next((i for i, t in enumerate(lineage) if _is_tracer_of(tok, t)), None)
+    if owner is None:  # eager, or a token of no trace here: nothing to order
         return
-    _put(trace, tok)
-    t, x = trace, tok
-    while (parent := _parent(t)) is not None:
+    for t in lineage[:owner + 1]:
+        _put(t, tok)
+    x = tok
+    for t in lineage[owner + 1:]:
         x = getattr(x, "primal", None)
-        if x is None or not _is_tracer_of(x, parent):
+        if x is None or not _is_tracer_of(x, t):
             break
-        _put(parent, x)
-        t = parent
+        _put(t, x)
 
 
 def zero_tangent(tok):

@@ -9,6 +9,8 @@ inside a loop body. all_reduce and all_gather are compared bit for bit (the floa
 sum rounded once, as API.md defines it); the fused op to its dtype's rounding (its RMSNorm runs
 in float32, the reference in float64); the MoE output to float32 rounding. The code before the
 order token (jax_nvcomm/_order.py) failed this test at its first run."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +188,59 @@ def test_independent_collectives_100_runs(comms, rng, in_loop):
         inputs = make_inputs(rng)
         check(f(*inputs), inputs)
     assert not c.errors() and not c2.errors() and not m.errors()
+
+
+def _token_chains(hlo):
+    """The chains of order tokens among the program's jax_nvcomm calls (stablehlo text, in
+    program order): a call starts a new chain unless its token operand (its last) is the token
+    result (the last) of an earlier call. Returns the chain lengths."""
+    calls = re.findall(r"(%[\w.]+):\d+ = stablehlo\.custom_call @nvc_\w+\((.*?)\)", hlo)
+    chains, owner = [], {}
+    for res, ops in calls:
+        tok = ops.split(",")[-1].strip()
+        head, _, idx = tok.partition("#")
+        if head in owner and idx:
+            chains[owner[head]] += 1
+            owner[res] = owner[head]
+        else:
+            owner[res] = len(chains)
+            chains.append(1)
+    return chains
+
+
+def test_gradient_program_calls_in_one_order(comms, rng):
+    """A training step's calls (jax.value_and_grad in the shard_map body): an all-gather of
+    integers (no tangent: JAX evaluates it outside the AD trace), the differentiated all-reduce
+    of the forward (and whatever its transpose calls in the backward pass), and an all-reduce
+    of the gradient after it, the all-gather sharing data with none of them: all one chain of
+    order tokens (jax_nvcomm/_order.py; before, the all-gather started a chain of its own), and
+    the values as the same program with lax's collectives, 20 runs."""
+    mesh, c, c2, _ = comms
+
+    def make(gather, reduce, reduce2):
+        def body(x, ints):
+            def loss(x):
+                g = gather(ints)
+                y = reduce(x * 2.0)
+                return jnp.sum(y * y), g
+            (l, g), dx = jax.value_and_grad(loss, has_aux=True)(x)
+            return l[None], g[None], dx, reduce2(dx)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                     out_specs=(P("x"), P("x"), P("x"), P("x")),
+                                     check_vma=False))
+
+    f = make(lambda a: nvc.all_gather(a, c), lambda a: nvc.all_reduce(a, c),
+             lambda a: nvc.all_reduce(a, c2))
+    ref = make(lambda a: jax.lax.all_gather(a, "x", tiled=True),
+               lambda a: jax.lax.psum(a, "x"), lambda a: jax.lax.psum(a, "x"))
+    x = jnp.asarray(rng.standard_normal((W * 2, 256)), jnp.float32)
+    ints = jnp.asarray(rng.integers(-9, 9, size=(W * 3, 200)), jnp.int32)
+    hlo = f.lower(x, ints).as_text()
+    chains = _token_chains(hlo)
+    assert len(chains) == 1 and chains[0] >= 3, chains
+    want = jax.block_until_ready(ref(x, ints))
+    for _ in range(20):
+        got = jax.block_until_ready(f(x, ints))
+        assert (np.asarray(got[1]) == np.asarray(want[1])).all()
+        for g, w in zip(got[:1] + got[2:], want[:1] + want[2:]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

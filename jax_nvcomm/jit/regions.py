@@ -27,7 +27,6 @@ it was; `refused(closed)` lists them for `explain`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
@@ -40,10 +39,11 @@ from jax._src.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import rebind as _rb
 from . import sharding as _sh
 from .eqn import source_of
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_CALLS = _rb.CALLS
 # equations a region may carry after its product: local on values replicated over its axes
 LOCAL = frozenset((
     "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "exp", "exp2",
@@ -105,45 +105,17 @@ def _holds_product(jaxpr) -> bool:
         {"gather", "reshard"} <= seen  # (the embedding form)
 
 
-def _call_jaxpr(eqn):
-    return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-
-
 def _call_consts(eqn):
     return list(_call_jaxpr(eqn).consts)
 
 
-def _bind(eqn, invals, params=None, body=False):
-    """Bind eqn's primitive as it was (body: inside a region, under the body's mesh rather
-    than the one the equation was traced under)."""
-    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    ctx = contextlib.nullcontext() if body else eqn.ctx.manager
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          ctx):
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+_call_jaxpr = _rb.call_jaxpr
+_bind = _rb.bind
 
 
 def _inlined(jaxpr, consts, args):
     """Evaluate jaxpr with its pure calls that hold a product inlined (recursively)."""
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS and _holds_product(_call_jaxpr(eqn)):
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback,
-                                               name_stack=name_stack):
-                outs = _inlined(_call_jaxpr(eqn), _call_consts(eqn), invals)
-        else:
-            outs = _bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return _rb.inline_eval(jaxpr, consts, args, _holds_product)
 
 
 def _trace(fn, jaxpr):

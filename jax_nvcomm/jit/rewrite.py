@@ -43,11 +43,12 @@ from .axes import mesh_label
 from . import exit_fusion as _exit
 from . import norm as _norm
 from . import ragged_dot as _rdot
+from . import rebind as _rb
 from .eqn import like as _like
 from .eqn import site_of, source_of, stack_of
 
 PSUMS = ("psum", "psum_invariant")
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_CALLS = _rb.CALLS
 SERVED = PSUMS + ("all_gather", "reduce_scatter", "ragged_all_to_all", "all_to_all")
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _LAX_NAME = {"psum": "psum", "psum_invariant": "psum", "all_gather": "all_gather",
@@ -289,13 +290,7 @@ class Ctx:
                                    ordered=ordered)
 
 
-def _bind(eqn, invals, params=None):
-    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-          eqn.ctx.manager):
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+_bind = _rb.bind
 
 
 def _retrace(jaxpr, ctx):
@@ -386,24 +381,7 @@ def _worth_inlining(jaxpr) -> bool:
 def _inline_eval(jaxpr, consts, args):
     """Evaluate jaxpr with the pjit calls in it that may take part in a rewrite inlined
     (recursively, `_worth_inlining`), nothing else changed."""
-    env = dict(zip(jaxpr.constvars, consts or jaxpr.consts))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS and _worth_inlining(_call_jaxpr(eqn)):
-            sub = _call_jaxpr(eqn)
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback,
-                                               name_stack=name_stack):
-                outs = _inline_eval(sub, sub.consts, invals)
-        else:
-            outs = _bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return _rb.inline_eval(jaxpr, consts, args, _worth_inlining)
 
 
 def _flatten(jaxpr, consts):
@@ -582,8 +560,7 @@ def _ordered(eqn, invals):
     return outs
 
 
-def _call_jaxpr(eqn):
-    return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+_call_jaxpr = _rb.call_jaxpr
 
 
 def _inline(eqn, sub, consts, invals, ctx):

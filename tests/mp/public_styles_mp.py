@@ -196,36 +196,33 @@ def decided(tok, seg, weights, cfg, shape):
     return ref, np.broadcast_to((~reached)[..., None], shape).astype(np.float64)
 
 
+def llm_examples_run(name, cfg, key, batch, seq, mult):
+    """jax-llm-examples' forward on tokens (batch, seq) made on the host, against its float64
+    model where the routing is decided. Its rms_norm returns bfloat16 whatever the dtype, so
+    the model computes in bfloat16: both comparisons (float64, jax.jit) at bfloat16's
+    tolerance."""
+    host = le.init_weights_host(jax.random.key(key), cfg)
+    tok_host = (np.arange(batch * seq, dtype=np.int32).reshape(batch, seq) * mult) % 511 + 1
+    seg_host = np.ones((batch, seq), np.int32)
+    mesh = cfg.mesh
+    tok, seg, weights = on_mesh(mesh, tok_host, REP), on_mesh(mesh, seg_host, REP), place(*host)
+    ref, keep = decided(tok_host, seg_host, host[0], cfg, (batch, seq, cfg.vocab_size))
+    return run(name, mesh, lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights),
+               lambda: ref, cfg.dtype, ref_dtype=jnp.bfloat16, keep_fn=lambda: keep)
+
+
 def llm_examples(dense, dtype):
-    mesh = le.make_mesh()
-    cfg = le.Config(mesh=mesh, dtype=dtype, mlp_layer_idxs=(0, 1) if dense else (),
+    cfg = le.Config(mesh=le.make_mesh(), dtype=dtype, mlp_layer_idxs=(0, 1) if dense else (),
                     moe_num_experts=max(8, W))
-    host = le.init_weights_host(jax.random.key(2), cfg)
-    tok_host = (np.arange(16, dtype=np.int32).reshape(2, 8) * 31) % 511 + 1
-    seg_host = np.ones((2, 8), np.int32)
-    weights = place(*host)
-    tok, seg = on_mesh(mesh, tok_host, REP), on_mesh(mesh, seg_host, REP)
-    ref, keep = decided(tok_host, seg_host, host[0], cfg, (2, 8, cfg.vocab_size))
-    # its rms_norm returns bfloat16 whatever the dtype, so the model computes in bfloat16:
-    # both comparisons (float64 and jax.jit) at bfloat16's tolerance
-    return run(f"llm_examples_{'dense' if dense else 'moe'}_{jnp.dtype(dtype).name}", mesh,
-               lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights),
-               lambda: ref, dtype, ref_dtype=jnp.bfloat16, keep_fn=lambda: keep)
+    return llm_examples_run(f"llm_examples_{'dense' if dense else 'moe'}_"
+                            f"{jnp.dtype(dtype).name}", cfg, 2, 2, 8, 31)
 
 
 def llm_examples_moe_prefill():
     """One MoE layer at prefill (64 tokens, bf16), the tokens with decided routing."""
-    mesh = le.make_mesh()
-    cfg = le.Config(mesh=mesh, num_layers=1, dtype=jnp.bfloat16, moe_num_experts=max(8, W))
-    host = le.init_weights_host(jax.random.key(7), cfg)
-    tok_host = (np.arange(64, dtype=np.int32).reshape(1, 64) * 29) % 511 + 1
-    seg_host = np.ones((1, 64), np.int32)
-    weights = place(*host)
-    tok, seg = on_mesh(mesh, tok_host, REP), on_mesh(mesh, seg_host, REP)
-    ref, keep = decided(tok_host, seg_host, host[0], cfg, (1, 64, cfg.vocab_size))
-    return run("llm_examples_moe_prefill_bfloat16", mesh,
-               lambda t, s, w: le.forward(t, s, w, cfg), (tok, seg, weights), lambda: ref,
-               jnp.bfloat16, keep_fn=lambda: keep)
+    cfg = le.Config(mesh=le.make_mesh(), num_layers=1, dtype=jnp.bfloat16,
+                    moe_num_experts=max(8, W))
+    return llm_examples_run("llm_examples_moe_prefill_bfloat16", cfg, 7, 1, 64, 29)
 
 
 def nnx(form, dtype):

@@ -21,6 +21,9 @@ from jax._src.interpreters import ad
 from .. import _registry
 from . import pool as _pool, regions as _regions, rewrite as _rewrite
 
+_GEN = _pool._generation  # the pool's generation counter (a one-element list), read per call
+_clean = core.trace_state_clean
+
 
 _MAX_RETRACES = 8  # traces of a call that may each find communicators missing (one per
                    # communicator an op of ours asks for by axis name, at most)
@@ -227,6 +230,7 @@ class _Program:
             self._jits = {gen: f}
         return f
 
+
     # -- reverse mode: the backward program rewritten too ----------------------------------------
     def _call_linearized(self, args, kwargs):
         """A call under jax.grad / vjp / linearize (its arguments are linearize tracers):
@@ -331,7 +335,20 @@ class Jitted:
         return p
 
     def __call__(self, *args, **kwargs):
-        return self._p()(*args, **kwargs)
+        # The hot path: with no trace around the call, the jax.jit function of the pool's
+        # current generation runs it straight away (a signature seen before: jax.jit's own
+        # C++ dispatch, plus these few attribute tests)
+        p = self._program
+        if p._ref() is not self._fun:
+            p.bind(self._fun)
+        f = p._jits.get(_GEN[0])
+        if f is not None and _clean():
+            try:
+                return f(*args, **kwargs)
+            except _NotPrepared as e:  # a new signature whose communicators are missing
+                _pool.ensure(e.needs)
+                p._jits = {}
+        return p(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         """`jax.jit(...).lower`: the rewritten program, lowered (its communicators made)."""

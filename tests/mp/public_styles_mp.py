@@ -17,6 +17,7 @@ collective prints SKIP naming those collectives (only with several processes on 
     python -m jax_nvcomm.launch -n 2 --share-gpu tests/mp/public_styles_mp.py
     python -m jax_nvcomm.launch -n 4 --share-gpu tests/mp/public_styles_mp.py
     python tests/mp/public_styles_mp.py --time       # + loop time per call, jax.jit vs nvc.jit
+    python tests/mp/public_styles_mp.py --time --trace DIR   # + each program's kernels
 
 --time (one process only): each model's call time under jax.jit and under nvc.jit, the same
 inputs called 20 times back to back then one wait, median of 9 runs, the two taking turns
@@ -89,6 +90,20 @@ REP = jax.sharding.PartitionSpec()
 # functions taking turns run by run)
 TIME = "--time" in sys.argv
 TIMES = []
+# --trace DIR (with --time): a profiler trace of each model's two programs under DIR/<model>/,
+# and their device time and top kernels printed (jax_nvcomm/_trace.py)
+TRACE = sys.argv[sys.argv.index("--trace") + 1] if "--trace" in sys.argv else None
+
+
+def kernels(name, tag, fn, args):
+    """Device time and the top kernels of one run of fn's program, from a profiler trace."""
+    from jax_nvcomm import _trace
+    path = _trace.record(fn, args, os.path.join(TRACE, name, tag), steps=3)
+    s = _trace.device_time(path) if path else None
+    if not s or s["busy_us"] is None:
+        return f"    {tag}: no device kernels traced"
+    top = "; ".join(f"{k['name'][:48]} {k['us']:.1f} us x{k['count']}" for k in s["top"][:6])
+    return f"    {tag}: device busy {s['busy_us']:.1f} us, {s['kernels']} kernels: {top}"
 
 
 def loop_us(fns, args, calls=20, reps=9):
@@ -154,6 +169,9 @@ def run(name, mesh, f, args, ref_fn, dtype, ref_dtype=None, keep_fn=None):
                     TIMES.append((name, tj, tn))
                     line += f"; loop us per call jax.jit {tj:.1f}, nvc.jit {tn:.1f} " \
                             f"(ratio {tn / tj:.3f})"
+                    if TRACE:
+                        line += "\n" + kernels(name, "jax.jit", jj, args) + "\n" + \
+                            kernels(name, "nvc.jit", j, args)
         say(line)
         status = "PASS" if ok else "FAIL"
     except Exception as e:  # noqa: BLE001 - reported as this model's FAIL

@@ -32,6 +32,10 @@ MAX_ROWS = 1 << 20
 # "auto" takes the kernel up to this many rows per group on average (M / G): beyond it the
 # product is compute-bound and XLA's GEMM wins (kernels/ragged_dot.cuh: the two numbers)
 KERNEL_MAX_ROWS_PER_GROUP = 64
+# ... and on CUDA devices from this many bytes of weights (G x K x N x the weight's itemsize):
+# below it the product is bound by latency, not by reading the weights, and XLA's one small
+# GEMM takes less (measured on one H100, docs/perf/ragged_dot.md "Small products")
+KERNEL_MIN_WEIGHT_BYTES = 16 << 20
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # 8-bit expert weights (module `ragged_dot_w8`): these weight dtypes with 16-bit activations
 W8_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
@@ -78,6 +82,10 @@ def _w8_served(platform) -> bool:
 W8_CUDA_MULTIPLE = 16
 
 
+def _mib(nbytes) -> str:
+    return f"{nbytes / (1 << 20):.3g} MiB"
+
+
 def _decide_w8(m, k, g, n, dt, rdt, odt, platform):
     """`_decide` for 8-bit weights (rdt in W8_DTYPES), without the rows rule."""
     if dt not in _W8_LHS_DTYPES:
@@ -115,6 +123,10 @@ def _decide(m, k, g, n, dt, rdt, odt, platform, rows_rule):
         return "xla", f"G {g} outside [1, {MAX_GROUPS}] or M {m} > {MAX_ROWS}", False
     if m == 0 or n == 0:
         return "xla", "an empty product", False
+    wbytes = g * k * n * rdt.itemsize
+    if rows_rule and platform == "cuda" and wbytes < KERNEL_MIN_WEIGHT_BYTES:
+        return "xla", (f"weights of {_mib(wbytes)} < {_mib(KERNEL_MIN_WEIGHT_BYTES)} (a small "
+                       "product, bound by latency: XLA's GEMM)"), False
     if rows_rule and m > KERNEL_MAX_ROWS_PER_GROUP * g:
         return "xla", (f"{m / g:.1f} rows per group on average > {KERNEL_MAX_ROWS_PER_GROUP} "
                        "(compute-bound: XLA's GEMM)"), False

@@ -3,6 +3,8 @@ JAX_NVCOMM_TEST_GPU=1, the CUDA kernel) against a float64 numpy reference writte
 against lax.ragged_dot: float32 to 1e-5 relative, bfloat16 / float16 to their rounding; empty
 groups, all rows in one group, rows past the sum of the sizes, a sum past M, gradients against
 lax's, jit / vmap / shard_map, the strategy rule and its errors."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import jax_nvcomm as nvc
 from jax_nvcomm import _ffi
 from jax_nvcomm.ragged_dot import ragged_dot_swiglu
+
+_rdm = importlib.import_module("jax_nvcomm.ragged_dot")  # (the package exports the function)
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -101,14 +105,15 @@ def test_matches_reference_and_lax(case, dtype):
 
 
 def test_kernel_is_called():
-    """strategy="kernel" (and "auto" at decode sizes) lowers to our custom call on this
-    platform; strategy="xla" to lax's dot."""
+    """strategy="kernel" lowers to our custom call on this platform; "auto" too on CPU
+    devices (on CUDA devices these small weights take XLA's GEMM: the size rule);
+    strategy="xla" to lax's dot."""
     rng = np.random.default_rng(0)
     dt = jnp.bfloat16
     lhs, rhs = rand(rng, (16, 64), dt), rand(rng, (4, 64, 32), dt)
     gs = jnp.asarray([4, 4, 4, 4], jnp.int32)
     target = "nvc_cuda_ragged_dot" if ON_GPU else "nvc_ragged_dot"
-    for strategy, want in (("kernel", True), ("auto", True), ("xla", False)):
+    for strategy, want in (("kernel", True), ("auto", not ON_GPU), ("xla", False)):
         txt = jax.jit(lambda a, b, c: nvc.ragged_dot(a, b, c, strategy=strategy)).lower(
             lhs, rhs, gs).as_text()
         assert (target in txt) == want, strategy
@@ -204,6 +209,24 @@ def test_strategy_rule():
     assert s((64, 64), (2000, 64, 64), bf) == "xla"             # G > 1024
     c = s((64, 7168), (32, 7168, 2048), bf, explain=True)
     assert c.strategy == "kernel" and "2.0 rows per group" in c.reason
+
+
+def test_strategy_size_rule():
+    """On CUDA devices "auto" takes the kernel from KERNEL_MIN_WEIGHT_BYTES of weights (the
+    bytes of the weight's own dtype: 8-bit weights count half); below, XLA's GEMM (latency-
+    bound); CPU devices have no such rule."""
+    s = nvc.select_ragged_dot_strategy
+    edge = _rdm.KERNEL_MIN_WEIGHT_BYTES
+    bf = jnp.bfloat16
+    n = 256
+    k = edge // (8 * n * 2)              # 8 experts of [k, 256] bf16: exactly the edge
+    assert s((64, k), (8, k, n), bf) == "kernel"
+    c = s((64, k - 8), (8, k - 8, n), bf, explain=True)
+    assert c.strategy == "xla" and "small product" in c.reason and "MiB" in c.reason
+    assert s((64, k - 8), (8, k - 8, n), bf, platform="cpu") == "kernel"
+    assert s((64, k), (8, k, n), bf, rhs_dtype=jnp.int8) == "xla"  # half the bytes
+    c = s((64, 2 * k), (8, 2 * k, n), bf, rhs_dtype=jnp.int8, explain=True)
+    assert "small product" not in c.reason   # (the kernel where the build has the 8-bit one)
 
 
 @pytest.mark.skipif(ON_GPU, reason="float32 gradients on GPUs are XLA's path on both sides")

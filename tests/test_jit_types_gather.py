@@ -218,6 +218,28 @@ def test_nested_jit_router_gathers_are_ours(rng, dtype, batch, seq):
         assert dtypes == ["float32", "int32"], dtypes
 
 
+@pytest.mark.parametrize("spec", [P(("y", "z"), None), P("y", None)])
+def test_top_k_on_sharded_rows_runs_per_shard(rng, spec):
+    """`lax.top_k` of scores whose rows are sharded by type: each shard selects among its own
+    rows (no collective; XLA's partitioner all-gathers the scores for its TopK; jax refuses a
+    top_k along a sharded dim). Values, types and the gradient of the selected values as
+    jax.jit's."""
+    mesh = mesh_of((1, 4, 2), ("x", "y", "z"))
+
+    def f(s):
+        return lax.top_k(s, 3)
+
+    def loss_with(jit):
+        return jax.jit(jax.grad(lambda s: jnp.sum(jit(f)(s)[0] ** 2)))
+
+    with jax.set_mesh(mesh):
+        s = jax.device_put(random(rng, (16, 8), jnp.float32), NamedSharding(mesh, spec))
+        assert_same(nvc.jit(f)(s), jax.jit(f)(s))
+        assert_same(loss_with(nvc.jit)(s), loss_with(jax.jit)(s))
+        assert xla_collectives(jax.jit(f).lower(s).compile().as_text())
+        assert xla_collectives(nvc.jit(f).lower(s).compile().as_text()) == []
+
+
 # ------------------------------------------------------------------------------------ gradient
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -362,11 +362,13 @@ def le_case(name):
             "moe_prefill_bf16": lambda: _le_case(jnp.bfloat16, 1, 64, 70,
                                                  ep_strategy="prefill", mlp_layer_idxs=(1,)),
             "dense_decode_f32": lambda: _le_case(jnp.float32, 2, 8, 80, mlp_layer_idxs=(0, 1)),
+            # 16 tokens: the router runs on tokens sharded over ("y", "z")
+            "moe_decode_f32": lambda: _le_case(jnp.float32, 2, 8, 90),
             }[name]()
 
 
 @pytest.mark.parametrize("name", ["moe_decode_bf16", "moe_quant_decode_bf16",
-                                  "moe_prefill_bf16", "dense_decode_f32"])
+                                  "moe_prefill_bf16", "dense_decode_f32", "moe_decode_f32"])
 def test_llm_examples_runs_under_nvc_jit(name):
     case, _ = le_case(name)
     check_runs(case, f"llm-examples {name}")
@@ -437,10 +439,11 @@ def test_llm_examples_moe_every_norm_fused():
     assert fused_calls(case.text) == 2 * cfg.num_layers, OUR_TARGETS.findall(case.text)
 
 
-# (not "moe_prefill_bf16": there the router's top_k runs on tokens sharded over ("y", "z"),
-# for which XLA's partitioner all-gathers the scores, and the routing weights' reshape with
-# out_sharding gathers over two axes; nvc.jit serves neither yet, explain names both)
-@pytest.mark.parametrize("name", ["moe_decode_bf16", "dense_decode_f32"])
+# (prefill and moe_decode_f32: the router's top_k runs per shard on tokens sharded over
+# ("y", "z"), where XLA's partitioner all-gathers the scores; the reshapes of its weights and
+# indices with out_sharding are gathers over ("y", "z"), ours)
+@pytest.mark.parametrize("name", ["moe_decode_bf16", "dense_decode_f32", "moe_prefill_bf16",
+                                  "moe_decode_f32"])
 def test_llm_examples_no_xla_collectives_left(name):
     case, _ = le_case(name)
     check_no_xla_left(case)

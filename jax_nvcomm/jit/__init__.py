@@ -8,6 +8,8 @@ One module per job (each states at its top what it matches and what it refuses):
               (Explicit axes) or the stated constraints (Auto axes)
   regions.py  cuts those into shard_map regions (product, psum, the add + norm after it) that
               the rewrite then serves
+  type_gather.py  the all-gathers the avals' shardings imply (reshard, reshape / broadcast /
+              convert with out_sharding, over an axis or a tuple of axes) and a top_k per shard
   norm.py     the psum -> add -> RMSNorm pattern (the fused all-reduce)
   pool.py     the communicators the pass makes (one per mesh and axes), made outside traces
   gather_scatter.py  all_gather / psum_scatter (any dim) / all_to_all / ragged_all_to_all

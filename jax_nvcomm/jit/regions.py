@@ -15,10 +15,15 @@ product, a gather, a collective, a call). Values leave it with out_specs replica
 their types, and so their shardings, are the ones the program gave them (what jax.jit gives).
 Pure calls (pjit) at the top level are inlined first, so a product in `jnp.einsum` or a norm in
 a jitted helper take part. The bodies of higher-order primitives (scan, cond, while, remat)
-that hold a product are cut the same way (`_cut_bodies`).
-Also cut, each alone: a float `reshard` that removes one axis from one dim (an all-gather
-region), a product whose output is sharded on its one contracted axis (a reduce-scatter region),
-and the vocab-parallel embedding (a masked local gather + psum).
+that hold a product are cut the same way (`_cut_bodies`), and so is a pure call holding only
+gathers (jax-llm-examples' router under its own jax.jit): it stays a call, so nothing after it
+in the caller joins the region before it.
+Also cut, each alone: the gathers `type_gather.gather_of` finds (a `reshard`, or a `reshape` /
+`broadcast_in_dim` with out_sharding, taking one dim's group of axes off: an all-gather over
+the group, then the equation), a `top_k` on rows sharded by type (`type_gather.local_axes`:
+per shard, no collective, where XLA gathers its operand), a product whose output is sharded on
+its one contracted axis (a reduce-scatter region), and the vocab-parallel embedding (a masked
+local gather + psum).
 On Auto axes the products `sharding.auto_reductions` finds are cut the same way, their operands
 given the layouts the program states (in_specs), the sharding constraints the region carries
 applied again to the values that leave it.
@@ -41,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import rebind as _rb
 from . import sharding as _sh
+from . import type_gather as _tg
 from .eqn import source_of
 
 _CALLS = _rb.CALLS
@@ -64,7 +70,8 @@ class Region:
     close: int                 # index of the eqn the region is emitted before (len: at the end)
     in_specs: dict | None = None  # Auto axes: the product's operands' layouts on `axes`
     scatter_dim: int | None = None  # a reduce-scatter region (the product alone)
-    gather_dim: int | None = None   # an all-gather region (the reshard alone)
+    gather_dim: int | None = None   # an all-gather region (the reshard / reshape alone)
+    local: bool = False           # a region with no collective (a top_k per shard)
     table: object = None          # the embedding form: the vocab-sharded table var
     drop: int | None = None       # ... and its reshard's eqn index (neither emitted)
     inputs: list = dataclasses.field(default_factory=list)
@@ -82,20 +89,22 @@ def _concrete(abstract):
     return m
 
 
-def _holds_product(jaxpr) -> bool:
-    """Whether jaxpr (or a pure call in it) holds a product sharded by type, or both a
-    product and a sharding constraint (Auto axes: `sharding.auto_reductions` decides)."""
+def _holds_product(jaxpr, gathers=True) -> bool:
+    """Whether jaxpr (or a pure call in it) holds a product sharded by type (or, with
+    `gathers`, a gather `type_gather` finds), or both a product and a sharding constraint
+    (Auto axes: `sharding.auto_reductions` decides)."""
     seen = set()
 
     def walk(j):
         for e in j.eqns:
-            if _sh.psum_axes(e) is not None or _sh.gather_axes(e) is not None:
+            if _sh.psum_axes(e) is not None or (gathers and (
+                    _tg.gather_of(e) is not None or _tg.local_axes(e) is not None)):
                 return True
             seen.add(e.primitive.name)
             if e.primitive.name in _CALLS and walk(_call_jaxpr(e)):
                 return True
             if e.primitive.name not in ("shard_map",) + _CALLS and any(
-                    isinstance(j, core.Jaxpr) and _holds_product(j)
+                    isinstance(j, core.Jaxpr) and _holds_product(j, gathers)
                     for v in e.params.values()
                     for j in (v if isinstance(v, (tuple, list)) else (v,))):
                 return True
@@ -114,8 +123,14 @@ _bind = _rb.bind
 
 
 def _inlined(jaxpr, consts, args):
-    """Evaluate jaxpr with its pure calls that hold a product inlined (recursively)."""
-    return _rb.inline_eval(jaxpr, consts, args, _holds_product)
+    """Evaluate jaxpr with its pure calls that hold a product inlined (recursively). A call
+    holding gathers only stays a call, cut inside (`_cut_bodies`): inlined, what follows it
+    in the caller could join the region before it."""
+    return _rb.inline_eval(jaxpr, consts, args, _inline)
+
+
+def _inline(jaxpr) -> bool:
+    return _holds_product(jaxpr, gathers=False)
 
 
 def _trace(fn, jaxpr):
@@ -206,10 +221,16 @@ def plan(jaxpr) -> tuple[list, list]:
         else:
             emb = None
             red = _sh.psum_axes(eqn) or auto.get(i)
-            ag = _sh.gather_axes(eqn) if red is None else None
+            ag = _tg.gather_of(eqn) if red is None else None
             if ag is not None and _concrete(eqn.invars[0].aval.sharding.mesh) is not None:
-                regions.append(Region(i, (ag[0],), _concrete(eqn.invars[0].aval.sharding.mesh),
-                                      [i], _first_reader(eqns, i), gather_dim=ag[1]))
+                regions.append(Region(i, ag.axes, _concrete(eqn.invars[0].aval.sharding.mesh),
+                                      [i], _first_reader(eqns, i), gather_dim=ag.dim))
+                taken.add(i)
+                continue
+            la = _tg.local_axes(eqn) if red is None and ag is None else None
+            if la is not None and _concrete(eqn.invars[0].aval.sharding.mesh) is not None:
+                regions.append(Region(i, la, _concrete(eqn.invars[0].aval.sharding.mesh),
+                                      [i], _first_reader(eqns, i), local=True))
                 taken.add(i)
                 continue
         if red is None:
@@ -308,7 +329,7 @@ def _emit(reg, jaxpr, read):
     given = reg.in_specs or {}
     in_specs = tuple(P(*given[v]) if v in given else _local_spec(v.aval, axes)
                      for v in reg.inputs)
-    out_specs = tuple(P() for _ in reg.outputs)
+    out_specs = tuple(_local_spec(v.aval, axes) if reg.local else P() for v in reg.outputs)
     if reg.scatter_dim is not None:  # the product alone, sharded on the axis along that dim
         ents = [None] * eqns[reg.start].outvars[0].aval.ndim
         ents[reg.scatter_dim] = reg.axes[0]
@@ -323,9 +344,16 @@ def _emit(reg, jaxpr, read):
                     else v.val                # onto the body's mesh (which hides eps)
             return env[v]
 
-        if reg.gather_dim is not None:
-            (x,) = args
-            return (lax.all_gather(x, reg.axes[0], axis=reg.gather_dim, tiled=True),)
+        if reg.gather_dim is not None:  # the gather, then the equation on what it gathered
+            e, group = eqns[reg.start], reg.axes[0] if len(reg.axes) == 1 else reg.axes
+            g = lax.all_gather(args[0], group, axis=reg.gather_dim, tiled=True)
+            outs = (g,) if e.primitive.name == "reshard" else \
+                tuple(_bind(e, [g], _params_inside(e.params), body=True))
+            return outs if reg.outputs else ()  # (a result nothing reads)
+        if reg.local:  # the equation on this shard's rows, nothing to move
+            e = eqns[reg.start]
+            env.update(zip(e.outvars, _bind(e, list(args), _params_inside(e.params), body=True)))
+            return tuple(env[v] for v in reg.outputs)
         for k in reg.consts:
             e = eqns[k]
             env.update(zip(e.outvars, _bind(e, [rd(v) for v in e.invars],
@@ -354,19 +382,30 @@ def _emit(reg, jaxpr, read):
     with source_info_util.user_context(start.source_info.traceback, name_stack=name_stack):
         outs = jax.shard_map(body, mesh=reg.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=axes,  # (all_gather's result is typed varying)
-                             check_vma=reg.gather_dim is None)(*[read(v) for v in reg.inputs])
+                             check_vma=reg.gather_dim is None and not reg.local)(
+                                 *[read(v) if reg.gather_dim is None else
+                                   _tg.sharded_on_group(read(v), reg.axes, reg.gather_dim)
+                                   for v in reg.inputs])
     made = {v: k for k in reg.members for v in eqns[k].outvars}
     res = {}
     for v, o in zip(reg.outputs, outs):
         e = eqns[made[v]]
         res[v] = _bind(e, [o])[0] if e.primitive.name == "sharding_constraint" else o
+        if reg.gather_dim is not None and jax.typeof(o).sharding.spec != v.aval.sharding.spec:
+            res[v] = jax.sharding.reshard(o, v.aval.sharding.spec)  # (size-1 axes only)
     return res
 
 
 def _cut_bodies(eqn):
     """eqn's parameters with the bodies of a scan / cond / while / remat that hold a product
-    sharded by type cut too (None: nothing to cut)."""
-    if eqn.primitive.name in ("shard_map",) + _CALLS:
+    sharded by type cut too, and the jaxpr of a pure call left a call (one holding gathers
+    only) cut (None: nothing to cut)."""
+    if eqn.primitive.name in _CALLS:
+        j = _call_jaxpr(eqn)
+        key = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
+        new = cut(j) if _holds_product(j) else j
+        return None if new is j else dict(eqn.params, **{key: new})
+    if eqn.primitive.name == "shard_map":
         return None
     params, changed = dict(eqn.params), False
     for k, v in eqn.params.items():
@@ -411,7 +450,7 @@ def cut(closed):
     if not _holds_product(jaxpr):
         return closed
     consts = list(closed.consts)
-    if any(e.primitive.name in _CALLS and _holds_product(_call_jaxpr(e)) for e in jaxpr.eqns):
+    if any(e.primitive.name in _CALLS and _inline(_call_jaxpr(e)) for e in jaxpr.eqns):
         flat, fconsts = _trace(lambda *a: _inlined(jaxpr, consts, a), jaxpr)
     else:  # nothing to inline: one trace fewer
         flat, fconsts = jaxpr, consts

@@ -11,9 +11,9 @@ The same for `reduce_sum` of floats over dimensions sharded on axes A the output
 on (the norm weights' gradient: a sum over the data-sharded tokens).
 
 Also found: a product whose output is sharded along one dim on exactly the one axis it
-contracts (a reduce-scatter: `Reduction.scatter_dim`), a float `reshard` that only removes one
-axis from one dim (an all-gather: `gather_axes`), and the vocab-parallel embedding's row gather
-from a table resharded off its vocab axis (`embedding_axes`).
+contracts (a reduce-scatter: `Reduction.scatter_dim`) and the vocab-parallel embedding's row
+gather from a table resharded off its vocab axis (`embedding_axes`). The all-gathers that
+shardings imply are `type_gather.py`'s.
 
 Auto axes (MaxText's logical rules + with_sharding_constraint: shardings chosen by XLA's
 propagation): `auto_reductions` reads the shardings the program states (the constraints, carried
@@ -297,27 +297,3 @@ def embedding_axes(eqn, producer) -> tuple | None:
         return None
     return vocab, src, rs
 
-
-def gather_axes(eqn) -> tuple | None:
-    """For a `reshard` that only removes one Explicit axis A from one dim d (the all-gather
-    that sequence parallelism's out_sharding / reshard implies): (A, d). None otherwise."""
-    if eqn.primitive.name != "reshard":
-        return None
-    x, out = eqn.invars[0].aval, eqn.outvars[0].aval
-    sx, so = sharding_of(x), sharding_of(out)
-    if sx is None or so is None or x.ndim == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
-        return None  # (floats: what our all_gather is for here)
-    a_in = _padded(sx.spec, x.ndim)
-    a_out = _padded(so.spec, out.ndim)
-    diff = [d for d in range(x.ndim) if spec_axes(a_in[d]) != spec_axes(a_out[d])]
-    if len(diff) != 1:
-        return None
-    d = diff[0]
-    if spec_axes(a_in[d]) == () or len(spec_axes(a_in[d])) != 1 or spec_axes(a_out[d]):
-        return None
-    (a,) = spec_axes(a_in[d])
-    types = dict(zip(sx.mesh.axis_names, sx.mesh.axis_types))
-    if types[a] != AxisType.Explicit or sx.mesh.shape[a] <= 1 or \
-            getattr(so.spec, "unreduced", None):
-        return None
-    return a, d

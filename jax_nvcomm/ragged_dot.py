@@ -145,7 +145,9 @@ def select_ragged_dot_strategy(lhs_shape, rhs_shape, dtype, *, preferred_element
     lhs where the build has the 8-bit kernel; result of lhs's dtype or float32; on CUDA
     devices K and N multiples of 8, 16 for 8-bit weights; 1 <= G <= 1024; M <= 2^20) and the
     rows per group are few: M / G <= 64 (decode and small prefill, where the product is bound
-    by reading the weights of the groups that have rows); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
+    by reading the weights of the groups that have rows) and, on CUDA devices, the weights
+    hold at least KERNEL_MIN_WEIGHT_BYTES (G x K x N x the weight's itemsize: a smaller
+    product is bound by latency, where XLA's one GEMM takes less); "xla" otherwise (`lax.ragged_dot`; on CUDA devices float32 operands too: XLA's GEMM
     with its own precision rules). Only static sizes are read: a call whose rows crowd into
     few groups still takes the kernel (correct, slower: a group past the kernel's row tile
     re-reads its weights).

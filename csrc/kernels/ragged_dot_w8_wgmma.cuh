@@ -1,0 +1,198 @@
+// The Hopper wgmma main loop of the 8-bit-weight ragged_dot kernels with A from registers
+// (option kWgmmaRA of kernels/ragged_dot.cuh; included by it, not used alone): the same items,
+// pipeline, scales, promotion, partial buffer and epilogue as the 8-bit mma.sync kernel ("8-bit
+// weights" there); only a stage's MMAs change. Every thread still converts its own weight bytes
+// into 16-bit A fragments in registers (w8_pair); the fragments feed warpgroup-wide
+// wgmma.mma_async m64nNk16 instructions instead of mma.sync, which run asynchronously, so the
+// conversion of k16 step s + 1 overlaps the MMAs of step s.
+//
+// Why (docs/perf/ragged_dot.md "8-bit weights v2"): at ~32 rows a group (the R 64 tile) the
+// mma.sync kernel is bound by the warps' work per stage: per k16 step each warp converts its
+// weights and then issues ldmatrix (the rows) + mma.sync in a dependent chain, two warps a
+// scheduler to hide it. Here the rows come from shared memory through a descriptor (no
+// ldmatrix, no B registers) and the tensor cores work while the warps convert.
+//
+// Layout (swap AB as in the mma.sync kernel: D[m][n] = sum_k A[m][k] B[k][n], m a weight column,
+// n a token row of the item):
+//   Warpgroups: warps 4 v .. 4 v + 3 (the Tile needs a multiple of 4 warps). Warp w of a
+//   warpgroup holds rows [16 (w % 4), 16 (w % 4) + 16) of each m64 instruction, i.e. its m16
+//   tile i of the mma.sync kernel: instruction (weight, i) of a warpgroup multiplies the four
+//   warps' m16 tiles i at once. Which tile column an m row stands for is each warp's business
+//   (the 8-bit column order of ragged_dot.cuh, mcol): wgmma only needs each warp's A registers
+//   and its D registers to agree, which they do, row for row.
+//   A (registers): the wgmma m64nNk16 A fragment of warp w is the mma.sync m16n8k16 A fragment
+//   ({a0, a1, a2, a3}: rows g / g + 8 x k 2t, 2t + 1 / 2t + 8, 2t + 9, g = lane / 4, t = lane %
+//   4), exactly what the 8-bit conversion already writes.
+//   B (shared memory): the item's token rows, K-major, no swizzle, 8-row x 16-byte core matrices
+//   as the 16-bit wgmma loop lays them (kernels/ragged_dot_wgmma.cuh "Operand B", wg::l_off; the
+//   same cp.async loads): descriptor start = tile + kk x 2 x R x 16 B, LBO = R x 16 (next 8 k),
+//   SBO = 128 (next 8 rows); imm-trans-b = 0. N = 8 x the item's row tiles, an immediate (the
+//   stage compiled once per count, picked per item).
+//   D: float32, thread t of warp w holds D[16 (w % 4) + g (+ 8)][8 j + 2 t (+ 1)] in registers
+//   4 j + {0, 1, 2, 3} = the mma.sync C fragment of row tile j of its m16 tile: the kernel's
+//   tmp[w][i][j][e] as before, so the promotion, the partial stores and the epilogue are the
+//   mma.sync kernel's.
+//
+// Ordering (per stage of BK / 16 = S k16 steps, S even; every thread of the warpgroup):
+//   1. Entry: a[0] holds the fragments of step 0 (converted by the previous stage's tail, or by
+//      the kernel before the block's first stage). The lhs rows of the stage were fenced for the
+//      async proxy (fence.proxy.async after cp.async.wait_group) before the loop's block
+//      barrier; the weights came by TMA (the stage's mbarrier wait).
+//   2. Step s: wgmma.fence (orders this thread's writes of a[s % 2], and for s = 0 of the
+//      accumulators: zeroing, the previous promotion), the NW x MT instructions reading
+//      a[s % 2], commit (one group a step). Then, if s + 1 < S: wgmma.wait_group 1 (step s - 1
+//      complete: a[(s + 1) % 2], which it read, may be written) and the conversion of step
+//      s + 1 into a[(s + 1) % 2], while step s runs.
+//   3. Tail (after step S - 1's commit; steps S - 2 and S - 1 may be in flight): if the block has
+//      a next stage, wait_group 1 (step S - 2, the last reader of a[0], complete), the next
+//      stage's mbarrier wait (its weights; no block barrier is needed for them: they are TMA
+//      writes completed on the mbarrier, and the slot is re-armed only after a later barrier)
+//      and the conversion of its step 0 into a[0], while step S - 1 runs.
+//   4. wgmma.wait_group 0: every MMA of the stage complete. Only now may (a) the promotion
+//      acc += s x tmp (scale_mode 2: the stage is one 128-row K block, BK = 128; BK 64: every
+//      second stage) read tmp and zero it, (b) the epilogue store the accumulators, (c) the next
+//      iteration's block barrier let thread 0 and the lhs loads refill this stage's slot (the
+//      MMAs read its lhs rows from shared memory until they complete).
+//   The accumulators pass through an empty asm ("+f", memory) before the first fence and after
+//   the final wait, so the compiler moves no access of them into the asynchronous window; the
+//   register A sets are asm inputs, written only at the places above (ptxas checks the
+//   pipeline: no "wgmma.mma_async instructions are serialized" warning may appear).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "ragged_dot_wgmma.cuh"
+
+namespace nvc {
+namespace dev {
+namespace rdot {
+namespace wg {
+
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// D[64 x N] += A (registers a, the warp's m16 rows) x B (descriptor b, K-major), float32
+// accumulators d[0 .. N/8 - 1].
+template <class T, int N>
+struct MmaRA;
+
+#define NVC_WGRA_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define NVC_WGRA_ONE(N, TY, REGS, A0, IB, ...)                                             \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "},"   \
+               " {%" A0 "}, %" IB ", 1, 1, 1, 0;\n"                                         \
+               : __VA_ARGS__                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)                         \
+               : "memory")
+#define NVC_WGRA_DEF(N, REGS, A0, IB, ...)                                                   \
+  template <>                                                                                \
+  struct MmaRA<__nv_bfloat16, N> {                                                           \
+    template <int J>                                                                         \
+    static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
+                                               uint64_t b) {                                 \
+      static_assert(J * 8 >= N, "accumulators");                                             \
+      NVC_WGRA_ONE(N, "bf16", REGS, A0, IB, __VA_ARGS__);                                     \
+    }                                                                                        \
+  };                                                                                         \
+  template <>                                                                                \
+  struct MmaRA<__half, N> {                                                                  \
+    template <int J>                                                                         \
+    static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
+                                               uint64_t b) {                                 \
+      static_assert(J * 8 >= N, "accumulators");                                             \
+      NVC_WGRA_ONE(N, "f16", REGS, A0, IB, __VA_ARGS__);                                      \
+    }                                                                                        \
+  };
+
+// A0: the operand numbers of a0 .. a3 (after the N / 2 accumulators), IB: b's
+NVC_WGRA_DEF(8, "%0, %1, %2, %3",
+             "4, %5, %6, %7", "8",
+             NVC_WGRA_D4(0))
+NVC_WGRA_DEF(16, "%0, %1, %2, %3, %4, %5, %6, %7",
+             "8, %9, %10, %11", "12",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1))
+NVC_WGRA_DEF(24, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11",
+             "12, %13, %14, %15", "16",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2))
+NVC_WGRA_DEF(32, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11, %12, %13, %14, %15",
+             "16, %17, %18, %19", "20",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3))
+NVC_WGRA_DEF(40, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11, %12, %13, %14, %15, "
+             "%16, %17, %18, %19",
+             "20, %21, %22, %23", "24",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
+             NVC_WGRA_D4(4))
+NVC_WGRA_DEF(48, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11, %12, %13, %14, %15, "
+             "%16, %17, %18, %19, %20, %21, %22, %23",
+             "24, %25, %26, %27", "28",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
+             NVC_WGRA_D4(4), NVC_WGRA_D4(5))
+NVC_WGRA_DEF(56, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11, %12, %13, %14, %15, "
+             "%16, %17, %18, %19, %20, %21, %22, %23, "
+             "%24, %25, %26, %27",
+             "28, %29, %30, %31", "32",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
+             NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6))
+NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
+             "%8, %9, %10, %11, %12, %13, %14, %15, "
+             "%16, %17, %18, %19, %20, %21, %22, %23, "
+             "%24, %25, %26, %27, %28, %29, %30, %31",
+             "32, %33, %34, %35", "36",
+             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
+             NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6), NVC_WGRA_D4(7))
+#undef NVC_WGRA_DEF
+#undef NVC_WGRA_ONE
+#undef NVC_WGRA_D4
+
+// One stage of one warp's share of its warpgroup's MMAs (steps 1-4 of "Ordering" above):
+// S = BK / 16 k16 steps, NW weights x MT m16 tiles an instruction set, N = 8 x NRT rows.
+//   d: the accumulators [NW][MT][R / 8][4] (tmp of the 8-bit kernel);
+//   a: the two A register sets; a[0] holds step 0's fragments on entry;
+//   lbase: the stage's lhs tile (wg::l_off<R> layout);
+//   frag(a_set, kk): writes the A fragments [NW][MT][4] of step kk of this stage into a_set;
+//   tail(a_set): called once, after step S - 1 is issued and step S - 2 has completed: the
+//     next stage's step 0 into a_set (= a[0]) if the block has one, else nothing.
+// Returns with every MMA of the stage complete.
+template <class T, int NW, int MT, int BK, int R, int NRT, class Frag, class Tail>
+__device__ __forceinline__ void ra_stage(float (&d)[NW][MT][R / 8][4],
+                                         uint32_t (&a)[2][NW][MT][4], uint32_t lbase,
+                                         Frag&& frag, Tail&& tail) {
+  constexpr int S = BK / 16;
+  static_assert(S % 2 == 0, "an even count of k16 steps a stage: step 0 always in a[0]");
+  static_assert(NRT >= 1 && NRT * 8 <= R && R <= 64, "wgmma N = 8 .. R <= 64");
+#pragma unroll
+  for (int w = 0; w < NW; ++w)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) pin(d[w][i]);
+#pragma unroll
+  for (int kk = 0; kk < S; ++kk) {
+    fence();
+    const uint64_t b = desc(lbase + uint32_t(kk * 2 * R * 16), R * 16, 128, kNoSwizzle);
+#pragma unroll
+    for (int w = 0; w < NW; ++w)
+#pragma unroll
+      for (int i = 0; i < MT; ++i) MmaRA<T, NRT * 8>::run(d[w][i], a[kk & 1][w][i], b);
+    commit();
+    wait<1>();
+    if (kk + 1 < S) frag(a[(kk + 1) & 1], kk + 1);
+    else tail(a[0]);
+  }
+  wait<0>();
+#pragma unroll
+  for (int w = 0; w < NW; ++w)
+#pragma unroll
+    for (int i = 0; i < MT; ++i) pin(d[w][i]);
+}
+
+}  // namespace wg
+}  // namespace rdot
+}  // namespace dev
+}  // namespace nvc

@@ -84,8 +84,9 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #ifndef NVC_W8_R64_MT
 #define NVC_W8_R64_MT 2
 #endif
-// NVC_W8_R64_WG: the MMAs by wgmma with A from registers (kWgmmaRA, kernels/ragged_dot_w8_wgmma.cuh)
-// in the R 64 tiles (1) or in the R 64 and R 16 tiles (2); 0: mma.sync (not yet measured faster)
+// NVC_W8_R64_WG: the MMAs by wgmma with A from registers (kWgmmaRA,
+// kernels/ragged_dot_w8_wgmma.cuh) in the R 64 tiles (1) or in the R 64 and R 16 tiles (2);
+// 0: mma.sync (the package's build until the wgmma loop measures faster)
 #ifndef NVC_W8_R64_WG
 #define NVC_W8_R64_WG 0
 #endif

@@ -81,20 +81,21 @@ template <class T, int N>
 struct MmaRA;
 
 #define NVC_WGRA_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define NVC_WGRA_ONE(N, TY, REGS, A0, IB, ...)                                             \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "},"   \
-               " {%" A0 "}, %" IB ", 1, 1, 1, 0;\n"                                         \
+#define NVC_WGRA_ONE(N, TY, REGS, A0, IB, IS, ...)                                         \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" IS ", 0;\n"                           \
+               " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "},"  \
+               " {%" A0 "}, %" IB ", p, 1, 1, 0;\n}\n"                                      \
                : __VA_ARGS__                                                               \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                 \
                : "memory")
-#define NVC_WGRA_DEF(N, REGS, A0, IB, ...)                                                   \
+#define NVC_WGRA_DEF(N, REGS, A0, IB, IS, ...)                                               \
   template <>                                                                                \
   struct MmaRA<__nv_bfloat16, N> {                                                           \
     template <int J>                                                                         \
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
                                                uint64_t b) {                                 \
       static_assert(J * 8 >= N, "accumulators");                                             \
-      NVC_WGRA_ONE(N, "bf16", REGS, A0, IB, __VA_ARGS__);                                     \
+      NVC_WGRA_ONE(N, "bf16", REGS, A0, IB, IS, __VA_ARGS__);                                 \
     }                                                                                        \
   };                                                                                         \
   template <>                                                                                \
@@ -103,49 +104,50 @@ struct MmaRA;
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
                                                uint64_t b) {                                 \
       static_assert(J * 8 >= N, "accumulators");                                             \
-      NVC_WGRA_ONE(N, "f16", REGS, A0, IB, __VA_ARGS__);                                      \
+      NVC_WGRA_ONE(N, "f16", REGS, A0, IB, IS, __VA_ARGS__);                                  \
     }                                                                                        \
   };
 
-// A0: the operand numbers of a0 .. a3 (after the N / 2 accumulators), IB: b's
+// A0: the operand numbers of a0 .. a3 (after the N / 2 accumulators), IB: b's, IS: scale-d's
+// (1: D += A x B; a predicate, set from the register as kernels/ragged_dot_wgmma.cuh does)
 NVC_WGRA_DEF(8, "%0, %1, %2, %3",
-             "4, %5, %6, %7", "8",
+             "4, %5, %6, %7", "8", "9",
              NVC_WGRA_D4(0))
 NVC_WGRA_DEF(16, "%0, %1, %2, %3, %4, %5, %6, %7",
-             "8, %9, %10, %11", "12",
+             "8, %9, %10, %11", "12", "13",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1))
 NVC_WGRA_DEF(24, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11",
-             "12, %13, %14, %15", "16",
+             "12, %13, %14, %15", "16", "17",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2))
 NVC_WGRA_DEF(32, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11, %12, %13, %14, %15",
-             "16, %17, %18, %19", "20",
+             "16, %17, %18, %19", "20", "21",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3))
 NVC_WGRA_DEF(40, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11, %12, %13, %14, %15, "
              "%16, %17, %18, %19",
-             "20, %21, %22, %23", "24",
+             "20, %21, %22, %23", "24", "25",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
              NVC_WGRA_D4(4))
 NVC_WGRA_DEF(48, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11, %12, %13, %14, %15, "
              "%16, %17, %18, %19, %20, %21, %22, %23",
-             "24, %25, %26, %27", "28",
+             "24, %25, %26, %27", "28", "29",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
              NVC_WGRA_D4(4), NVC_WGRA_D4(5))
 NVC_WGRA_DEF(56, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11, %12, %13, %14, %15, "
              "%16, %17, %18, %19, %20, %21, %22, %23, "
              "%24, %25, %26, %27",
-             "28, %29, %30, %31", "32",
+             "28, %29, %30, %31", "32", "33",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
              NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6))
 NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
              "%8, %9, %10, %11, %12, %13, %14, %15, "
              "%16, %17, %18, %19, %20, %21, %22, %23, "
              "%24, %25, %26, %27, %28, %29, %30, %31",
-             "32, %33, %34, %35", "36",
+             "32, %33, %34, %35", "36", "37",
              NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
              NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6), NVC_WGRA_D4(7))
 #undef NVC_WGRA_DEF

@@ -900,6 +900,9 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
   // kWgmmaRA: the two A register sets of kernels/ragged_dot_w8_wgmma.cuh (set 0 carries the
   // next stage's step 0 from one stage to the next)
   uint32_t wa[2][Tl::kNW][MT][4];
+  // kWgmmaRA: tmp holds no sum (the block's start, or promoted): the next stage's first MMAs
+  // write it with scale-d 0 instead of adding to it
+  bool tmp_fresh = true;
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
     if constexpr (Tl::kLCore) wg::proxy_fence();  // this thread's lhs rows, before wgmma reads them
@@ -928,6 +931,36 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       const int kstep = cc.kb + cc.step - 1;  // this stage's K step
       promote = last_step || (p.scale_mode == 2 && ((kstep + 1) * BK) % 128 == 0);
     }
+    // kWgmmaRA, the promotion: acc += sv x tmp per column for the first `nrt_c` row tiles (the
+    // item's), sv from the stage's scales; tmp is not zeroed (the next stage's first MMAs write
+    // it with scale-d 0); the other row tiles' tmp is stale, their acc never promoted nor stored
+    auto promote_rows = [&](auto nrt_c) {
+      constexpr int NRT = decltype(nrt_c)::value;
+      const float* ss =
+          reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes + Tl::kLBytes);
+      const int mode = p.scale_mode;
+      float sv[Tl::kNW][MT][2];
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sv[w][i][h] = mode == 0   ? 1.f
+                          : mode == 2 ? ss[w * (BN / 128) + (w8c >> 7)]
+                                      : ss[w * BN + mcol(i, h)];
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < NRT; ++j)
+#pragma unroll
+              for (int e = 2 * h; e < 2 * h + 2; ++e)
+                acc[w][i][j][e] = fmaf(sv[w][i][h], tmp[w][i][j][e], acc[w][i][j][e]);
+    };
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
       constexpr int NRT = decltype(nrt_c)::value;
@@ -962,14 +995,23 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       }
     };
     // warps whose columns lie past the piece's width have only zeros to multiply (balanced)
-    if constexpr (Tl::kWgRA) {
+    if constexpr (Tl::kWg) {
+      // wgmma: one warpgroup per 64-column box; a box past the piece's width skips as a whole
+      const int box = warp >> 2;
+      if (!kBal || box * 64 < cur.nw)
+        with_count<R / 8>(nrt, [&](auto nrt_c) {
+          wg::stage<T, Tl, BK, R, decltype(nrt_c)::value>(acc, smem_u32(st), box, lbase);
+        });
+    } else if constexpr (Tl::kWgRA) {
       // wgmma with A from registers (kernels/ragged_dot_w8_wgmma.cuh): step 0 of the block's
       // first stage converted here, of every later stage by the tail of the one before it
-      // (after that stage's mbarrier wait, while its last MMAs run)
+      // (after that stage's mbarrier wait, while its last MMAs run); the promotion after the
+      // stage's MMAs completed, of the item's row tiles only
       if (q == 0) w8_frags(wa[0], st, 0);
       with_count<R / 8>(nrt, [&](auto nrt_c) {
         wg::ra_stage<T, Tl::kNW, MT, BK, R, decltype(nrt_c)::value>(
-            mac, wa, lbase, [&](uint32_t(&as)[Tl::kNW][MT][4], int kk) { w8_frags(as, st, kk); },
+            mac, wa, lbase, tmp_fresh,
+            [&](uint32_t(&as)[Tl::kNW][MT][4], int kk) { w8_frags(as, st, kk); },
             [&](uint32_t(&as)[Tl::kNW][MT][4]) {
               if (q + 1 < q_total) {
                 const int s1 = (q + 1) % STAGES;
@@ -977,14 +1019,9 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
                 w8_frags(as, smem + s1 * Tl::kStageBytes, 0);
               }
             });
+        if (promote) promote_rows(nrt_c);
       });
-    } else if constexpr (Tl::kWg) {
-      // wgmma: one warpgroup per 64-column box; a box past the piece's width skips as a whole
-      const int box = warp >> 2;
-      if (!kBal || box * 64 < cur.nw)
-        with_count<R / 8>(nrt, [&](auto nrt_c) {
-          wg::stage<T, Tl, BK, R, decltype(nrt_c)::value>(acc, smem_u32(st), box, lbase);
-        });
+      tmp_fresh = promote;
     } else if (!kBal || col0 < cur.nw) {
       if constexpr ((OPT & kSpecRows) != 0) {
         with_count<R / 8>(nrt, mma_stage);
@@ -1021,8 +1058,10 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       }
     }
 
-    if constexpr (Tl::kW8) {
+    if constexpr (Tl::kW8 && !Tl::kWgRA) {
       // the promotion: acc += sv x tmp per column, tmp zeroed; sv from the stage's scales
+      // (promote_rows above; written out here for the mma.sync kernels, which compile to the
+      // same code as before the wgmma option)
       if (promote) {
         const float* ss = reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes +
                                                          Tl::kLBytes);

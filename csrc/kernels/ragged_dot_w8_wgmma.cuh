@@ -38,8 +38,9 @@
 //      the kernel before the block's first stage). The lhs rows of the stage were fenced for the
 //      async proxy (fence.proxy.async after cp.async.wait_group) before the loop's block
 //      barrier; the weights came by TMA (the stage's mbarrier wait).
-//   2. Step s: wgmma.fence (orders this thread's writes of a[s % 2], and for s = 0 of the
-//      accumulators: zeroing, the previous promotion), the NW x MT instructions reading
+//   2. Step s: wgmma.fence (orders this thread's writes of a[s % 2], and for s = 0 its
+//      accesses of the accumulators: zeroing, the previous promotion's reads), the NW x MT
+//      instructions (step 0 with scale-d 0 when the accumulators hold no sum) reading
 //      a[s % 2], commit (one group a step). Then, if s + 1 < S: wgmma.wait_group 1 (step s - 1
 //      complete: a[(s + 1) % 2], which it read, may be written) and the conversion of step
 //      s + 1 into a[(s + 1) % 2], while step s runs.
@@ -50,9 +51,11 @@
 //      and the conversion of its step 0 into a[0], while step S - 1 runs.
 //   4. wgmma.wait_group 0: every MMA of the stage complete. Only now may (a) the promotion
 //      acc += s x tmp (scale_mode 2: the stage is one 128-row K block, BK = 128; BK 64: every
-//      second stage) read tmp and zero it, (b) the epilogue store the accumulators, (c) the next
-//      iteration's block barrier let thread 0 and the lhs loads refill this stage's slot (the
-//      MMAs read its lhs rows from shared memory until they complete).
+//      second stage; modes 0 and 1: the unit's last stage) read tmp, for the item's NRT row
+//      tiles only (compiled per count with the stage); tmp is not zeroed: the next stage's
+//      first MMAs write it with scale-d 0 ("fresh"), (b) the epilogue store the accumulators,
+//      (c) the next iteration's block barrier let thread 0 and the lhs loads refill this
+//      stage's slot (the MMAs read its lhs rows from shared memory until they complete).
 //   The accumulators pass through an empty asm ("+f", memory) before the first fence and after
 //   the final wait, so the compiler moves no access of them into the asynchronous window; the
 //   register A sets are asm inputs, written only at the places above (ptxas checks the
@@ -75,8 +78,8 @@ __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// D[64 x N] += A (registers a, the warp's m16 rows) x B (descriptor b, K-major), float32
-// accumulators d[0 .. N/8 - 1].
+// D[64 x N] = A (registers a, the warp's m16 rows) x B (descriptor b, K-major) + (acc ? D : 0),
+// float32 accumulators d[0 .. N/8 - 1].
 template <class T, int N>
 struct MmaRA;
 
@@ -86,14 +89,14 @@ struct MmaRA;
                " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "},"  \
                " {%" A0 "}, %" IB ", p, 1, 1, 0;\n}\n"                                      \
                : __VA_ARGS__                                                               \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc)               \
                : "memory")
 #define NVC_WGRA_DEF(N, REGS, A0, IB, IS, ...)                                               \
   template <>                                                                                \
   struct MmaRA<__nv_bfloat16, N> {                                                           \
     template <int J>                                                                         \
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
-                                               uint64_t b) {                                 \
+                                               uint64_t b, int acc) {                        \
       static_assert(J * 8 >= N, "accumulators");                                             \
       NVC_WGRA_ONE(N, "bf16", REGS, A0, IB, IS, __VA_ARGS__);                                 \
     }                                                                                        \
@@ -102,14 +105,14 @@ struct MmaRA;
   struct MmaRA<__half, N> {                                                                  \
     template <int J>                                                                         \
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
-                                               uint64_t b) {                                 \
+                                               uint64_t b, int acc) {                        \
       static_assert(J * 8 >= N, "accumulators");                                             \
       NVC_WGRA_ONE(N, "f16", REGS, A0, IB, IS, __VA_ARGS__);                                  \
     }                                                                                        \
   };
 
 // A0: the operand numbers of a0 .. a3 (after the N / 2 accumulators), IB: b's, IS: scale-d's
-// (1: D += A x B; a predicate, set from the register as kernels/ragged_dot_wgmma.cuh does)
+// (acc: a predicate set from a register, as kernels/ragged_dot_wgmma.cuh does)
 NVC_WGRA_DEF(8, "%0, %1, %2, %3",
              "4, %5, %6, %7", "8", "9",
              NVC_WGRA_D4(0))
@@ -156,7 +159,8 @@ NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
 
 // One stage of one warp's share of its warpgroup's MMAs (steps 1-4 of "Ordering" above):
 // S = BK / 16 k16 steps, NW weights x MT m16 tiles an instruction set, N = 8 x NRT rows.
-//   d: the accumulators [NW][MT][R / 8][4] (tmp of the 8-bit kernel);
+//   d: the accumulators [NW][MT][R / 8][4] (tmp of the 8-bit kernel); fresh: they hold no sum
+//     (the first step writes rows 0 .. NRT - 1 with scale-d 0 instead of adding to them);
 //   a: the two A register sets; a[0] holds step 0's fragments on entry;
 //   lbase: the stage's lhs tile (wg::l_off<R> layout);
 //   frag(a_set, kk): writes the A fragments [NW][MT][4] of step kk of this stage into a_set;
@@ -166,7 +170,7 @@ NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
 template <class T, int NW, int MT, int BK, int R, int NRT, class Frag, class Tail>
 __device__ __forceinline__ void ra_stage(float (&d)[NW][MT][R / 8][4],
                                          uint32_t (&a)[2][NW][MT][4], uint32_t lbase,
-                                         Frag&& frag, Tail&& tail) {
+                                         bool fresh, Frag&& frag, Tail&& tail) {
   constexpr int S = BK / 16;
   static_assert(S % 2 == 0, "an even count of k16 steps a stage: step 0 always in a[0]");
   static_assert(NRT >= 1 && NRT * 8 <= R && R <= 64, "wgmma N = 8 .. R <= 64");
@@ -181,7 +185,8 @@ __device__ __forceinline__ void ra_stage(float (&d)[NW][MT][R / 8][4],
 #pragma unroll
     for (int w = 0; w < NW; ++w)
 #pragma unroll
-      for (int i = 0; i < MT; ++i) MmaRA<T, NRT * 8>::run(d[w][i], a[kk & 1][w][i], b);
+      for (int i = 0; i < MT; ++i)
+        MmaRA<T, NRT * 8>::run(d[w][i], a[kk & 1][w][i], b, kk > 0 || !fresh);
     commit();
     wait<1>();
     if (kk + 1 < S) frag(a[(kk + 1) & 1], kk + 1);

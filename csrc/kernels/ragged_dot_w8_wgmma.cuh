@@ -11,6 +11,8 @@
 // weights and then issues ldmatrix (the rows) + mma.sync in a dependent chain, two warps a
 // scheduler to hide it. Here the rows come from shared memory through a descriptor (no
 // ldmatrix, no B registers) and the tensor cores work while the warps convert.
+// Measured: not yet (compile-checked: ptxas keeps the pipeline, no spills; the A/B on a GPU is
+// tests/cuda_harness/run_w8_ab.sh, docs/perf/ragged_dot.md has the numbers once taken).
 //
 // Layout (swap AB as in the mma.sync kernel: D[m][n] = sum_k A[m][k] B[k][n], m a weight column,
 // n a token row of the item):

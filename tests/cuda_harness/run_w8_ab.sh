@@ -80,7 +80,7 @@ done
 for v in $MEMCHECK; do
   case " $VARIANTS " in *" $v "*) ;; *) continue ;; esac
   n=$(vname $v)
-  "$SAN" --tool memcheck "$OUT/rdot_w8_$n" --quick > "$OUT/memcheck_$n.txt" 2>&1 || bad=1
+  "$SAN" --tool memcheck --error-exitcode 1 "$OUT/rdot_w8_$n" --quick > "$OUT/memcheck_$n.txt" 2>&1 || bad=1
   echo "== memcheck $(vflags $v) --quick: $(grep "ERROR SUMMARY" "$OUT/memcheck_$n.txt")," \
        "$(grep "passed, .* failed" "$OUT/memcheck_$n.txt" | tail -n 1)"
 done

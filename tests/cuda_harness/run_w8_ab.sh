@@ -67,20 +67,28 @@ ptx_summary() {
   echo "registers {$regs} / kernels with spills or stack: $spills / wgmma notes (C75xx): $notes"
 }
 
-# ---- runs ----
+# ---- runs (each under a time limit: a hang costs at most that) ----
+# limited SECONDS LOG CMD...: runs CMD > LOG; non-zero (and a line saying so) on failure
+limited() {
+  local lim=$1 log=$2 rc; shift 2
+  timeout "$lim" "$@" > "$log" 2>&1; rc=$?
+  [ $rc = 124 ] && echo "   TIMED OUT after $lim s: $*"
+  return $rc
+}
 for v in $VARIANTS; do
   n=$(vname $v)
   echo "== $(vflags $v): $(ptx_summary $v)"
-  "$OUT/rdot_w8_$n" > "$OUT/cases_$n.txt" 2>&1 || bad=1
+  limited 150 "$OUT/cases_$n.txt" "$OUT/rdot_w8_$n" || bad=1
   echo "   cases: $(tail -n 1 "$OUT/cases_$n.txt")"
   grep -m 5 "^FAIL\|error" "$OUT/cases_$n.txt" | sed 's/^/   /'
-  "$OUT/rdot_w8_$n" --time > "$OUT/time_$n.txt" 2>&1 || bad=1
+  limited 120 "$OUT/time_$n.txt" "$OUT/rdot_w8_$n" --time || bad=1
   echo "   time: $(head -n 1 "$OUT/time_$n.txt") ($(( $(date +%s) - t0 )) s so far)"
 done
 for v in $MEMCHECK; do
   case " $VARIANTS " in *" $v "*) ;; *) continue ;; esac
   n=$(vname $v)
-  "$SAN" --tool memcheck --error-exitcode 1 "$OUT/rdot_w8_$n" --quick > "$OUT/memcheck_$n.txt" 2>&1 || bad=1
+  limited 180 "$OUT/memcheck_$n.txt" "$SAN" --tool memcheck --error-exitcode 1 "$OUT/rdot_w8_$n" \
+    --quick || bad=1
   echo "== memcheck $(vflags $v) --quick: $(grep "ERROR SUMMARY" "$OUT/memcheck_$n.txt")," \
        "$(grep "passed, .* failed" "$OUT/memcheck_$n.txt" | tail -n 1)"
 done

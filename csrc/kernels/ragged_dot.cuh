@@ -870,31 +870,37 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
   auto mcol = [&](int i, int h) {
     return Tl::kW8 ? col0 + 2 * MT * (lane >> 2) + 2 * i + h : col0 + i * 16 + (lane >> 2) + 8 * h;
   };
-  // 8-bit weights: the A fragments [w][i] of k16 step kk of the stage tile st: rows 2t, 2t + 1,
-  // 2t + 8, 2t + 9 of the step (t = lane % 4), the thread's 2 MT columns [w8c, w8c + 2 MT);
-  // fragment i takes bytes 2i (m row g) and 2i + 1 (m row g + 8)
-  auto w8_frags = [&](uint32_t (&a)[Tl::kNW][MT][4], const unsigned char* st, int kk) {
+  // 8-bit weights, the A fragments of k16 step kk of a stage tile: w8_load, the thread's bytes
+  // of one weight tile wb: r[x] = row 2t + (x & 1) + 8 (x >> 1) of the step (t = lane % 4) at
+  // its 2 MT columns [w8c, w8c + 2 MT); w8_conv, the fragments [i] they make: fragment i takes
+  // bytes 2i (m row g) and 2i + 1 (m row g + 8); w8_frags, both for every weight of stage st
+  auto w8_load = [&](uint32_t (&r)[4], const unsigned char* wb, int kk) {
+    const int w8c = col0 + 2 * MT * (lane >> 2);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
+      const unsigned char* src = wb + w8_off<BK>(krow, w8c);
+      r[x] = MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
+                     : uint32_t(*reinterpret_cast<const uint16_t*>(src));
+    }
+  };
+  auto w8_conv = [&](uint32_t (&a)[MT][4], const uint32_t (&r)[4]) {
     if constexpr (Tl::kW8) {
-      const int w8c = col0 + 2 * MT * (lane >> 2);
 #pragma unroll
-      for (int w = 0; w < Tl::kNW; ++w) {
-        const unsigned char* wb = st + w * Tl::kWSBytes;
-        uint32_t r[4];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
-          const unsigned char* src = wb + w8_off<BK>(krow, w8c);
-          r[x] = MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
-                         : uint32_t(*reinterpret_cast<const uint16_t*>(src));
-        }
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          a[w][i][0] = w8_pair<T, TW>(r[0], r[1], 2 * i);
-          a[w][i][1] = w8_pair<T, TW>(r[0], r[1], 2 * i + 1);
-          a[w][i][2] = w8_pair<T, TW>(r[2], r[3], 2 * i);
-          a[w][i][3] = w8_pair<T, TW>(r[2], r[3], 2 * i + 1);
-        }
+      for (int i = 0; i < MT; ++i) {
+        a[i][0] = w8_pair<T, TW>(r[0], r[1], 2 * i);
+        a[i][1] = w8_pair<T, TW>(r[0], r[1], 2 * i + 1);
+        a[i][2] = w8_pair<T, TW>(r[2], r[3], 2 * i);
+        a[i][3] = w8_pair<T, TW>(r[2], r[3], 2 * i + 1);
       }
+    }
+  };
+  auto w8_frags = [&](uint32_t (&a)[Tl::kNW][MT][4], const unsigned char* st, int kk) {
+#pragma unroll
+    for (int w = 0; w < Tl::kNW; ++w) {
+      uint32_t r[4];
+      w8_load(r, st + w * Tl::kWSBytes, kk);
+      w8_conv(a[w], r);
     }
   };
   // kWgmmaRA: the two A register sets of kernels/ragged_dot_w8_wgmma.cuh (set 0 carries the
@@ -1009,15 +1015,25 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       // stage's MMAs completed, of the item's row tiles only
       if (q == 0) w8_frags(wa[0], st, 0);
       with_count<R / 8>(nrt, [&](auto nrt_c) {
+        using Raw = uint32_t[Tl::kNW][4];
         wg::ra_stage<T, Tl::kNW, MT, BK, R, decltype(nrt_c)::value>(
             mac, wa, lbase, tmp_fresh,
-            [&](uint32_t(&as)[Tl::kNW][MT][4], int kk) { w8_frags(as, st, kk); },
-            [&](uint32_t(&as)[Tl::kNW][MT][4]) {
-              if (q + 1 < q_total) {
-                const int s1 = (q + 1) % STAGES;
-                mbar_wait(full0 + 8 * s1, uint32_t(((q + 1) / STAGES) & 1));
-                w8_frags(as, smem + s1 * Tl::kStageBytes, 0);
-              }
+            [&](Raw& raw, int kk) {
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w) w8_load(raw[w], st + w * Tl::kWSBytes, kk);
+            },
+            [&](uint32_t(&as)[Tl::kNW][MT][4], const Raw& raw) {
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w) w8_conv(as[w], raw[w]);
+            },
+            [&](Raw& raw) {
+              if (q + 1 >= q_total) return false;
+              const int s1 = (q + 1) % STAGES;
+              mbar_wait(full0 + 8 * s1, uint32_t(((q + 1) / STAGES) & 1));
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w)
+                w8_load(raw[w], smem + s1 * Tl::kStageBytes + w * Tl::kWSBytes, 0);
+              return true;
             });
         if (promote) promote_rows(nrt_c);
       });

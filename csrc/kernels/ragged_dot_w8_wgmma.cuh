@@ -43,14 +43,16 @@
 //   2. Step s: wgmma.fence (orders this thread's writes of a[s % 2], and for s = 0 its
 //      accesses of the accumulators: zeroing, the previous promotion's reads), the NW x MT
 //      instructions (step 0 with scale-d 0 when the accumulators hold no sum) reading
-//      a[s % 2], commit (one group a step). Then, if s + 1 < S: wgmma.wait_group 1 (step s - 1
-//      complete: a[(s + 1) % 2], which it read, may be written) and the conversion of step
-//      s + 1 into a[(s + 1) % 2], while step s runs.
+//      a[s % 2], commit (one group a step). Then, if s + 1 < S: the weight bytes of step s + 1
+//      loaded from shared memory into `raw` (registers no MMA reads, so before any wait: their
+//      latency runs under the MMAs), wgmma.wait_group 1 (step s - 1 complete: a[(s + 1) % 2],
+//      which it read, may be written) and the conversion of raw into a[(s + 1) % 2], while
+//      step s runs.
 //   3. Tail (after step S - 1's commit; steps S - 2 and S - 1 may be in flight): if the block has
-//      a next stage, wait_group 1 (step S - 2, the last reader of a[0], complete), the next
-//      stage's mbarrier wait (its weights; no block barrier is needed for them: they are TMA
-//      writes completed on the mbarrier, and the slot is re-armed only after a later barrier)
-//      and the conversion of its step 0 into a[0], while step S - 1 runs.
+//      a next stage, its mbarrier wait (its weights; no block barrier is needed for them: they
+//      are TMA writes completed on the mbarrier, and the slot is re-armed only after a later
+//      barrier) and the bytes of its step 0 into raw, then wait_group 1 (step S - 2, the last
+//      reader of a[0], complete) and their conversion into a[0], while step S - 1 runs.
 //   4. wgmma.wait_group 0: every MMA of the stage complete. Only now may (a) the promotion
 //      acc += s x tmp (scale_mode 2: the stage is one 128-row K block, BK = 128; BK 64: every
 //      second stage; modes 0 and 1: the unit's last stage) read tmp, for the item's NRT row
@@ -165,14 +167,15 @@ NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
 //     (the first step writes rows 0 .. NRT - 1 with scale-d 0 instead of adding to them);
 //   a: the two A register sets; a[0] holds step 0's fragments on entry;
 //   lbase: the stage's lhs tile (wg::l_off<R> layout);
-//   frag(a_set, kk): writes the A fragments [NW][MT][4] of step kk of this stage into a_set;
-//   tail(a_set): called once, after step S - 1 is issued and step S - 2 has completed: the
-//     next stage's step 0 into a_set (= a[0]) if the block has one, else nothing.
+//   load(raw, kk): the weight bytes [NW][4] of step kk of this stage into raw (shared-memory
+//     loads only); conv(a_set, raw): the A fragments [NW][MT][4] they make, into a_set;
+//   next(raw): called once, after step S - 1 is issued: if the block has a next stage, the
+//     bytes of its step 0 into raw (after its mbarrier wait) and true; else false.
 // Returns with every MMA of the stage complete.
-template <class T, int NW, int MT, int BK, int R, int NRT, class Frag, class Tail>
+template <class T, int NW, int MT, int BK, int R, int NRT, class Load, class Conv, class Next>
 __device__ __forceinline__ void ra_stage(float (&d)[NW][MT][R / 8][4],
                                          uint32_t (&a)[2][NW][MT][4], uint32_t lbase,
-                                         bool fresh, Frag&& frag, Tail&& tail) {
+                                         bool fresh, Load&& load, Conv&& conv, Next&& next) {
   constexpr int S = BK / 16;
   static_assert(S % 2 == 0, "an even count of k16 steps a stage: step 0 always in a[0]");
   static_assert(NRT >= 1 && NRT * 8 <= R && R <= 64, "wgmma N = 8 .. R <= 64");
@@ -190,9 +193,12 @@ __device__ __forceinline__ void ra_stage(float (&d)[NW][MT][R / 8][4],
       for (int i = 0; i < MT; ++i)
         MmaRA<T, NRT * 8>::run(d[w][i], a[kk & 1][w][i], b, kk > 0 || !fresh);
     commit();
+    uint32_t raw[NW][4];
+    bool more = true;
+    if (kk + 1 < S) load(raw, kk + 1);
+    else more = next(raw);
     wait<1>();
-    if (kk + 1 < S) frag(a[(kk + 1) & 1], kk + 1);
-    else tail(a[0]);
+    if (more) conv(a[(kk + 1) & 1], raw);  // step S's set is a[0]: the next stage's step 0
   }
   wait<0>();
 #pragma unroll

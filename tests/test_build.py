@@ -127,6 +127,26 @@ def test_no_register_spills(tmp_path, src):
     assert not bad, bad[:10]
 
 
+# The 8-bit kernels' wgmma loop with register A (csrc/kernels/ragged_dot_w8_wgmma.cuh), an A/B
+# build (NVC_W8_R64_WG, csrc/cuda/ragged_dot_family.cuh) until measured faster: its overlap of
+# the conversion with the running MMAs holds only while ptxas keeps the wgmma pipeline, i.e.
+# prints no C75xx note ("wgmma.mma_async instructions are serialized", warpgroup waits
+# injected: registers it cannot prove untouched in flight), and nothing spills. Value 2 builds
+# the loop into the R 64 and R 16 tiles of both forms and both out dtypes: 8 kernels.
+@needs_nvcc
+def test_w8_wgmma_variant_keeps_its_pipeline(tmp_path):
+    unit = os.path.join(ROOT, "csrc/cuda/ragged_dot_w8_bf16_i8.cu")
+    out = nvcc("-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+               "-DNVC_W8_R64_WG=2", "-Xptxas", "-v", unit, "-o", str(tmp_path / "k.o"))
+    funcs = _spills_per_function(out)
+    # option bits kSpecRows | kTma | kCtaSync | kWgmmaRA (402), at R 16 with kSplitK (434)
+    wg = [f for f in funcs if re.search(r"ragged_dot_kernel\w*ELi(402|434)E", f[0])]
+    assert len(wg) == 8, [f[0] for f in funcs]
+    assert not [f for f in funcs if max(f[1:]) > 0], funcs
+    notes = re.findall(r".*\(C75\d\d\).*", out)
+    assert not notes, notes[:5]
+
+
 def test_installed_cuda_module_holds_hopper_code():
     """The installed CUDA module is compiled for Hopper (sm_90a), not for nvcc's default target:
     CMake fills in sm_52 (CUDA 12) or sm_75 (CUDA 13) unless told otherwise, and then every

@@ -84,26 +84,34 @@ struct DefaultTile<T, TO, kRows64, true, TW, false> {
 #ifndef NVC_W8_R64_MT
 #define NVC_W8_R64_MT 2
 #endif
+// NVC_W8_R64_WG: the MMAs by wgmma with A from registers (kWgmmaRA,
+// kernels/ragged_dot_w8_wgmma.cuh) in the R 64 tiles (1) or in the R 64 and R 16 tiles (2);
+// 0: mma.sync (the package's build until the wgmma loop measures faster)
+#ifndef NVC_W8_R64_WG
+#define NVC_W8_R64_WG 0
+#endif
+constexpr int kW8Wg64 = NVC_W8_R64_WG >= 1 ? o::kWgmmaRA : 0;
+constexpr int kW8Wg16 = NVC_W8_R64_WG >= 2 ? o::kWgmmaRA : 0;
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, false, TW, true> {
   using K = Kernel<T, TO, 256, NVC_W8_BK, 16, NVC_W8_STAGES, NVC_W8_MT, false,
-                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync | kW8Wg16, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows64, false, TW, true> {
   using K = Kernel<T, TO, 256, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, NVC_W8_R64_MT, false,
-                   o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+                   o::kSpecRows | o::kTma | o::kCtaSync | kW8Wg64, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows16, true, TW, true> {
   using K = Kernel<T, TO, NVC_W8_SWIGLU_BN, NVC_W8_SWIGLU_BK, 16, NVC_W8_SWIGLU_STAGES,
                    NVC_W8_MT * NVC_W8_SWIGLU_BN / 256, true,
-                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync, TW>;
+                   o::kSpecRows | o::kTma | o::kSplitK | o::kCtaSync | kW8Wg16, TW>;
 };
 template <class T, class TO, class TW>
 struct DefaultTile<T, TO, kRows64, true, TW, true> {
   using K = Kernel<T, TO, 128, NVC_W8_R64_BK, 64, NVC_W8_R64_STAGES, 1, true,
-                   o::kSpecRows | o::kTma | o::kCtaSync, TW>;
+                   o::kSpecRows | o::kTma | o::kCtaSync | kW8Wg64, TW>;
 };
 
 template <class T, class TO, int KIND, bool SW, class TW = T>

@@ -138,6 +138,13 @@
 //   (split-K sums, swiglu, rounding once) is the 16-bit kernel's, with the 8-bit column order
 //   (mcol). Needs K % 16 == 0 and N % 16 == 0 (the map's 16-byte row stride;
 //   ragged_dot_check).
+//   wgmma (option kWgmmaRA; kernels/ragged_dot_w8_wgmma.cuh has its protocol): the same
+//   fragments feed wgmma.mma_async m64nNk16 with A from registers (warp w of a warpgroup gives
+//   rows [16 (w % 4), 16 (w % 4) + 16) of the m64: its m16 tile i) and B = the lhs rows from
+//   shared memory in kWgmma's core-matrix layout; the conversion of k16 step s + 1 runs while
+//   the MMAs of step s do (two A register sets, wait_group 1), the next stage's step 0 while
+//   the stage's last ones do; the promotion reads tmp after wait_group 0 at the stage's end.
+//   Selected in the harness's A/B builds by NVC_W8_R64_WG (cuda/ragged_dot_family.cuh).
 // Measured (one H100, docs/perf/ragged_dot.md "8-bit weights v2"): 1.09-1.30x the 8-bit
 // bound at the decode shapes with column scales, 1.11-1.45x with block scales, 1.43-1.78x at
 // ~32 rows a group (the R 64 tile: the warps' conversion + mma.sync chain per stage bounds it);
@@ -162,7 +169,8 @@
 // istart[kMaxGroups+1] (row and item / unit prefixes). The +8 / +4 pads make ldmatrix rows and
 // the partial stores conflict-free. kTma: W is [BN/64][BK][64] swizzled (above), the stages are
 // rounded up to 1 KB and start at the first 1 KB boundary, and STAGES mbarriers (8 B) follow
-// istart. kWgmma: L is [BK / 8 chunks][R / 8 row groups][8 rows][16 B] (wgmma core matrices).
+// istart. kWgmma, kWgmmaRA: L is [BK / 8 chunks][R / 8 row groups][8 rows][16 B] (wgmma core
+// matrices).
 //
 // Invariants (checked by the launcher, cuda/ragged_dot.cu): K % 8 == 0 and N % 8 == 0 (16-byte
 // rows for cp.async); lhs, rhs, out 16-byte aligned; 1 <= G <= kMaxGroups; M, items < 2^31;
@@ -182,6 +190,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ragged_dot_w8_wgmma.cuh"
 #include "ragged_dot_wgmma.cuh"
 
 namespace nvc {
@@ -208,10 +217,14 @@ constexpr int kMaxGroups = 1024;
 //   kCtaSync: clusters of one block (the launcher forces cs = 1), so the epilogue orders its
 //     partials with one block barrier and reads them from its own shared memory, instead of
 //     two cluster barriers and reads through the cluster window (distributed shared memory).
+//   kWgmmaRA: 8-bit weights only: the MMAs by wgmma with A (the converted weight fragments)
+//     from registers and B (the lhs rows, wgmma core-matrix layout as kWgmma's) from shared
+//     memory, the conversion of k16 step s + 1 overlapping the MMAs of step s (a multiple of
+//     4 warps, BK / 16 even). See kernels/ragged_dot_w8_wgmma.cuh.
 // The package's tiles (cuda/ragged_dot_family.cuh) use kSpecRows | kTma | kCtaSync, and at
 // R 16 kSplitK; the other options are the sweep's (measured slower at the decode shapes).
 constexpr int kBalanced = 1, kSpecRows = 2, kPf256 = 4, kUnit32 = 8, kTma = 16, kSplitK = 32,
-              kWgmma = 64, kCtaSync = 128;
+              kWgmma = 64, kCtaSync = 128, kWgmmaRA = 256;
 // Split-K units: at most this many per item (the workspace's planes; ragged_dot.h).
 constexpr int kMaxSplits = 8;
 template <int OPT>
@@ -245,11 +258,13 @@ template <int BN, int BK, int R, int STAGES, int MT, bool SWIGLU, int OPT = 0, i
 struct Tile {
   static constexpr bool kTmaW = (OPT & 16) != 0;  // kTma
   static constexpr bool kWg = (OPT & 64) != 0;    // kWgmma
+  static constexpr bool kWgRA = (OPT & 256) != 0;  // kWgmmaRA
+  static constexpr bool kLCore = kWg || kWgRA;      // lhs rows as wgmma core matrices
   static constexpr int kWarps = BN / (16 * MT);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kNW = SWIGLU ? 2 : 1;
   static constexpr int kWStride = kTmaW ? BN : BN + 8;  // elements per smem weight row (cp.async)
-  static constexpr int kLStride = kWg ? BK : BK + 8;  // elements per smem lhs row (wgmma: none)
+  static constexpr int kLStride = kLCore ? BK : BK + 8;  // elements per smem lhs row (wgmma: none)
   static constexpr int kPStride = BN + 4;   // floats per partial row
   static constexpr int kWBytes = BK * kWStride * 2;
   static constexpr int kLBytes = R * kLStride * 2;
@@ -274,6 +289,9 @@ struct Tile {
   static_assert(BN % (16 * MT) == 0 && BK % 16 == 0 && R % 8 == 0, "tile shape");
   static_assert(!kTmaW || (BN % 64 == 0 && BK <= 256), "TMA boxes of 64 columns, BK rows");
   static_assert(!kWg || (kTmaW && MT == 1 && R <= 64), "wgmma: TMA weights, a warpgroup a box");
+  static_assert(!kWgRA || (kW8 && kWarps % 4 == 0 && (BK / 16) % 2 == 0 && R <= 64),
+                "wgmma with register A: 8-bit weights, whole warpgroups, an even count of k16 "
+                "steps a stage");
   static_assert(kStageBytes % 16 == 0 && kPBytes % 16 == 0, "16-byte smem sections");
   static_assert(kSmem <= 227 * 1024 - 1024, "shared memory of one block (static: 128 B)");
 };
@@ -766,7 +784,7 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     }
     const int lrows = ((it.rows + 7) / 8) * 8;
     const uint32_t ldst = smem_u32(st + Tl::kNW * Tl::kWSBytes);
-    if constexpr (Tl::kWg) {
+    if constexpr (Tl::kLCore) {
       // core-matrix layout (wg::l_off): thread pairs take the two 16-byte chunks of a 32-byte
       // sector of one row, consecutive pairs consecutive rows (whole 128-byte core matrices)
       for (int c = tid; c < lrows * (BK / 8); c += Tl::kThreads) {
@@ -852,9 +870,48 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
   auto mcol = [&](int i, int h) {
     return Tl::kW8 ? col0 + 2 * MT * (lane >> 2) + 2 * i + h : col0 + i * 16 + (lane >> 2) + 8 * h;
   };
+  // 8-bit weights, the A fragments of k16 step kk of a stage tile: w8_load, the thread's bytes
+  // of one weight tile wb: r[x] = row 2t + (x & 1) + 8 (x >> 1) of the step (t = lane % 4) at
+  // its 2 MT columns [w8c, w8c + 2 MT); w8_conv, the fragments [i] they make: fragment i takes
+  // bytes 2i (m row g) and 2i + 1 (m row g + 8); w8_frags, both for every weight of stage st
+  auto w8_load = [&](uint32_t (&r)[4], const unsigned char* wb, int kk) {
+    const int w8c = col0 + 2 * MT * (lane >> 2);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
+      const unsigned char* src = wb + w8_off<BK>(krow, w8c);
+      r[x] = MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
+                     : uint32_t(*reinterpret_cast<const uint16_t*>(src));
+    }
+  };
+  auto w8_conv = [&](uint32_t (&a)[MT][4], const uint32_t (&r)[4]) {
+    if constexpr (Tl::kW8) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        a[i][0] = w8_pair<T, TW>(r[0], r[1], 2 * i);
+        a[i][1] = w8_pair<T, TW>(r[0], r[1], 2 * i + 1);
+        a[i][2] = w8_pair<T, TW>(r[2], r[3], 2 * i);
+        a[i][3] = w8_pair<T, TW>(r[2], r[3], 2 * i + 1);
+      }
+    }
+  };
+  auto w8_frags = [&](uint32_t (&a)[Tl::kNW][MT][4], const unsigned char* st, int kk) {
+#pragma unroll
+    for (int w = 0; w < Tl::kNW; ++w) {
+      uint32_t r[4];
+      w8_load(r, st + w * Tl::kWSBytes, kk);
+      w8_conv(a[w], r);
+    }
+  };
+  // kWgmmaRA: the two A register sets of kernels/ragged_dot_w8_wgmma.cuh (set 0 carries the
+  // next stage's step 0 from one stage to the next)
+  uint32_t wa[2][Tl::kNW][MT][4];
+  // kWgmmaRA: tmp holds no sum (the block's start, or promoted): the next stage's first MMAs
+  // write it with scale-d 0 instead of adding to it
+  bool tmp_fresh = true;
   for (int q = 0; q < q_total; ++q) {
     cp_wait<STAGES - 2>();
-    if constexpr (Tl::kWg) wg::proxy_fence();  // this thread's lhs rows, before wgmma reads them
+    if constexpr (Tl::kLCore) wg::proxy_fence();  // this thread's lhs rows, before wgmma reads them
     __syncthreads();
     if (q + STAGES - 1 < q_total) load(q + STAGES - 1);
     cp_commit();
@@ -880,34 +937,47 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       const int kstep = cc.kb + cc.step - 1;  // this stage's K step
       promote = last_step || (p.scale_mode == 2 && ((kstep + 1) * BK) % 128 == 0);
     }
+    // kWgmmaRA, the promotion: acc += sv x tmp per column for the first `nrt_c` row tiles (the
+    // item's), sv from the stage's scales; tmp is not zeroed (the next stage's first MMAs write
+    // it with scale-d 0); the other row tiles' tmp is stale, their acc never promoted nor stored
+    auto promote_rows = [&](auto nrt_c) {
+      constexpr int NRT = decltype(nrt_c)::value;
+      const float* ss =
+          reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes + Tl::kLBytes);
+      const int mode = p.scale_mode;
+      float sv[Tl::kNW][MT][2];
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            sv[w][i][h] = mode == 0   ? 1.f
+                          : mode == 2 ? ss[w * (BN / 128) + (w8c >> 7)]
+                                      : ss[w * BN + mcol(i, h)];
+#pragma unroll
+      for (int w = 0; w < Tl::kNW; ++w)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < NRT; ++j)
+#pragma unroll
+              for (int e = 2 * h; e < 2 * h + 2; ++e)
+                acc[w][i][j][e] = fmaf(sv[w][i][h], tmp[w][i][j][e], acc[w][i][j][e]);
+    };
     // the MMAs of this stage for the first `nrt_c` row tiles (n8 each)
     auto mma_stage = [&](auto nrt_c) {
       constexpr int NRT = decltype(nrt_c)::value;
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
         uint32_t a[Tl::kNW][MT][4];
+        if constexpr (Tl::kW8) {
+          w8_frags(a, st, kk);
+        } else {
 #pragma unroll
-        for (int w = 0; w < Tl::kNW; ++w) {
-          if constexpr (Tl::kW8) {
-            // rows 2t, 2t + 1, 2t + 8, 2t + 9 of this k16 step (t = lane % 4), the thread's
-            // columns: A fragment i of tile i takes bytes 2i (m row g) and 2i + 1 (m row g + 8)
-            const unsigned char* wb = st + w * Tl::kWSBytes;
-            uint32_t r[4];
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-              const int krow = kk * 16 + 2 * (lane & 3) + (x & 1) + ((x >> 1) << 3);
-              const unsigned char* src = wb + w8_off<BK>(krow, w8c);
-              r[x] = MT == 2 ? *reinterpret_cast<const uint32_t*>(src)
-                             : uint32_t(*reinterpret_cast<const uint16_t*>(src));
-            }
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-              a[w][i][0] = w8_pair<T, TW>(r[0], r[1], 2 * i);
-              a[w][i][1] = w8_pair<T, TW>(r[0], r[1], 2 * i + 1);
-              a[w][i][2] = w8_pair<T, TW>(r[2], r[3], 2 * i);
-              a[w][i][3] = w8_pair<T, TW>(r[2], r[3], 2 * i + 1);
-            }
-          } else {
+          for (int w = 0; w < Tl::kNW; ++w) {
             const uint32_t wbase = smem_u32(st + w * Tl::kWBytes);
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -938,6 +1008,36 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
         with_count<R / 8>(nrt, [&](auto nrt_c) {
           wg::stage<T, Tl, BK, R, decltype(nrt_c)::value>(acc, smem_u32(st), box, lbase);
         });
+    } else if constexpr (Tl::kWgRA) {
+      // wgmma with A from registers (kernels/ragged_dot_w8_wgmma.cuh): step 0 of the block's
+      // first stage converted here, of every later stage by the tail of the one before it
+      // (after that stage's mbarrier wait, while its last MMAs run); the promotion after the
+      // stage's MMAs completed, of the item's row tiles only
+      if (q == 0) w8_frags(wa[0], st, 0);
+      with_count<R / 8>(nrt, [&](auto nrt_c) {
+        using Raw = uint32_t[Tl::kNW][4];
+        wg::ra_stage<T, Tl::kNW, MT, BK, R, decltype(nrt_c)::value>(
+            mac, wa, lbase, tmp_fresh,
+            [&](Raw& raw, int kk) {
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w) w8_load(raw[w], st + w * Tl::kWSBytes, kk);
+            },
+            [&](uint32_t(&as)[Tl::kNW][MT][4], const Raw& raw) {
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w) w8_conv(as[w], raw[w]);
+            },
+            [&](Raw& raw) {
+              if (q + 1 >= q_total) return false;
+              const int s1 = (q + 1) % STAGES;
+              mbar_wait(full0 + 8 * s1, uint32_t(((q + 1) / STAGES) & 1));
+#pragma unroll
+              for (int w = 0; w < Tl::kNW; ++w)
+                w8_load(raw[w], smem + s1 * Tl::kStageBytes + w * Tl::kWSBytes, 0);
+              return true;
+            });
+        if (promote) promote_rows(nrt_c);
+      });
+      tmp_fresh = promote;
     } else if (!kBal || col0 < cur.nw) {
       if constexpr ((OPT & kSpecRows) != 0) {
         with_count<R / 8>(nrt, mma_stage);
@@ -974,8 +1074,10 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       }
     }
 
-    if constexpr (Tl::kW8) {
+    if constexpr (Tl::kW8 && !Tl::kWgRA) {
       // the promotion: acc += sv x tmp per column, tmp zeroed; sv from the stage's scales
+      // (promote_rows above; written out here for the mma.sync kernels, which compile to the
+      // same code as before the wgmma option)
       if (promote) {
         const float* ss = reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes +
                                                          Tl::kLBytes);

@@ -14,7 +14,8 @@
 //   build/rdot_w8            correctness (PASS/FAIL lines, exit 1 on a failure): every scale
 //                            mode x lhs dtype x weight dtype x out dtype x form on small shapes
 //                            with empty / negative groups, one group with all rows, M not a
-//                            multiple of the tile, sizes past M, a decode shape with split-K;
+//                            multiple of the tile, sizes past M, a decode shape with split-K,
+//                            more items than blocks at both row tiles (every row-tile count);
 //                            the refusals of ragged_dot_check
 //   build/rdot_w8 --quick    a few of those cases (for compute-sanitizer)
 //   build/rdot_w8 --time     decode shapes (hidden 7168, F 2048, top-8; 32 / 256 experts x 8 /
@@ -23,6 +24,8 @@
 //                            16-bit kernel and its bound
 //   --hbm GBS                the bound's bandwidth (default: the device's peak, memory clock x
 //                            bus width x 2, printed)
+// A/B of the MMA loops (mma.sync against wgmma with register A, -DNVC_W8_R64_WG=1 / 2 on the
+// four 8-bit units): tests/cuda_harness/run_w8_ab.sh builds and runs all of the above per variant.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -262,6 +265,15 @@ static std::vector<int> random_sizes(int groups, int rows, uint64_t seed) {
   return s;
 }
 
+// Sizes of `groups` groups, each uniform in [lo, hi].
+static std::vector<int> uniform_sizes(int groups, int lo, int hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<int> s(static_cast<size_t>(groups));
+  for (auto& x : s) x = d(rng);
+  return s;
+}
+
 static void refusals() {
   RaggedDotArgs a;
   int dummy[64] = {};
@@ -290,18 +302,24 @@ static void correctness(bool quick) {
     const char* tag;
     int64_t m, k, n;
     std::vector<int> sizes;
+    bool few;  // fewer combinations: scale modes 1 and 2, out in the lhs dtype
   };
   std::vector<Shape> shapes = {
       // empty and negative groups, K and N not multiples of 128 / 64, tail rows
-      {"empty+neg+tail", 37, 400, 272, {10, 0, 20, -3, 5}},
+      {"empty+neg+tail", 37, 400, 272, {10, 0, 20, -3, 5}, false},
       // one group holds every row (R 64 tile)
-      {"one group", 100, 256, 512, {0, 0, 100, 0}},
+      {"one group", 100, 256, 512, {0, 0, 100, 0}, false},
       // M not a multiple of the tile, one group in three row chunks of the R 16 tile
-      {"m%tile", 41, 1024, 384, {0, 0, 37, 0, 3, 0, 0, 0}},
+      {"m%tile", 41, 1024, 384, {0, 0, 37, 0, 3, 0, 0, 0}, false},
       // sizes past M (clipped as lax does)
-      {"past M", 50, 160, 208, {30, 40}},
+      {"past M", 50, 160, 208, {30, 40}, false},
       // decode-like: many groups, few rows, split-K of the last round
-      {"decode split-K", 64, 1024, 512, random_sizes(32, 64, 7)},
+      {"decode split-K", 64, 1024, 512, random_sizes(32, 64, 7), false},
+      // more items than blocks, so that each block runs several items one after the other
+      // (state carried from one item's stages to the next: the wgmma loop's register A), every
+      // row-tile count 1 .. 8 of the R 64 tile, and of the R 16 tile 0 .. 2 with empty groups
+      {"R64 many items", 9600, 256, 128, uniform_sizes(300, 1, 63, 8), true},
+      {"R16 many items", 1800, 384, 128, uniform_sizes(300, 0, 12, 9), true},
   };
   uint64_t seed = 1;
   for (const Shape& sh : shapes) {
@@ -314,6 +332,7 @@ static void correctness(bool quick) {
               if (quick && (seed % 9 != 0)) continue;
               // the large shape: every mode and weight dtype, fewer out / lhs combinations
               if (sh.k >= 1024 && sh.sizes.size() > 8 && !quick && dt == 2 && odt == 0) continue;
+              if (sh.few && (mode == 0 || odt != dt)) continue;
               Case c{sh.m, sh.k, sh.n, sh.sizes, dt, wd, mode, odt, sw == 1};
               run_case(c, seed, sh.tag);
             }

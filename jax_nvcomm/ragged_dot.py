@@ -35,7 +35,7 @@ KERNEL_MAX_ROWS_PER_GROUP = 64
 # ... and on CUDA devices from this many bytes of weights (G x K x N x the weight's itemsize):
 # below it the product is bound by latency, not by reading the weights, and XLA's one small
 # GEMM takes less (measured on one H100, docs/perf/ragged_dot.md "Small products")
-KERNEL_MIN_WEIGHT_BYTES = 16 << 20
+KERNEL_MIN_WEIGHT_BYTES = 8 << 20
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # 8-bit expert weights (module `ragged_dot_w8`): these weight dtypes with 16-bit activations
 W8_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))

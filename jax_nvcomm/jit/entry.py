@@ -22,7 +22,8 @@ from .. import _registry
 from . import pool as _pool, regions as _regions, rewrite as _rewrite
 
 _GEN = _pool._generation  # the pool's generation counter (a one-element list), read per call
-_clean = core.trace_state_clean
+_TC = core.trace_ctx      # JAX's tracing context: .trace is its eval trace (or None) when no
+_EVAL = core.eval_trace   # trace is around the call (a linearize tracer needs the slow path)
 
 
 _MAX_RETRACES = 8  # traces of a call that may each find communicators missing (one per
@@ -342,7 +343,8 @@ class Jitted:
         if p._ref() is not self._fun:
             p.bind(self._fun)
         f = p._jits.get(_GEN[0])
-        if f is not None and _clean():
+        t = _TC.trace
+        if f is not None and (t is _EVAL or t is None):
             try:
                 return f(*args, **kwargs)
             except _NotPrepared as e:  # a new signature whose communicators are missing

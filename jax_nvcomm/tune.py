@@ -420,11 +420,14 @@ def main(argv=None) -> int:
     env.log("\n## tuning rows (bytes per rank; world 1: from which size our kernel beats XLA)")
     env.log(format_summary(rows))
     w1 = [r for r in rows if r["world_size"] == 1]
-    if w1:
+    if w1 and cpu:
+        env.log("\n# world-1 rows (measured on CPU devices: `--adopt` refuses this file for the "
+                "built-in table, which holds GPU rows):")
+    elif w1:
         env.log("\n# world-1 rows (the built-in table takes them with `python -m jax_nvcomm.tune "
                 f"--adopt {out} --worlds 1 --into jax_nvcomm/tuning_builtin.json`):")
-        for r in w1:
-            env.log("#   " + json.dumps({k: v for k, v in r.items() if k != "note"}))
+    for r in w1:
+        env.log("#   " + json.dumps({k: v for k, v in r.items() if k != "note"}))
     plot(env, out, meas)
     env.log(f"# wrote {out} ({time.perf_counter() - t0:.0f} s of measuring)")
     return 0

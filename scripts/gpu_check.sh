@@ -218,7 +218,7 @@ for m in "${MODES[@]}"; do  # before anything runs: real multicast only where a 
   if [ "$m" = multicast_real ] && [ "${JAX_NVCOMM_MULTICAST_REAL_OK:-0}" != 1 ]; then
     echo "multicast_real: refused. It creates NVLink multicast objects and runs multimem" \
       "instructions; set JAX_NVCOMM_MULTICAST_REAL_OK=1 only on a machine with NVLink SHARP" \
-      "whose administrators allow multicast (never on shared or lent machines)." >&2
+      "whose administrators allow multicast (never on machines shared with other users)." >&2
     exit 2
   fi
 done

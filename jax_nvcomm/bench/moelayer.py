@@ -43,7 +43,8 @@ def add_arguments(s):
     s.add_argument("--out", default="bench_out", metavar="DIR",
                    help="directory for moelayer.json (default: bench_out)")
     s.add_argument("--quick", action="store_true",
-                   help="32 experts only, 8 and 128 tokens, fewer repetitions")
+                   help="32 experts only, 8 and 128 tokens, fewer repetitions (the layer "
+                        "rows on CPU devices keep their small shapes)")
     s.add_argument("--hidden", type=int, default=None,
                    help="model hidden size (default 7168 on GPUs, 256 on CPU devices)")
     s.add_argument("--ffn", type=int, default=None,

@@ -56,11 +56,12 @@ def add_layer_arguments(s):
 def layer_shapes(a, gpu):
     """(hidden, ffn, experts list, tokens list, top_k) of the layer rows from the subcommand's
     flags; unset ones: the decode shapes on GPUs (7168, 2048, [32, 256], [8, 32, 128];
-    --quick: [32], [8, 128]), small ones on CPU devices (256, 128, [8], [8])."""
+    --quick: [32], [8, 128]), small ones on CPU devices, --quick or not (256, 128, [8], [8]:
+    a layer of 32 experts x 128 tokens takes seconds a call there)."""
     hidden = a.hidden or (7168 if gpu else 256)
     ffn = a.ffn or (2048 if gpu else 128)
-    experts = a.experts or ([32] if a.quick else [32, 256] if gpu else [8])
-    tokens = a.tokens or ([8, 128] if a.quick else [8, 32, 128] if gpu else [8])
+    experts = a.experts or (([32] if a.quick else [32, 256]) if gpu else [8])
+    tokens = a.tokens or (([8, 128] if a.quick else [8, 32, 128]) if gpu else [8])
     return hidden, ffn, experts, tokens, a.top_k
 
 

@@ -1445,8 +1445,9 @@ def arg_parser(prog=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="MoE decoder stack with jax_nvcomm vs XLA's collectives "
         "(low-latency TP layout, high-throughput DP-attention + EP layout, and opt-in "
-        "dp-attn-tp-moe DP-attention + TP-MoE layout with unbalanced tokens per rank; decode "
-        "and prefill). Sizes default to a small model on CPU and a Qwen3-MoE-like one on GPU.")
+        "dp-attn-tp-moe DP-attention + TP-MoE layout with unbalanced tokens per rank and "
+        "ep-ragged DP-attention + dropless EP-MoE on ragged_all_to_all; decode and prefill). "
+        "Sizes default to a small model on CPU and a Qwen3-MoE-like one on GPU.")
     g = p.add_argument_group("model (defaults: CPU {} / GPU {})".format(
         " ".join(f"{k}={v}" for k, v in CPU_DEFAULTS.items() if k not in _NOT_SHOWN),
         " ".join(f"{k}={v}" for k, v in GPU_DEFAULTS.items() if k not in _NOT_SHOWN)))

@@ -40,7 +40,7 @@
 //   build/ar_mcemu --multicast --tiny     a few shapes at W = 2, 4 (for compute-sanitizer)
 // --multicast is refused by a build without -DNVC_MULTICAST_EMULATE.
 // Real multicast, ONLY where NVLink SHARP may be used (scripts/gpu_check.sh multicast_real; never
-// on shared or lent machines): a build with -DNVC_MULTICAST_REAL, linked with
+// on machines shared with other users): a build with -DNVC_MULTICAST_REAL, linked with
 // csrc/transport/cuda_multicast.cu and cuda_vmm.cu, run as `--gpus N --multicast-real [--error]`
 // with JAX_NVCOMM_MULTICAST=1 (the transport's interlock) and JAX_NVCOMM_MULTICAST_REAL_OK=1
 // (this harness refuses otherwise): one rank per GPU, one multicast object over the buffers.

@@ -1,6 +1,6 @@
 // NVLink SHARP (multicast) variants of the one-shot and two-shot all-reduce (sm_90+).
 //
-// NEVER RUN ON THE LENT TEST MACHINES: a program that uses multicast can take a shared host's
+// NEVER RUN ON MACHINES SHARED WITH OTHER USERS: a program that uses multicast can take a host's
 // GPUs out of service. These kernels are compiled, and selected by the host API only when the
 // caller passes a multicast base pointer (nullptr = unicast); nothing in this project creates a
 // multicast object by default (see DESIGN.md for the conditions).

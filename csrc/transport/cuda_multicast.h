@@ -3,7 +3,7 @@
 // mapped address is the `multicast_base` the all-reduce kernels take (allreduce_multicast.cuh):
 // mc + (p - bufs[rank]) reaches offset p - bufs[rank] of every rank's buffer at once.
 //
-// NEVER ON THE LENT TEST MACHINES: multicast is switched off there, and creating a multicast
+// NEVER ON MACHINES SHARED WITH OTHER USERS: multicast is switched off there, and creating a multicast
 // object or running multimem instructions can take a shared host's GPUs out of service.
 // Interlock: every function of this transport that creates, imports, exports, joins, binds or
 // maps a multicast object (or queries its granularity) first re-reads the environment and throws

@@ -123,6 +123,13 @@
 #                                      + high-throughput rows, then 2 processes sharing GPU 0
 #   bash scripts/gpu_check.sh jitprof  nvc.jit vs hand-written at world 1 (40 rounds, profiler traces
 #                                      of each program), then 4 processes sharing the GPU
+#   bash scripts/gpu_check.sh styles   nvc.jit on the public-style models (tests/public_styles/): world 1
+#                                      against float64 and jax.jit with loop times (--time), then 2
+#                                      and 4 processes sharing GPU 0 (~4 min + build)
+#   bash scripts/gpu_check.sh w8ab     the 8-bit-weight kernel's MMA loops A/B on GPU 0 (mma.sync
+#                                      against wgmma with A in registers: tests/cuda_harness/
+#                                      run_w8_ab.sh, no package build), then the FP8 layer rows of
+#                                      bench moelayer at 32 and 256 experts (~6 min + build)
 #   bash scripts/gpu_check.sh jit      nvc.jit on unchanged model code (tests/tp_decoder.py, the MoE
 #                                      layer on lax's collectives): world 1 (vs jax.jit, hand calls,
 #                                      dense), then 2 processes sharing GPU 0; our calls in the
@@ -828,6 +835,22 @@ docs)  # the user's first contact, on this machine's GPUs (tests/test_guide.py e
   grep -E "$shown" \
     "$OUT/all.log" | tail -40 | tee -a "$OUT/summary.txt"
   ;;
+styles)  # the public-style models under nvc.jit: world 1 (float64, jax.jit, loop times), then
+  # 2 and 4 processes sharing GPU 0 (a model that keeps an XLA collective prints SKIP there)
+  step styles_w1 200 $PY tests/mp/public_styles_mp.py --time
+  step styles_sh2 150 $L -n 2 --share-gpu --timeout 145 tests/mp/public_styles_mp.py
+  step styles_sh4 180 $L -n 4 --share-gpu --timeout 175 tests/mp/public_styles_mp.py
+  grep -E "^(\[rank 0\] )?public_styles|ratio " "$OUT/all.log" | cut -c1-200 | tail -60 | \
+    tee -a "$OUT/summary.txt"
+  ;;
+w8ab)  # the 8-bit kernel's MMA loop variants (harness cases, --time, memcheck; table last), then
+  # the FP8 (block-scaled) layer rows at 32 and 256 experts
+  step w8ab 420 bash tests/cuda_harness/run_w8_ab.sh "$OUT/w8ab"
+  grep -A 40 "^total " "$OUT/all.log" | tail -42 | tee -a "$OUT/summary.txt"
+  step w8fp8 200 $PY -m jax_nvcomm.bench moelayer --weights fp8 --experts 32 256 --tokens 8 32 128 \
+    --ops block --layer-methods layer xla --out "$OUT/w8fp8"
+  grep -A 10 "^experts  tokens" "$OUT/all.log" | tail -10 | tee -a "$OUT/summary.txt"
+  ;;
 jit)  # nvc.jit on the decoder and the MoE layer of tests/ (tests/mp/jit_check.py): world 1, then
   # 2 processes sharing GPU 0 (our kernels only: NCCL refuses shared GPUs, so no jax.jit row)
   step jit_w1 150 $PY tests/mp/jit_check.py
@@ -1030,7 +1053,7 @@ moebound)  # bounded MoE slots through the package (tests/mp/moe_bounded_mp.py: 
       [ -f "$f" ] && grep -hE "64 x max_message_bytes|graph check|PASS ragged|Error|FAIL" "$f" | grep -v "^\[rank [1-9]" | tail -4
     done; } 2>&1 | tee -a "$OUT/summary.txt"
   ;;
-*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|moeboundk|moebound|moefast]..." >&2; exit 2 ;;
+*) echo "usage: $0 [quick|shared|harness|share|faults|demo1|vmm|bench1|topology|multi|multitest|multibench|pytest|order|step|stepD|stepAD|stepE|stepI|kernlat|onegpulat|clusterab|probes|diag|newbench|stepmp|stepslice|stepfull|ragged|raggedmem|raggedk|parity|paritymp|tune1|tuneN|moeragged|benchragged|stepragged|docs|twogpu1|twogpu2|twogpu3|mend|opforms1|rdot|rdotsweep|rdotlayer|rdotpy|rdotfinal|rdotb32|rdotb256|opforms|wheel|moelayer|moelayerbench|moelayerk|raggedbig|raggedbig2|mcemu|multicast_real|jit|jitprof|styles|w8ab|moeboundk|moebound|moefast]..." >&2; exit 2 ;;
 esac
 }
 for m in "${MODES[@]}"; do run_part "$m"; done

@@ -937,15 +937,11 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
       const int kstep = cc.kb + cc.step - 1;  // this stage's K step
       promote = last_step || (p.scale_mode == 2 && ((kstep + 1) * BK) % 128 == 0);
     }
-    // kWgmmaRA, the promotion: acc += sv x tmp per column for the first `nrt_c` row tiles (the
-    // item's), sv from the stage's scales; tmp is not zeroed (the next stage's first MMAs write
-    // it with scale-d 0); the other row tiles' tmp is stale, their acc never promoted nor stored
-    auto promote_rows = [&](auto nrt_c) {
-      constexpr int NRT = decltype(nrt_c)::value;
+    // the scales sv of this stage's promotion, from its shared memory (both promotions below)
+    auto stage_scales = [&](float (&sv)[Tl::kNW][MT][2]) {
       const float* ss =
           reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes + Tl::kLBytes);
       const int mode = p.scale_mode;
-      float sv[Tl::kNW][MT][2];
 #pragma unroll
       for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
@@ -955,6 +951,14 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
             sv[w][i][h] = mode == 0   ? 1.f
                           : mode == 2 ? ss[w * (BN / 128) + (w8c >> 7)]
                                       : ss[w * BN + mcol(i, h)];
+    };
+    // kWgmmaRA, the promotion: acc += sv x tmp per column for the first `nrt_c` row tiles (the
+    // item's), sv from the stage's scales; tmp is not zeroed (the next stage's first MMAs write
+    // it with scale-d 0); the other row tiles' tmp is stale, their acc never promoted nor stored
+    auto promote_rows = [&](auto nrt_c) {
+      constexpr int NRT = decltype(nrt_c)::value;
+      float sv[Tl::kNW][MT][2];
+      stage_scales(sv);
 #pragma unroll
       for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll
@@ -1075,23 +1079,11 @@ __global__ void __launch_bounds__(BN / (16 * MT) * 32, 1)  // Tile::kThreads
     }
 
     if constexpr (Tl::kW8 && !Tl::kWgRA) {
-      // the promotion: acc += sv x tmp per column, tmp zeroed; sv from the stage's scales
-      // (promote_rows above; written out here for the mma.sync kernels, which compile to the
-      // same code as before the wgmma option)
+      // the promotion: acc += sv x tmp per column, tmp zeroed (every row tile: promote_rows
+      // above is the wgmma loop's)
       if (promote) {
-        const float* ss = reinterpret_cast<const float*>(st + Tl::kNW * Tl::kWSBytes +
-                                                         Tl::kLBytes);
-        const int mode = p.scale_mode;
         float sv[Tl::kNW][MT][2];
-#pragma unroll
-        for (int w = 0; w < Tl::kNW; ++w)
-#pragma unroll
-          for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              sv[w][i][h] = mode == 0   ? 1.f
-                            : mode == 2 ? ss[w * (BN / 128) + (w8c >> 7)]
-                                        : ss[w * BN + mcol(i, h)];
+        stage_scales(sv);
 #pragma unroll
         for (int w = 0; w < Tl::kNW; ++w)
 #pragma unroll

@@ -87,22 +87,24 @@ __device__ __forceinline__ void wait() {
 template <class T, int N>
 struct MmaRA;
 
-#define NVC_WGRA_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define NVC_WGRA_ONE(N, TY, REGS, A0, IB, IS, ...)                                         \
+#define NVC_WGRA_ONE(N, TY, REGS, A0, A1, A2, A3, IB, IS, ...)                             \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" IS ", 0;\n"                           \
                " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "},"  \
-               " {%" A0 "}, %" IB ", p, 1, 1, 0;\n}\n"                                      \
+               " {%" A0 ", %" A1 ", %" A2 ", %" A3 "}, %" IB ", p, 1, 1, 0;\n}\n"              \
                : __VA_ARGS__                                                               \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc)               \
                : "memory")
-#define NVC_WGRA_DEF(N, REGS, A0, IB, IS, ...)                                               \
+// the shapes of kernels/ragged_dot_wgmma.cuh (NVC_WG_SHAPES): a0 .. a3 the four operands
+// after the accumulators, then b, then scale-d (acc: a predicate set from a register, as that
+// file's form does)
+#define NVC_WGRA_DEF(N, REGS, O0, O1, O2, O3, O4, O5, ...)                                   \
   template <>                                                                                \
   struct MmaRA<__nv_bfloat16, N> {                                                           \
     template <int J>                                                                         \
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
                                                uint64_t b, int acc) {                        \
       static_assert(J * 8 >= N, "accumulators");                                             \
-      NVC_WGRA_ONE(N, "bf16", REGS, A0, IB, IS, __VA_ARGS__);                                 \
+      NVC_WGRA_ONE(N, "bf16", REGS, O0, O1, O2, O3, O4, O5, __VA_ARGS__);                     \
     }                                                                                        \
   };                                                                                         \
   template <>                                                                                \
@@ -111,55 +113,13 @@ struct MmaRA;
     static __device__ __forceinline__ void run(float (&d)[J][4], const uint32_t (&a)[4],     \
                                                uint64_t b, int acc) {                        \
       static_assert(J * 8 >= N, "accumulators");                                             \
-      NVC_WGRA_ONE(N, "f16", REGS, A0, IB, IS, __VA_ARGS__);                                  \
+      NVC_WGRA_ONE(N, "f16", REGS, O0, O1, O2, O3, O4, O5, __VA_ARGS__);                      \
     }                                                                                        \
   };
 
-// A0: the operand numbers of a0 .. a3 (after the N / 2 accumulators), IB: b's, IS: scale-d's
-// (acc: a predicate set from a register, as kernels/ragged_dot_wgmma.cuh does)
-NVC_WGRA_DEF(8, "%0, %1, %2, %3",
-             "4, %5, %6, %7", "8", "9",
-             NVC_WGRA_D4(0))
-NVC_WGRA_DEF(16, "%0, %1, %2, %3, %4, %5, %6, %7",
-             "8, %9, %10, %11", "12", "13",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1))
-NVC_WGRA_DEF(24, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11",
-             "12, %13, %14, %15", "16", "17",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2))
-NVC_WGRA_DEF(32, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11, %12, %13, %14, %15",
-             "16, %17, %18, %19", "20", "21",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3))
-NVC_WGRA_DEF(40, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11, %12, %13, %14, %15, "
-             "%16, %17, %18, %19",
-             "20, %21, %22, %23", "24", "25",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
-             NVC_WGRA_D4(4))
-NVC_WGRA_DEF(48, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11, %12, %13, %14, %15, "
-             "%16, %17, %18, %19, %20, %21, %22, %23",
-             "24, %25, %26, %27", "28", "29",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
-             NVC_WGRA_D4(4), NVC_WGRA_D4(5))
-NVC_WGRA_DEF(56, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11, %12, %13, %14, %15, "
-             "%16, %17, %18, %19, %20, %21, %22, %23, "
-             "%24, %25, %26, %27",
-             "28, %29, %30, %31", "32", "33",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
-             NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6))
-NVC_WGRA_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
-             "%8, %9, %10, %11, %12, %13, %14, %15, "
-             "%16, %17, %18, %19, %20, %21, %22, %23, "
-             "%24, %25, %26, %27, %28, %29, %30, %31",
-             "32, %33, %34, %35", "36", "37",
-             NVC_WGRA_D4(0), NVC_WGRA_D4(1), NVC_WGRA_D4(2), NVC_WGRA_D4(3),
-             NVC_WGRA_D4(4), NVC_WGRA_D4(5), NVC_WGRA_D4(6), NVC_WGRA_D4(7))
+NVC_WG_SHAPES(NVC_WGRA_DEF)
 #undef NVC_WGRA_DEF
 #undef NVC_WGRA_ONE
-#undef NVC_WGRA_D4
 
 // One stage of one warp's share of its warpgroup's MMAs (steps 1-4 of "Ordering" above):
 // S = BK / 16 k16 steps, NW weights x MT m16 tiles an instruction set, N = 8 x NRT rows.

@@ -106,7 +106,53 @@ __device__ __forceinline__ void pin(float (&d)[J][4]) {
 template <class T, int N>
 struct Mma64;
 
+// The m64nNk16 shapes of both wgmma forms (this file's, A from shared memory; the 8-bit
+// kernel's, A from registers: ragged_dot_w8_wgmma.cuh): X(N, the N / 2 accumulator operands,
+// the six operand numbers after them (A's first, then what each form needs: B, scale-d), the
+// accumulators' constraints).
 #define NVC_WG_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define NVC_WG_SHAPES(X)                                    \
+  X(8, "%0, %1, %2, %3",                                    \
+    "4", "5", "6", "7", "8", "9",                           \
+    NVC_WG_D4(0))                                           \
+  X(16, "%0, %1, %2, %3, %4, %5, %6, %7",                   \
+    "8", "9", "10", "11", "12", "13",                       \
+    NVC_WG_D4(0), NVC_WG_D4(1))                             \
+  X(24, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11",                                     \
+    "12", "13", "14", "15", "16", "17",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2))               \
+  X(32, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11, %12, %13, %14, %15",                 \
+    "16", "17", "18", "19", "20", "21",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3)) \
+  X(40, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11, %12, %13, %14, %15, "                \
+    "%16, %17, %18, %19",                                   \
+    "20", "21", "22", "23", "24", "25",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3), \
+    NVC_WG_D4(4))                                           \
+  X(48, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11, %12, %13, %14, %15, "                \
+    "%16, %17, %18, %19, %20, %21, %22, %23",               \
+    "24", "25", "26", "27", "28", "29",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3), \
+    NVC_WG_D4(4), NVC_WG_D4(5))                             \
+  X(56, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11, %12, %13, %14, %15, "                \
+    "%16, %17, %18, %19, %20, %21, %22, %23, "              \
+    "%24, %25, %26, %27",                                   \
+    "28", "29", "30", "31", "32", "33",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3), \
+    NVC_WG_D4(4), NVC_WG_D4(5), NVC_WG_D4(6))               \
+  X(64, "%0, %1, %2, %3, %4, %5, %6, %7, "                  \
+    "%8, %9, %10, %11, %12, %13, %14, %15, "                \
+    "%16, %17, %18, %19, %20, %21, %22, %23, "              \
+    "%24, %25, %26, %27, %28, %29, %30, %31",               \
+    "32", "33", "34", "35", "36", "37",                     \
+    NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3), \
+    NVC_WG_D4(4), NVC_WG_D4(5), NVC_WG_D4(6), NVC_WG_D4(7))
+
 #define NVC_WG_ONE(N, TY, REGS, IA, IB, IS, ...)                                          \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" IS ", 0;\n"                       \
                " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}," \
@@ -114,13 +160,13 @@ struct Mma64;
                : __VA_ARGS__                                                              \
                : "l"(a), "l"(b), "r"(1)                                                   \
                : "memory")
-#define NVC_WG_DEF(N, REGS, IA, IB, IS, ...)                                               \
+#define NVC_WG_DEF(N, REGS, O0, O1, O2, O3, O4, O5, ...)                                   \
   template <>                                                                              \
   struct Mma64<__nv_bfloat16, N> {                                                         \
     template <int J>                                                                       \
     static __device__ __forceinline__ void run(float (&d)[J][4], uint64_t a, uint64_t b) { \
       static_assert(J * 8 >= N, "accumulators");                                           \
-      NVC_WG_ONE(N, "bf16", REGS, IA, IB, IS, __VA_ARGS__);                                 \
+      NVC_WG_ONE(N, "bf16", REGS, O0, O1, O2, __VA_ARGS__);                                 \
     }                                                                                      \
   };                                                                                       \
   template <>                                                                              \
@@ -128,53 +174,13 @@ struct Mma64;
     template <int J>                                                                       \
     static __device__ __forceinline__ void run(float (&d)[J][4], uint64_t a, uint64_t b) { \
       static_assert(J * 8 >= N, "accumulators");                                           \
-      NVC_WG_ONE(N, "f16", REGS, IA, IB, IS, __VA_ARGS__);                                  \
+      NVC_WG_ONE(N, "f16", REGS, O0, O1, O2, __VA_ARGS__);                                  \
     }                                                                                      \
   };
 
-NVC_WG_DEF(8, "%0, %1, %2, %3",
-           "4", "5", "6",
-           NVC_WG_D4(0))
-NVC_WG_DEF(16, "%0, %1, %2, %3, %4, %5, %6, %7",
-           "8", "9", "10",
-           NVC_WG_D4(0), NVC_WG_D4(1))
-NVC_WG_DEF(24, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11",
-           "12", "13", "14",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2))
-NVC_WG_DEF(32, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11, %12, %13, %14, %15",
-           "16", "17", "18",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3))
-NVC_WG_DEF(40, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11, %12, %13, %14, %15, "
-           "%16, %17, %18, %19",
-           "20", "21", "22",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3),
-           NVC_WG_D4(4))
-NVC_WG_DEF(48, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11, %12, %13, %14, %15, "
-           "%16, %17, %18, %19, %20, %21, %22, %23",
-           "24", "25", "26",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3),
-           NVC_WG_D4(4), NVC_WG_D4(5))
-NVC_WG_DEF(56, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11, %12, %13, %14, %15, "
-           "%16, %17, %18, %19, %20, %21, %22, %23, "
-           "%24, %25, %26, %27",
-           "28", "29", "30",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3),
-           NVC_WG_D4(4), NVC_WG_D4(5), NVC_WG_D4(6))
-NVC_WG_DEF(64, "%0, %1, %2, %3, %4, %5, %6, %7, "
-           "%8, %9, %10, %11, %12, %13, %14, %15, "
-           "%16, %17, %18, %19, %20, %21, %22, %23, "
-           "%24, %25, %26, %27, %28, %29, %30, %31",
-           "32", "33", "34",
-           NVC_WG_D4(0), NVC_WG_D4(1), NVC_WG_D4(2), NVC_WG_D4(3),
-           NVC_WG_D4(4), NVC_WG_D4(5), NVC_WG_D4(6), NVC_WG_D4(7))
+NVC_WG_SHAPES(NVC_WG_DEF)
 #undef NVC_WG_DEF
 #undef NVC_WG_ONE
-#undef NVC_WG_D4
 
 // One stage of one warpgroup: BK / 16 k16 steps over the Tl::kNW weights, N = 8 x NRT rows.
 // wbase: the stage's first weight tile (each Tl::kWBytes, [BN / 64 boxes][BK][128 B]); box:
